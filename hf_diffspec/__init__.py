@@ -1,0 +1,40 @@
+"""hf-diffspec: lossless speculative decoding for Hugging Face transformers with block-diffusion drafters.
+
+    import hf_diffspec
+    target, tok = hf_diffspec.load_target("smollm2-135m-instruct")
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=16)
+    out = target.generate(**tok(prompt, return_tensors="pt"), assistant_model=drafter, max_new_tokens=128)
+
+Importing the package registers the drafter with the Auto classes and routes `generate(assistant_model=drafter)` to
+the speculative loop (see `hf_diffspec.generation`).
+"""
+
+from .modeling import DiffusionDrafter, DiffusionDrafterConfig
+from .tree import CandidateTree
+from .candidate_generator import DiffusionCandidateGenerator
+from .decoding import SpeculationStats, SpeculativeDecoderOnlyOutput, speculative_generate
+from . import generation  # noqa: F401  (installs the generate dispatcher)
+from .generation import assisted_generate_with_stock_loop
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # assets pulls in pip/zip/hub helpers that decoding does not need: import on first use
+    if name == "load_target":
+        from .assets import load_target
+
+        return load_target
+    raise AttributeError(f"module 'hf_diffspec' has no attribute {name!r}")
+
+__all__ = [
+    "CandidateTree",
+    "DiffusionCandidateGenerator",
+    "DiffusionDrafter",
+    "DiffusionDrafterConfig",
+    "SpeculationStats",
+    "SpeculativeDecoderOnlyOutput",
+    "assisted_generate_with_stock_loop",
+    "load_target",
+    "speculative_generate",
+]

@@ -1,0 +1,82 @@
+"""Shared test helpers: tiny random targets and a noisy-oracle drafting policy.
+
+The oracle stands in for a well-trained drafter so that tests exercise acceptance (long accepted paths, branches,
+bonus tokens): it proposes the target's own greedy continuation, corrupted at random, optionally with wrong sibling
+branches. The loop must be lossless for ANY proposals, so this is a fair test of verification, not of drafting.
+"""
+
+import random
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import hf_diffspec
+from hf_diffspec.candidate_generator import DiffusionCandidateGenerator
+from hf_diffspec.tree import CandidateTree
+
+
+def tiny_target(kind: str = "llama", seed: int = 0, vocab_size: int = 128, attn: str = "sdpa", layers: int = 4):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    else:
+        raise ValueError(kind)
+    model.set_attn_implementation(attn)
+    # generate() must not stop at the random model's EOS unless a test asks for it
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
+def tiny_drafter(target, block_size: int = 4, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size, **kw)
+
+
+class NoisyOracle:
+    """A `propose` replacement: the reference continuation with each token corrupted with probability `noise`,
+    plus, when `branches` > 0, up to that many wrong siblings per depth (a real tree)."""
+
+    def __init__(self, reference: torch.Tensor, vocab_size: int, noise: float = 0.3, branches: int = 0, seed: int = 0):
+        self.reference = reference[0].tolist()
+        self.vocab_size = vocab_size
+        self.noise = noise
+        self.branches = branches
+        self.rng = random.Random(seed)
+        self.trees: list[CandidateTree] = []
+
+    def __call__(self, generator: DiffusionCandidateGenerator, root_token: int, root_position: int, max_depth: int):
+        max_depth = min(max_depth, generator.block_size - 1)
+        truth = self.reference[root_position + 1 : root_position + 1 + max_depth]
+        tokens, parents = [root_token], [-1]
+        parent = 0
+        for tok in truth:
+            if self.rng.random() < self.noise:
+                tok = self.rng.randrange(self.vocab_size)
+            siblings = {tok}
+            for _ in range(self.branches):
+                wrong = self.rng.randrange(self.vocab_size)
+                if wrong not in siblings:
+                    siblings.add(wrong)
+                    tokens.append(wrong)
+                    parents.append(parent)
+            tokens.append(tok)
+            parents.append(parent)
+            parent = len(tokens) - 1
+        tree = CandidateTree(torch.tensor(tokens), parents)
+        self.trees.append(tree)
+        return tree
+
+
+def install_oracle(monkeypatch, oracle: NoisyOracle):
+    monkeypatch.setattr(
+        DiffusionCandidateGenerator, "propose",
+        lambda self, root_token, root_position, max_depth: oracle(self, root_token, root_position, max_depth),
+    )

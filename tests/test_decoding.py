@@ -1,0 +1,216 @@
+"""Lossless speculative decoding through `target.generate(assistant_model=drafter)` on tiny random models (fp32)."""
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_diffspec
+from helpers import NoisyOracle, install_oracle, tiny_drafter, tiny_target
+
+
+def prompt(seed: int, length: int = 12, vocab: int = 128) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (1, length), generator=g)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_identical_with_random_drafter(kind, block_size, seed):
+    target = tiny_target(kind, seed=seed)
+    drafter = tiny_drafter(target, block_size=block_size, seed=seed)
+    ids = prompt(seed)
+    ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, ref)
+    stats = drafter.last_generation_stats
+    assert stats.new_tokens == 24
+    assert sum(stats.committed_per_step) + 1 == stats.new_tokens  # +1: the token emitted by the prefill
+
+
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"), ("qwen3", "eager")])
+@pytest.mark.parametrize("branches", [0, 2])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_identical_with_oracle_chains_and_trees(monkeypatch, kind, attn, branches, seed):
+    target = tiny_target(kind, seed=seed, attn=attn)
+    drafter = tiny_drafter(target, block_size=8)
+    ids = prompt(seed + 10)
+    kwargs = dict(max_new_tokens=40, do_sample=False, repetition_penalty=1.3 if seed % 2 else 1.0)
+    ref = target.generate(ids, **kwargs)
+    oracle = NoisyOracle(ref, vocab_size=128, noise=0.15, branches=branches, seed=seed)
+    install_oracle(monkeypatch, oracle)
+    out = target.generate(ids, assistant_model=drafter, **kwargs)
+    assert torch.equal(out, ref)
+    stats = drafter.last_generation_stats
+    assert stats.tau > 1.5, "the oracle's drafts should mostly be accepted"
+    assert stats.target_forwards < 40
+    if branches:
+        assert any(not t.is_chain for t in oracle.trees)
+
+
+def test_eos_inside_an_accepted_block_stops_exactly(monkeypatch):
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=8)
+    ids = prompt(3)
+    free = target.generate(ids, max_new_tokens=30, do_sample=False)
+    eos = int(free[0, ids.shape[1] + 9])  # a token the target emits mid-way
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    assert ref.shape[1] < free.shape[1]
+    install_oracle(monkeypatch, NoisyOracle(free, vocab_size=128, noise=0.0))
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                          pad_token_id=eos)
+    assert torch.equal(out, ref)
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_custom_stopping_criteria_streamer_and_scores_match_plain_generate(monkeypatch):
+    target = tiny_target("qwen3", seed=5)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = prompt(5)
+    free = target.generate(ids, max_new_tokens=30, do_sample=False)
+    stop = StoppingCriteriaList([StopAfterToken(int(free[0, ids.shape[1] + 12]))])
+    kwargs = dict(max_new_tokens=30, do_sample=False, stopping_criteria=stop, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True, no_repeat_ngram_size=3)
+    ref_streamer, streamer = Recorder(), Recorder()
+    ref = target.generate(ids, streamer=ref_streamer, **kwargs)
+    install_oracle(monkeypatch, NoisyOracle(free, vocab_size=128, noise=0.1))
+    out = target.generate(ids, assistant_model=drafter, streamer=streamer, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores) == len(out.logits)
+    for a, b in zip(out.scores, ref.scores):
+        assert torch.allclose(a, b, atol=1e-4)
+    for a, b in zip(out.logits, ref.logits):
+        assert torch.allclose(a, b, atol=1e-4)
+    assert streamer.chunks == ref_streamer.chunks and streamer.ended
+    assert isinstance(out, hf_diffspec.SpeculativeDecoderOnlyOutput)
+    assert out.speculation_stats.new_tokens == out.sequences.shape[1] - ids.shape[1]
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
+def test_tiny_budgets_are_never_exceeded(monkeypatch, max_new_tokens):
+    target = tiny_target("llama", seed=7)
+    drafter = tiny_drafter(target, block_size=16)
+    ids = prompt(7)
+    ref = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(target.generate(ids, max_new_tokens=20), vocab_size=128, noise=0.0))
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_left_padded_prompt_matches_plain_generate():
+    target = tiny_target("llama", seed=8)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = torch.cat([torch.ones(1, 3, dtype=torch.long), prompt(8)], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], dim=1)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_stock_assisted_decoding_runs_our_candidate_generator():
+    target = tiny_target("llama", seed=9)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = prompt(9)
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out = hf_diffspec.assisted_generate_with_stock_loop(target, drafter, inputs=ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    assert not hasattr(target.__dict__, "_get_candidate_generator")
+
+
+def test_other_assistants_keep_transformers_behaviour(monkeypatch):
+    target = tiny_target("llama", seed=10)
+    assistant = tiny_target("llama", seed=11, layers=1)
+    ids = prompt(10)
+
+    def fail(*a, **k):
+        raise AssertionError("hf_diffspec's loop must not run for a plain assistant model")
+
+    monkeypatch.setattr(hf_diffspec.generation, "speculative_generate", fail)
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+    out = target.generate(ids, assistant_model=assistant, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_sampling_is_exactly_the_targets_distribution(monkeypatch):
+    """Same seed -> same samples as plain sampling (the loop consumes randomness like `_sample`), and the marginal
+    of a later token matches plain sampling across many seeds."""
+    vocab = 16
+    target = tiny_target("llama", seed=12, vocab_size=vocab)
+    with torch.no_grad():  # sharpen the random model a bit so that drafts are sometimes accepted
+        target.lm_head.weight.mul_(8)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = prompt(12, vocab=vocab)
+    greedy = target.generate(ids, max_new_tokens=8, do_sample=False)
+    oracle = NoisyOracle(greedy, vocab_size=vocab, noise=0.0)
+    install_oracle(monkeypatch, oracle)
+    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.9, top_k=0)
+    n, same = 400, 0
+    plain_counts, spec_counts = torch.zeros(vocab), torch.zeros(vocab)
+    accepted = 0
+    for seed in range(n):
+        torch.manual_seed(seed)
+        ref = target.generate(ids, **kwargs)
+        torch.manual_seed(seed)
+        out = target.generate(ids, assistant_model=drafter, **kwargs)
+        same += torch.equal(ref, out)
+        accepted += sum(c - 1 for c in drafter.last_generation_stats.committed_per_step)
+        torch.manual_seed(10_000 + seed)  # independent draws for the distribution comparison
+        plain_counts[target.generate(ids, **kwargs)[0, -1]] += 1
+        spec_counts[out[0, -1]] += 1
+    assert accepted > 50, "the check is only meaningful if drafts get accepted"
+    assert same >= 0.97 * n
+    # two-sample chi-square on the last token's marginal (df <= 15); 40 is far beyond the 0.999 quantile (~37.7)
+    total = plain_counts + spec_counts
+    keep = total > 0
+    expected = total[keep] / 2
+    chi2 = (((plain_counts[keep] - expected) ** 2 + (spec_counts[keep] - expected) ** 2) / expected).sum()
+    assert chi2 < 40, f"chi2={chi2:.1f}"
+
+
+def test_batches_are_rejected_with_a_clear_error():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(torch.cat([prompt(0), prompt(1)]), assistant_model=drafter, max_new_tokens=4)
+
+
+def test_beam_search_is_rejected():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="beam search"):
+        target.generate(prompt(0), assistant_model=drafter, max_new_tokens=4, num_beams=2)
+
+
+def test_prompt_at_the_context_limit_is_rejected():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(2, 128, (1, target.config.max_position_embeddings))
+    with pytest.raises(ValueError, match="context"):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_drafter_for_another_target_is_rejected():
+    target = tiny_target("llama")
+    other = tiny_target("llama", vocab_size=96)
+    drafter = tiny_drafter(other)
+    with pytest.raises(ValueError, match="different target"):
+        target.generate(prompt(0), assistant_model=drafter, max_new_tokens=4)

@@ -1,0 +1,1 @@
+"""Drafter training (installed as `hf_diffspec.trainers`)."""
