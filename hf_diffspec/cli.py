@@ -1,0 +1,130 @@
+"""Command line: `hf-diffspec demo | bench`."""
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+# Shipped drafters live in the repository's checkpoints/ folder (found through an editable install or a checkout).
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+SHIPPED_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-dflash"}
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+log = logging.getLogger("hf_diffspec")
+
+
+def load_drafter(spec: str | None, target, target_name: str, block_size: int = 16, seed: int = 0):
+    """`random` -> a fresh drafter; a path -> that checkpoint; None -> the shipped drafter for `target_name`."""
+    from . import DiffusionDrafter
+
+    if spec == "random":
+        torch.manual_seed(seed)
+        return DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size)
+    if spec is None:
+        shipped = SHIPPED_DRAFTERS.get(target_name)
+        if shipped is None or not (shipped / "config.json").exists():
+            raise SystemExit(
+                f"no shipped drafter for target {target_name!r}; pass --drafter PATH (a trained drafter) or "
+                "--drafter random (untrained, tau ~ 1)"
+            )
+        spec = str(shipped)
+    if not Path(spec).is_dir():
+        raise SystemExit(f"--drafter {spec!r} is neither 'random' nor a drafter checkpoint directory")
+    return DiffusionDrafter.from_pretrained(spec, target=target)
+
+
+def cmd_demo(args) -> None:
+    from . import load_target
+
+    target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
+    drafter = load_drafter(args.drafter, target, args.target)
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                   add_generation_prompt=True)
+    inputs = tok(text, return_tensors="pt", add_special_tokens=False)
+    n = inputs["input_ids"].shape[1]
+    target.generate(**inputs, max_new_tokens=4)  # warm-up
+    start = time.perf_counter()
+    plain = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+    t_plain = time.perf_counter() - start
+    start = time.perf_counter()
+    fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.max_new_tokens, do_sample=False)
+    t_fast = time.perf_counter() - start
+    stats = drafter.last_generation_stats
+    print(f"prompt: {args.prompt}\n")
+    print(tok.decode(fast[0, n:], skip_special_tokens=True).strip(), "\n")
+    rate_plain, rate_fast = (plain.shape[1] - n) / t_plain, (fast.shape[1] - n) / t_fast
+    print(f"plain generate:        {plain.shape[1] - n} tokens, {rate_plain:.1f} tokens/s")
+    print(f"speculative (drafter): {fast.shape[1] - n} tokens, {rate_fast:.1f} tokens/s, "
+          f"tau {stats.tau:.2f} tokens per target forward, {rate_fast / rate_plain:.2f}x")
+    print(f"identical to plain generate: {torch.equal(plain, fast)}"
+          + ("" if args.dtype.startswith("fp") else " (bf16 may flip near-ties; use --dtype fp32 for the exact check)"))
+
+
+def cmd_bench(args) -> None:
+    from . import load_target
+    from .assets import load_prompts, load_prompts_file
+    from .bench import markdown_table, plot, run_benchmark, summarize, write_json
+
+    torch.manual_seed(args.seed)
+    target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    drafter = load_drafter(args.drafter, target, args.target) if any(m != "ar" for m in methods) else None
+    if args.prompts_file:
+        prompts = load_prompts_file(args.prompts_file, tokenizer=tok)
+    else:
+        domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+        prompts = load_prompts(domains, n_per_domain=args.prompts, tokenizer=tok)
+    results = run_benchmark(target, tok, drafter, prompts, methods, args.max_new_tokens)
+    rows = summarize(results)
+    print(markdown_table(rows))
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["drafter"] = args.drafter or str(SHIPPED_DRAFTERS.get(args.target))
+    if args.json:
+        write_json(args.json, rows, config)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="plain vs speculative generate on one prompt, default target and drafter")
+    demo.add_argument("--target", default=DEFAULT_TARGET)
+    demo.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
+    demo.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="tau, tokens/s and speedup per method and domain")
+    bench.add_argument("--target", default=DEFAULT_TARGET)
+    bench.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
+    bench.add_argument("--methods", default="ar,dflash")
+    bench.add_argument("--domains", default="code,math,chat")
+    bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
+    bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", default=None, help="write results as JSON here")
+    bench.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The drafter model, its checkpoints, candidate trees and KV-cache compaction."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModel, DynamicCache
+
+import hf_diffspec
+from hf_diffspec.candidate_generator import DiffusionCandidateGenerator, gather_features
+from hf_diffspec.kv_cache import keep_accepted_path
+from hf_diffspec.modeling import default_target_layer_ids
+from hf_diffspec.tree import CandidateTree
+from helpers import tiny_drafter, tiny_target
+
+
+def draft_once(drafter, target, ids):
+    """Prefill the target, then one chain proposal from the drafter."""
+    out = target(ids, output_hidden_states=[i + 1 for i in drafter.config.target_layer_ids])
+    gen = DiffusionCandidateGenerator(drafter, target, max_length=1000)
+    gen.add_context(out.hidden_states, slice(None), torch.arange(ids.shape[1]))
+    return gen.propose(int(ids[0, -1]), ids.shape[1], max_depth=100)
+
+
+def test_default_target_layer_ids_follow_dflash():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(4) == [0, 1, 2, 3]
+
+
+def test_from_target_matches_the_target_and_drafts_a_block():
+    target = tiny_target("qwen3", layers=8)
+    drafter = tiny_drafter(target, block_size=5)
+    cfg = drafter.config
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.vocab_size) == (64, 4, 16, 128)
+    assert cfg.target_layer_ids == [1, 2, 3, 4, 5] and cfg.num_target_layers == 8
+    tree = draft_once(drafter, target, torch.randint(2, 128, (1, 9)))
+    assert tree.is_chain and len(tree) == 5
+    assert tree.confidences.shape == (4,) and bool(((tree.confidences > 0) & (tree.confidences <= 1)).all())
+
+
+def test_drafter_never_modifies_the_target():
+    target = tiny_target("llama")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    vocab = target.config.vocab_size
+    drafter = tiny_drafter(target)
+    target.generate(torch.randint(2, 128, (1, 8)), assistant_model=drafter, max_new_tokens=8)
+    assert target.config.vocab_size == vocab
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert not any("embed_tokens" in k or "lm_head" in k for k in drafter.state_dict())
+
+
+def test_save_and_load_round_trip_gives_identical_drafts(tmp_path):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=6)
+    drafter.save_pretrained(tmp_path)
+    files = {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors", "configuration_diffusion_drafter.py",
+            "modeling_diffusion_drafter.py"} <= files
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"] == "modeling_diffusion_drafter.DiffusionDrafter"
+    loaded = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target)
+    ids = torch.randint(2, 128, (1, 10))
+    assert torch.equal(draft_once(drafter, target, ids).tokens, draft_once(loaded, target, ids).tokens)
+    assert isinstance(AutoModel.from_pretrained(tmp_path), hf_diffspec.DiffusionDrafter)
+    assert AutoConfig.from_pretrained(tmp_path).block_size == 6
+
+
+def test_corrupt_or_partial_checkpoints_are_refused(tmp_path):
+    target = tiny_target("llama")
+    tiny_drafter(target).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    del state["fc.weight"]
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(OSError, match="fc.weight"):
+        hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target)
+    state["fc.weight"] = torch.zeros(3, 3)
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(OSError, match="fc.weight"):
+        hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target)
+    with open(weights, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(OSError, match="truncated or corrupt"):
+        hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target)
+
+
+def test_unbound_drafter_says_how_to_bind():
+    drafter = hf_diffspec.DiffusionDrafter(hf_diffspec.DiffusionDrafterConfig(
+        hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        num_target_layers=4))
+    with pytest.raises(RuntimeError, match="from_target"):
+        drafter.block_embeds(torch.tensor([3]))
+
+
+def test_binding_to_a_mismatched_target_names_the_mismatch():
+    drafter = tiny_drafter(tiny_target("llama", layers=4))
+    with pytest.raises(ValueError, match="6 layers"):
+        drafter.bind_target(tiny_target("llama", layers=6))
+    with pytest.raises(ValueError, match="model_type"):
+        drafter.bind_target(tiny_target("qwen3", layers=4))
+
+
+def test_wrong_feature_width_is_a_clear_error():
+    drafter = tiny_drafter(tiny_target("llama"))
+    with pytest.raises(ValueError, match="features per token"):
+        drafter(torch.zeros(1, 4, 64), context_hidden_states=torch.zeros(1, 3, 64))
+
+
+def test_tree_structure_mask_and_positions():
+    tree = CandidateTree(torch.tensor([5, 6, 7, 8, 9]), [-1, 0, 0, 1, 3])
+    assert tree.depths == [0, 1, 1, 2, 3] and tree.children[0] == {6: 1, 7: 2}
+    assert tree.path_to(4) == [0, 1, 3, 4] and not tree.is_chain
+    mask = tree.attention_mask(torch.tensor([True, False, True]), torch.float32)
+    assert mask.shape == (1, 1, 5, 8)
+    allowed = mask[0, 0] == 0
+    assert allowed[:, 0].all() and not allowed[:, 1].any()
+    assert allowed[4, 3:].tolist() == [True, True, False, True, True]
+    assert allowed[2, 3:].tolist() == [True, False, True, False, False]
+    assert tree.position_ids(10).tolist() == [[10, 11, 11, 12, 13]]
+    with pytest.raises(ValueError, match="two children"):
+        CandidateTree(torch.tensor([5, 6, 6]), [-1, 0, 0])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_and_compaction_equal_plain_forwards(kind, attn):
+    target = tiny_target(kind, attn=attn)
+    prefix = torch.randint(2, 128, (1, 9))
+    cache = DynamicCache()
+    target(prefix, cache=cache)
+    tree = CandidateTree(torch.tensor([10, 11, 12, 13, 14, 15]), [-1, 0, 0, 1, 3, 2])
+    out = target(tree.tokens[None], attention_mask=tree.attention_mask(torch.ones(9, dtype=torch.bool), torch.float32),
+                 position_ids=tree.position_ids(9), cache=cache)
+    for node in range(len(tree)):  # every node's logits equal a plain causal forward of its root path
+        path_tokens = tree.tokens[tree.path_to(node)]
+        ref = target(torch.cat([prefix, path_tokens[None]], dim=1)).logits[0, -1]
+        assert torch.allclose(out.logits[0, node], ref, atol=1e-5)
+    path = tree.path_to(4)  # a non-prefix path: 0 -> 1 -> 3 -> 4
+    keep_accepted_path(cache, 9, path, len(tree))
+    assert cache.get_seq_length() == 9 + len(path)
+    nxt = torch.tensor([[20]])
+    step = target(nxt, cache=cache).logits[0, -1]
+    ref = target(torch.cat([prefix, tree.tokens[path][None], nxt], dim=1)).logits[0, -1]
+    assert torch.allclose(step, ref, atol=1e-5)
+
+
+def test_features_are_the_selected_hidden_states():
+    target = tiny_target("llama", layers=6)
+    drafter = tiny_drafter(target)
+    ids = torch.randint(2, 128, (1, 5))
+    out = target(ids, output_hidden_states=True)
+    feats = gather_features(out.hidden_states, drafter)
+    ids_ = drafter.config.target_layer_ids
+    assert feats.shape == (1, 5, 64 * len(ids_))
+    assert torch.equal(feats[..., :64], out.hidden_states[ids_[0] + 1])
