@@ -1,4 +1,4 @@
-"""Command line: `hf-diffspec demo | bench`."""
+"""Command line: `hf-diffspec demo | bench | data | train`."""
 
 import argparse
 import json
@@ -92,6 +92,60 @@ def cmd_bench(args) -> None:
         print(f"wrote {args.plot}")
 
 
+def cmd_data(args) -> None:
+    from . import load_target
+    from .trainers.data import write_generated_data, write_relabel_data
+
+    dtype = DTYPES[args.dtype]
+    if args.data_command == "relabel":
+        _, tok = load_target(args.target, dtype=dtype)
+        n = write_relabel_data(tok, args.target, args.out, args.num_samples, max_length=args.max_length,
+                               seed=args.seed, skip=args.skip)
+    else:
+        target, tok = load_target(args.target, dtype=dtype, device=args.device)
+        n = write_generated_data(target, tok, args.target, args.out, args.num_samples,
+                                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                                 skip=args.skip)
+    print(f"{n} samples in {args.out}")
+
+
+def cmd_train(args) -> None:
+    from . import load_target
+    from .trainers.pipeline import TrainConfig, train_drafter
+
+    target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    cfg = TrainConfig(
+        data=args.data, out=args.out, init=args.init, lora=args.lora, lora_rank=args.lora_rank,
+        num_layers=args.num_layers, block_size=args.block_size, num_anchors=args.num_anchors,
+        max_length=args.max_length, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, learning_rate=args.lr, logging_steps=args.logging_steps,
+        save_steps=args.save_steps, seed=args.seed, resume=args.resume,
+        init_from_target_layers=args.init_from_target_layers,
+    )
+    evaluate = None
+    if args.eval_prompts > 0:
+        evaluate = lambda drafter: evaluate_drafter(target, tok, drafter, args.eval_prompts, args.eval_max_new_tokens)
+    out = train_drafter(target, tok, args.target, cfg, command="hf-diffspec " + " ".join(sys.argv[1:]),
+                        evaluate=evaluate)
+    print(f"drafter saved to {out}")
+
+
+def evaluate_drafter(target, tok, drafter, prompts_per_domain: int, max_new_tokens: int) -> dict:
+    """tau and speedup per domain on held-out evaluation prompts (the benchmark, small)."""
+    from .assets import load_prompts
+    from .bench import machine_description, run_benchmark, summarize
+
+    prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tok)
+    rows = summarize(run_benchmark(target, tok, drafter, prompts, ["ar", "dflash"], max_new_tokens, progress=False))
+    machine = machine_description()
+    return {
+        "rows": [r for r in rows if r["method"] == "dflash"],
+        "command": f"hf-diffspec bench --prompts {prompts_per_domain} --max-new-tokens {max_new_tokens} "
+                   f"--dtype {str(target.dtype).replace('torch.', '')}",
+        "machine": f"{machine['device']} / {machine['cpu']} ({machine['torch_threads']} threads)",
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +171,55 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="write results as JSON here")
     bench.add_argument("--plot", default=None, help="write a PNG bar chart here")
     bench.set_defaults(func=cmd_bench)
+
+    data = sub.add_parser("data", help="build drafter training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    for name, helptext in [("relabel", "real ShareGPT exchanges; the target labels them at training time"),
+                           ("generate", "the target's own greedy answers to ShareGPT prompts")]:
+        p = data_sub.add_parser(name, help=helptext)
+        p.add_argument("--target", default=DEFAULT_TARGET)
+        p.add_argument("--source", default="sharegpt", choices=["sharegpt"])
+        p.add_argument("--out", required=True)
+        p.add_argument("--num-samples", type=int, required=True)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the seeded order")
+        p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+        p.add_argument("--device", default=None)
+        p.set_defaults(func=cmd_data)
+        if name == "relabel":
+            p.add_argument("--max-length", type=int, default=1024)
+        else:
+            p.add_argument("--max-new-tokens", type=int, default=256)
+            p.add_argument("--batch-size", type=int, default=16)
+
+    train = sub.add_parser("train", help="train a drafter")
+    train_sub = train.add_subparsers(dest="train_command", required=True)
+    kd = train_sub.add_parser("kd", help="block-diffusion distillation (DFlash recipe)")
+    kd.add_argument("--target", default=DEFAULT_TARGET)
+    kd.add_argument("--data", nargs="+", required=True, help="one or more data directories")
+    kd.add_argument("--out", required=True)
+    kd.add_argument("--init", default=None, help="start from this drafter checkpoint")
+    kd.add_argument("--lora", action="store_true", help="LoRA fine-tuning of --init through peft")
+    kd.add_argument("--lora-rank", type=int, default=16)
+    kd.add_argument("--num-layers", type=int, default=2)
+    kd.add_argument("--block-size", type=int, default=16)
+    kd.add_argument("--num-anchors", type=int, default=64)
+    kd.add_argument("--max-length", type=int, default=1024)
+    kd.add_argument("--epochs", type=float, default=1.0)
+    kd.add_argument("--max-steps", type=int, default=-1)
+    kd.add_argument("--batch-size", type=int, default=4)
+    kd.add_argument("--grad-accum", type=int, default=1)
+    kd.add_argument("--lr", type=float, default=6e-4)
+    kd.add_argument("--logging-steps", type=int, default=10)
+    kd.add_argument("--save-steps", type=int, default=500)
+    kd.add_argument("--seed", type=int, default=0)
+    kd.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
+    kd.add_argument("--init-from-target-layers", action="store_true")
+    kd.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts per domain for the model card")
+    kd.add_argument("--eval-max-new-tokens", type=int, default=64)
+    kd.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    kd.add_argument("--device", default=None)
+    kd.set_defaults(func=cmd_train)
     return parser
 
 

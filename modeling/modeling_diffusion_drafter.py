@@ -173,7 +173,9 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         `position_ids` (batch, c + q): absolute positions of [context ; block];
         `attention_mask`, optional: additive float mask (batch, 1, q, kv) over [cached ; context ; block] keys, or a
             2D 0/1 mask (batch, kv); `None` means every query sees every key;
-        `cache`, optional: a transformers `Cache` that accumulates the context K/V (callers crop the block after use).
+        `cache`, optional: a transformers `Cache` that accumulates the context K/V (callers crop the block after use);
+        `mask_positions` (batch, q) bool, optional: slots to replace by the MASK embedding inside the forward (what
+            training uses, so that the MASK embedding is used inside forward under DDP/peft wrappers).
 
     The target's input embeddings and LM head are borrowed, frozen, through `bind_target` (done by `from_target` and
     `from_pretrained(..., target=...)`).
@@ -285,9 +287,14 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         cache=None,
         use_cache: bool | None = None,
+        mask_positions: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         batch, q_len, _ = noise_embeds.shape
+        noise_embeds = noise_embeds.to(self.fc.weight.dtype)
+        if mask_positions is not None:  # (batch, q) bool: slots that hold MASK, whatever noise_embeds has there
+            masks = self.mask_embeds(batch, q_len).to(noise_embeds.dtype)
+            noise_embeds = torch.where(mask_positions[..., None], masks, noise_embeds)
         context = None
         if context_hidden_states is not None and context_hidden_states.shape[1] > 0:
             expected = self.fc.in_features

@@ -1,0 +1,202 @@
+"""Block-diffusion distillation of a drafter from a frozen target (the DFlash recipe), as a `transformers.Trainer`.
+
+Per sequence, random anchors on response tokens each start a block `[anchor, MASK x (block_size-1)]` at positions
+anchor..anchor+block_size-1. All blocks of a batch run in ONE drafter forward: every block attends to the target
+features of the context strictly before its anchor (what inference has: the anchor's own features are not known yet),
+to itself bidirectionally, and to no other block. Slot k predicts what the target itself would emit k positions after
+the anchor (its argmax on the sequence), with cross-entropy weighted by exp(-(k-1)/decay).
+
+The target lives on the trainer (frozen, never optimised, never saved); features and labels come from one target
+forward per batch, computed on the fly. Subclasses change the loss (`block_loss`) or the block contents
+(`prefix_lengths`) and share everything else.
+"""
+
+import math
+import random
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from hf_diffspec.candidate_generator import feature_layers, gather_features
+
+LOGITS_CHUNK = 8192
+
+
+def default_loss_decay(block_size: int) -> float:
+    """DFlash: 7 for blocks of 16, 5 for 10, 4 for 8; in between, about 0.45 x block size."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, round(0.45 * block_size, 1)))
+
+
+class BlockDiffusionCollator:
+    """Right-pads sequences and samples `num_anchors` anchors per sequence (fresh each time: re-sampled per epoch).
+
+    An anchor `a` is valid when tokens a and a+1 are both response tokens. Rows with fewer valid anchors get padding
+    anchors with `anchor_mask` False.
+    """
+
+    def __init__(self, pad_token_id: int, num_anchors: int = 64, seed: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.num_anchors = num_anchors
+        self.rng = random.Random(seed)
+
+    def __call__(self, features: list[dict]) -> dict:
+        width = max(len(f["input_ids"]) for f in features)
+        batch = len(features)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        loss_mask = torch.zeros((batch, width), dtype=torch.bool)
+        anchors = torch.zeros((batch, self.num_anchors), dtype=torch.long)
+        anchor_mask = torch.zeros((batch, self.num_anchors), dtype=torch.bool)
+        for row, f in enumerate(features):
+            ids = torch.as_tensor(f["input_ids"], dtype=torch.long)
+            n, start = len(ids), int(f["prompt_length"])
+            input_ids[row, :n] = ids
+            attention_mask[row, :n] = 1
+            loss_mask[row, start:n] = True
+            candidates = list(range(start, n - 1))
+            picked = sorted(self.rng.sample(candidates, min(self.num_anchors, len(candidates))))
+            anchors[row, : len(picked)] = torch.tensor(picked, dtype=torch.long)
+            anchor_mask[row, : len(picked)] = True
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+                "anchors": anchors, "anchor_mask": anchor_mask}
+
+
+def block_attention_mask(anchors, anchor_mask, attention_mask, block_size: int, dtype) -> torch.Tensor:
+    """(batch, 1, n*block, seq + n*block) additive mask: context before each anchor + own block, nothing else."""
+    batch, n = anchors.shape
+    seq = attention_mask.shape[1]
+    device = anchors.device
+    context = torch.arange(seq, device=device)[None, None, :] < anchors[:, :, None]       # (B, n, seq)
+    context &= attention_mask.bool()[:, None, :]
+    context = context[:, :, None, :].expand(batch, n, block_size, seq).reshape(batch, n * block_size, seq)
+    block_ids = torch.arange(n * block_size, device=device) // block_size
+    own_block = (block_ids[:, None] == block_ids[None, :])[None].expand(batch, -1, -1)
+    allowed = torch.cat([context, own_block], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+class BlockDiffusionTrainer(Trainer):
+    """Distils a `DiffusionDrafter` from a frozen target with block-diffusion training.
+
+    Args (beyond `Trainer`'s):
+        target: the frozen target model (teacher and feature source); moved to the training device.
+        loss_decay: the decay of the position weights exp(-(k-1)/loss_decay); default from the block size.
+    `TrainingArguments.remove_unused_columns` is forced to False (the collator's columns are not forward arguments).
+    """
+
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, target=None, loss_decay: float | None = None, **kwargs):
+        if target is None:
+            raise ValueError("BlockDiffusionTrainer needs the frozen target: pass target=...")
+        training_args = kwargs.get("args")
+        if training_args is not None:
+            training_args.remove_unused_columns = False
+        super().__init__(*args, **kwargs)
+        self.target = target.to(self.args.device).eval().requires_grad_(False)
+        drafter = self.drafter
+        drafter.bind_target(self.target)
+        self.block_size = drafter.config.block_size
+        self.loss_decay = loss_decay or default_loss_decay(self.block_size)
+        self._metrics = defaultdict(list)
+
+    @property
+    def drafter(self):
+        model = self.accelerator.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    # ----- what subclasses change ----------------------------------------------------------------------------------
+    def prefix_lengths(self, anchors: torch.Tensor) -> torch.Tensor:
+        """Real tokens after the anchor inside each block (0 for DFlash; the VP trainer samples them)."""
+        return torch.zeros_like(anchors)
+
+    def block_loss(self, logits, labels, weights, target_logits_fn):
+        """Weighted mean cross-entropy over the selected slots. `target_logits_fn()` gives the target's logits there
+        (unused here; the reverse-KL trainer needs them)."""
+        ce = F.cross_entropy(logits.float(), labels, reduction="none")
+        return (weights * ce).sum() / weights.sum().clamp(min=1e-6)
+
+    # ----- the shared machinery ------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        anchors, anchor_mask, loss_mask = inputs["anchors"], inputs["anchor_mask"], inputs["loss_mask"]
+        batch, seq = input_ids.shape
+        n, size = anchors.shape[1], self.block_size
+        drafter = self.drafter
+
+        with torch.no_grad():
+            out = self.target(input_ids, attention_mask=attention_mask, output_hidden_states=feature_layers(drafter))
+            features = gather_features(out.hidden_states, drafter)
+            target_hidden = out.hidden_states  # kept for subclasses that need more than argmax labels
+            labels_at = torch.zeros_like(input_ids)
+            labels_at[:, 1:] = out.logits[:, :-1].argmax(-1)  # what the target emits at each position
+            del out
+
+        offsets = torch.arange(size, device=input_ids.device)
+        slot_positions = anchors[:, :, None] + offsets                                      # (B, n, size)
+        in_range = slot_positions < seq
+        slot_positions = slot_positions.clamp(max=seq - 1)
+        prefix = self.prefix_lengths(anchors)                                                # (B, n)
+        is_real = offsets[None, None, :] <= prefix[:, :, None]                              # anchor + prefix tokens
+        block_tokens = torch.where(is_real & in_range, input_ids.gather(1, slot_positions.flatten(1)).view_as(slot_positions), 0)
+        embed = self.target.get_input_embeddings()
+        noise = embed(block_tokens.flatten(1))                                               # (B, n*size, H)
+        positions = torch.cat([torch.arange(seq, device=input_ids.device).expand(batch, -1), slot_positions.flatten(1)], 1)
+        mask = block_attention_mask(anchors, anchor_mask, attention_mask, size, noise.dtype)
+        hidden = model(
+            noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask,
+            mask_positions=~is_real.flatten(1),
+        ).last_hidden_state.view(batch, n, size, -1)
+
+        # slots to learn: after the prefix, inside the sequence, on response tokens, of real anchors
+        slot_loss_mask = loss_mask.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
+        selected = (~is_real) & in_range & slot_loss_mask & anchor_mask[:, :, None]
+        k_after_prefix = (offsets[None, None, :] - prefix[:, :, None]).clamp(min=1).float()
+        weights_all = torch.exp(-(k_after_prefix - 1) / self.loss_decay)
+        labels = labels_at.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
+
+        lm_head = self.target.get_output_embeddings()
+        logits = torch.cat([lm_head(c.to(lm_head.weight.dtype)) for c in hidden[selected].split(LOGITS_CHUNK)]) if selected.any() \
+            else hidden.new_zeros((0, lm_head.out_features))
+
+        def target_logits_fn():
+            rows = torch.arange(batch, device=input_ids.device)[:, None, None].expand_as(slot_positions)[selected]
+            # the target's distribution for the token at position p is its output at p - 1
+            with torch.no_grad():
+                return lm_head(target_hidden[-1][rows, slot_positions[selected] - 1])
+
+        loss = self.block_loss(logits, labels[selected], weights_all[selected], target_logits_fn)
+        self._record_metrics(logits.detach(), labels, selected, prefix)
+        return (loss, {"hidden": hidden}) if return_outputs else loss
+
+    @torch.no_grad()
+    def _record_metrics(self, logits, labels, selected, prefix):
+        if logits.shape[0] == 0:
+            return
+        correct = torch.zeros(selected.shape, dtype=torch.bool, device=selected.device)
+        correct[selected] = logits.argmax(-1) == labels[selected]
+        # tokens per target forward if each block's drafts were verified left to right (anchor/prefix slots pass)
+        passes = torch.where(torch.arange(correct.shape[-1], device=correct.device) <= prefix[..., None], True, correct)
+        blocks = selected.any(-1)
+        self._metrics["train_tau"].append(float(torch.cumprod(passes.long(), -1)[blocks].sum(-1).float().mean()))
+        self._metrics["draft_accuracy"].append(float(correct[selected].float().mean()))
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        for key, values in self._metrics.items():
+            if values:
+                logs[key] = round(sum(values) / len(values), 4)
+        self._metrics.clear()
+        super().log(logs, *args, **kwargs)
+
+
+def loss_curve_summary(history: list[dict]) -> dict:
+    """Loss curve summary for model cards: first, last, min logged loss and the last train_tau."""
+    losses = [h["loss"] for h in history if "loss" in h]
+    taus = [h["train_tau"] for h in history if "train_tau" in h]
+    if not losses:
+        return {}
+    return {"first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4), "min_loss": round(min(losses), 4),
+            "logged_points": len(losses), "last_train_tau": taus[-1] if taus else math.nan}

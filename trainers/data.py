@@ -1,0 +1,272 @@
+"""Training data for drafters: token sequences (prompt + response) written as compact, atomic, resumable shards.
+
+Two sources, one format:
+- relabelled real text: ShareGPT assistant turns as they are; the target's own argmax at every position becomes the
+  label at training time (one prefill per sequence, far cheaper than generation);
+- target-regenerated responses: the target answers ShareGPT prompts itself (greedy, chat template, batched).
+
+A data directory holds `meta.json` (target, tokenizer fingerprint) and shards `shard-NNNNN.npz` (tokens, offsets,
+prompt lengths) each with a `shard-NNNNN.json` sidecar (ids, domains, sources). Every file is written under a temporary
+name and renamed into place, so an interrupted or failed run (disk full included) never leaves a partial shard that
+looks complete; a rerun skips the ids already written.
+
+Evaluation prompts (HumanEval, MATH-500, MT-Bench) are never used for training: records whose prompt matches one of
+them are dropped.
+"""
+
+import hashlib
+import json
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+FORMAT_VERSION = 1
+SHARD_SIZE = 512
+
+_CODE = re.compile(
+    r"```|\bdef |\bclass |\bfunction\b|\bpython\b|\bjavascript\b|\bjava\b|\bc\+\+|\bsql\b|\bcode\b|\bscript\b|"
+    r"\bbug\b|\bcompile|\bregex\b|\bhtml\b|\bcss\b|\bapi\b|\bimport\b",
+    re.IGNORECASE,
+)
+_MATH = re.compile(
+    r"\bsolve\b|\bequation|\bcalculate|\bprobability|\bintegral|\bderivative|\bmatrix\b|\bprove\b|\btheorem|"
+    r"\d+\s*[-+*/^=]\s*\d+|\bmath",
+    re.IGNORECASE,
+)
+
+
+def classify_domain(prompt: str) -> str:
+    """A keyword heuristic: `code`, `math` or `chat` (used to report acceptance per domain)."""
+    if _CODE.search(prompt):
+        return "code"
+    if _MATH.search(prompt):
+        return "math"
+    return "chat"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Identifies a tokenizer by its vocabulary and chat template: data made with another one is refused."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    payload = json.dumps([vocab, getattr(tokenizer, "chat_template", None)], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class ShardWriter:
+    """Buffers records and writes them as shards; knows which ids are already on disk (resume)."""
+
+    def __init__(self, out_dir, target_name: str, tokenizer, source: str):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        meta_path = self.dir / "meta.json"
+        if meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            if meta.get("tokenizer_fingerprint") != fingerprint:
+                raise ValueError(
+                    f"{self.dir} holds data for target {meta.get('target')!r} with another tokenizer; "
+                    "write to a new directory"
+                )
+        else:
+            meta = {"format_version": FORMAT_VERSION, "target": target_name, "tokenizer_fingerprint": fingerprint,
+                    "vocab_size": len(tokenizer)}
+            _atomic_write(meta_path, lambda p: p.write_text(json.dumps(meta, indent=2)))
+        self.source = source
+        self.done_ids = {rid for shard in sorted(self.dir.glob("shard-*.json")) for rid in json.loads(shard.read_text())["ids"]}
+        self.next_shard = len(list(self.dir.glob("shard-*.json")))
+        self.buffer: list[dict] = []
+
+    def add(self, record_id: str, tokens: list[int], prompt_length: int, domain: str) -> None:
+        self.buffer.append({"id": record_id, "tokens": tokens, "prompt_length": prompt_length, "domain": domain})
+        self.done_ids.add(record_id)
+        if len(self.buffer) >= SHARD_SIZE:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"shard-{self.next_shard:05d}"
+        tokens = np.concatenate([np.asarray(r["tokens"], dtype=np.int32) for r in self.buffer])
+        offsets = np.cumsum([0] + [len(r["tokens"]) for r in self.buffer]).astype(np.int64)
+        prompt_lengths = np.asarray([r["prompt_length"] for r in self.buffer], dtype=np.int32)
+        dtype = np.uint16 if tokens.max(initial=0) < 2**16 else np.int32
+
+        def write_arrays(path):
+            with open(path, "wb") as f:
+                np.savez_compressed(f, tokens=tokens.astype(dtype), offsets=offsets, prompt_lengths=prompt_lengths)
+
+        sidecar = {"ids": [r["id"] for r in self.buffer], "domains": [r["domain"] for r in self.buffer],
+                   "source": self.source}
+        _atomic_write(self.dir / f"{name}.npz", write_arrays)
+        # the sidecar is the "shard complete" marker, so it is written last
+        _atomic_write(self.dir / f"{name}.json", lambda p: p.write_text(json.dumps(sidecar)))
+        self.next_shard += 1
+        self.buffer = []
+
+
+def _first_exchange(record: dict) -> tuple[str, str] | None:
+    turns = record.get("conversations") or []
+    for i in range(len(turns) - 1):
+        if turns[i].get("from") == "human" and turns[i + 1].get("from") == "gpt":
+            prompt, answer = (turns[i].get("value") or "").strip(), (turns[i + 1].get("value") or "").strip()
+            if prompt and answer:
+                return prompt, answer
+    return None
+
+
+def sharegpt_exchanges(seed: int, exclude: set[str]):
+    """(id, prompt, answer) of ShareGPT first exchanges in a seeded order, evaluation prompts removed."""
+    from hf_diffspec.assets import iter_sharegpt
+
+    items = []
+    for record in iter_sharegpt():
+        pair = _first_exchange(record)
+        if pair and pair[0] not in exclude:
+            items.append((f"sharegpt/{record.get('id')}", *pair))
+    random.Random(seed).shuffle(items)
+    return items
+
+
+def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, max_length: int = 1024,
+                       seed: int = 0, skip: int = 0) -> int:
+    """Real ShareGPT exchanges, chat-templated and tokenized; labels come from the target at training time."""
+    from hf_diffspec.assets import eval_prompt_texts
+
+    writer = ShardWriter(out_dir, target_name, tokenizer, source="relabel")
+    exchanges = sharegpt_exchanges(seed, eval_prompt_texts())[skip:]
+    written = 0
+    for record_id, prompt, answer in tqdm(exchanges, desc="relabel data", total=min(num_samples, len(exchanges))):
+        if written >= num_samples:
+            break
+        if record_id in writer.done_ids:
+            written += 1
+            continue
+        user = [{"role": "user", "content": prompt}]
+        prompt_ids = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True)
+        full_ids = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=True)
+        prompt_ids, full_ids = _as_list(prompt_ids), _as_list(full_ids)
+        if full_ids[: len(prompt_ids)] != prompt_ids or len(prompt_ids) >= max_length - 8:
+            continue  # template not prefix-stable, or no room for a response
+        writer.add(record_id, full_ids[:max_length], len(prompt_ids), classify_domain(prompt))
+        written += 1
+    writer.flush()
+    return written
+
+
+def _as_list(ids) -> list[int]:
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@torch.no_grad()
+def write_generated_data(target, tokenizer, target_name: str, out_dir, num_samples: int, max_new_tokens: int = 256,
+                         batch_size: int = 16, max_prompt_length: int = 512, seed: int = 0, skip: int = 0) -> int:
+    """The target's own greedy answers to ShareGPT prompts (batched, left-padded, chat template)."""
+    from hf_diffspec.assets import eval_prompt_texts
+
+    writer = ShardWriter(out_dir, target_name, tokenizer, source="generated")
+    todo = []
+    for record_id, prompt, _ in sharegpt_exchanges(seed, eval_prompt_texts())[skip:]:
+        if len(todo) >= num_samples:
+            break
+        ids = _as_list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True))
+        if len(ids) <= max_prompt_length:
+            todo.append((record_id, prompt, ids))
+    todo = todo[:num_samples]
+    pending = [t for t in todo if t[0] not in writer.done_ids]
+    pending.sort(key=lambda t: len(t[2]))  # similar lengths per batch: less padding
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    bar = tqdm(total=len(pending), desc="generate data")
+    for start in range(0, len(pending), batch_size):
+        batch = pending[start : start + batch_size]
+        width = max(len(ids) for _, _, ids in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (_, _, ids) in enumerate(batch):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        out = target.generate(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
+                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        for row, (record_id, prompt, ids) in enumerate(batch):
+            response = out[row, width:].tolist()
+            if eos in response:
+                response = response[: response.index(eos) + 1]
+            writer.add(record_id, ids + response, len(ids), classify_domain(prompt))
+        bar.update(len(batch))
+    bar.close()
+    writer.flush()
+    return len(todo)
+
+
+class DrafterDataset(Dataset):
+    """All shards of one or more data directories: items are {"input_ids", "prompt_length", "domain"}."""
+
+    def __init__(self, dirs, tokenizer=None, max_length: int | None = None):
+        dirs = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
+        self.sequences: list[np.ndarray] = []
+        self.prompt_lengths: list[int] = []
+        self.domains: list[str] = []
+        self.meta = []
+        for d in map(Path, dirs):
+            meta_path = d / "meta.json"
+            if not meta_path.exists():
+                raise FileNotFoundError(
+                    f"{d} is not a drafter data directory (no meta.json); create one with `hf-diffspec data ...`"
+                )
+            meta = json.loads(meta_path.read_text())
+            if tokenizer is not None and meta["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
+                raise ValueError(
+                    f"{d} was made for target {meta['target']!r} with a different tokenizer than this target's; "
+                    "regenerate the data with this target"
+                )
+            self.meta.append(meta)
+            sidecars = sorted(d.glob("shard-*.json"))
+            for sidecar in sidecars:
+                try:
+                    info = json.loads(sidecar.read_text())
+                    arrays = np.load(sidecar.with_suffix(".npz"))
+                    tokens, offsets, prompts = arrays["tokens"], arrays["offsets"], arrays["prompt_lengths"]
+                except (OSError, ValueError, KeyError) as error:
+                    raise ValueError(f"corrupt data shard {sidecar.with_suffix('.npz')}: {error}") from error
+                if len(offsets) != len(info["ids"]) + 1:
+                    raise ValueError(f"corrupt data shard {sidecar}: {len(info['ids'])} ids, {len(offsets) - 1} rows")
+                for i in range(len(info["ids"])):
+                    seq = tokens[offsets[i] : offsets[i + 1]].astype(np.int64)
+                    if max_length:
+                        seq = seq[:max_length]
+                    if int(prompts[i]) + 2 > len(seq):
+                        continue  # no response token to train on
+                    self.sequences.append(seq)
+                    self.prompt_lengths.append(int(prompts[i]))
+                    self.domains.append(info["domains"][i])
+        if not self.sequences:
+            raise ValueError(f"no training sequences found in {', '.join(map(str, dirs))}")
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": torch.from_numpy(self.sequences[i]), "prompt_length": self.prompt_lengths[i],
+                "domain": self.domains[i]}
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(s) for s in self.sequences))
