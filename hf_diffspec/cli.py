@@ -98,14 +98,19 @@ def cmd_data(args) -> None:
 
     dtype = DTYPES[args.dtype]
     if args.data_command == "relabel":
+        if args.source != "sharegpt":
+            raise SystemExit("data relabel reads ShareGPT (--source sharegpt); prompt files are for data generate")
         _, tok = load_target(args.target, dtype=dtype)
         n = write_relabel_data(tok, args.target, args.out, args.num_samples, max_length=args.max_length,
                                seed=args.seed, skip=args.skip)
     else:
+        from .assets import load_prompts_file
+
         target, tok = load_target(args.target, dtype=dtype, device=args.device)
+        prompts = None if args.source == "sharegpt" else load_prompts_file(args.source)
         n = write_generated_data(target, tok, args.target, args.out, args.num_samples,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                                 skip=args.skip)
+                                 skip=args.skip, prompts=prompts)
     print(f"{n} samples in {args.out}")
 
 
@@ -120,7 +125,7 @@ def cmd_train(args) -> None:
         max_length=args.max_length, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, learning_rate=args.lr, logging_steps=args.logging_steps,
         save_steps=args.save_steps, seed=args.seed, resume=args.resume,
-        init_from_target_layers=args.init_from_target_layers,
+        init_from_target_layers=args.init_from_target_layers, time_budget_minutes=args.time_budget,
     )
     evaluate = None
     if args.eval_prompts > 0:
@@ -178,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("generate", "the target's own greedy answers to ShareGPT prompts")]:
         p = data_sub.add_parser(name, help=helptext)
         p.add_argument("--target", default=DEFAULT_TARGET)
-        p.add_argument("--source", default="sharegpt", choices=["sharegpt"])
+        p.add_argument("--source", default="sharegpt", help="'sharegpt', or (generate) a JSONL prompts file")
         p.add_argument("--out", required=True)
         p.add_argument("--num-samples", type=int, required=True)
         p.add_argument("--seed", type=int, default=0)
@@ -215,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     kd.add_argument("--seed", type=int, default=0)
     kd.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
     kd.add_argument("--init-from-target-layers", action="store_true")
+    kd.add_argument("--time-budget", type=float, default=None,
+                    help="minutes: stop then, with warmup + cosine following the fraction of the budget spent")
     kd.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts per domain for the model card")
     kd.add_argument("--eval-max-new-tokens", type=int, default=64)
     kd.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

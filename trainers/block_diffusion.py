@@ -13,11 +13,12 @@ forward per batch, computed on the fly. Subclasses change the loss (`block_loss`
 
 import math
 import random
+import time
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from hf_diffspec.candidate_generator import feature_layers, gather_features
 
@@ -89,7 +90,8 @@ class BlockDiffusionTrainer(Trainer):
 
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, target=None, loss_decay: float | None = None, **kwargs):
+    def __init__(self, *args, target=None, loss_decay: float | None = None, time_budget_s: float | None = None,
+                 **kwargs):
         if target is None:
             raise ValueError("BlockDiffusionTrainer needs the frozen target: pass target=...")
         training_args = kwargs.get("args")
@@ -102,6 +104,25 @@ class BlockDiffusionTrainer(Trainer):
         self.block_size = drafter.config.block_size
         self.loss_decay = loss_decay or default_loss_decay(self.block_size)
         self._metrics = defaultdict(list)
+        self.time_budget_s = time_budget_s
+        if time_budget_s:
+            self.add_callback(_StopAtTimeBudget(self))
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """With a time budget, warmup + cosine follow the fraction of the budget spent instead of the step count."""
+        if not self.time_budget_s:
+            return super().create_scheduler(num_training_steps, optimizer)
+        warmup = self.args.warmup_steps if 0 < self.args.warmup_steps < 1 else 0.04
+        self._budget_start = time.perf_counter()
+
+        def factor(_step):
+            frac = min(1.0, (time.perf_counter() - self._budget_start) / self.time_budget_s)
+            if frac < warmup:
+                return max(frac / warmup, 1e-3)
+            return 0.5 * (1 + math.cos(math.pi * (frac - warmup) / (1 - warmup)))
+
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+        return self.lr_scheduler
 
     @property
     def drafter(self):
@@ -190,6 +211,17 @@ class BlockDiffusionTrainer(Trainer):
                 logs[key] = round(sum(values) / len(values), 4)
         self._metrics.clear()
         super().log(logs, *args, **kwargs)
+
+
+class _StopAtTimeBudget(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        start = getattr(self.trainer, "_budget_start", None)
+        if start is not None and time.perf_counter() - start >= self.trainer.time_budget_s:
+            control.should_training_stop = True
+            control.should_save = True
 
 
 def loss_curve_summary(history: list[dict]) -> dict:

@@ -176,13 +176,20 @@ def _as_list(ids) -> list[int]:
 
 @torch.no_grad()
 def write_generated_data(target, tokenizer, target_name: str, out_dir, num_samples: int, max_new_tokens: int = 256,
-                         batch_size: int = 16, max_prompt_length: int = 512, seed: int = 0, skip: int = 0) -> int:
-    """The target's own greedy answers to ShareGPT prompts (batched, left-padded, chat template)."""
+                         batch_size: int = 16, max_prompt_length: int = 512, seed: int = 0, skip: int = 0,
+                         prompts: list[dict] | None = None) -> int:
+    """The target's own greedy answers (batched, left-padded, chat template) to ShareGPT prompts, or to `prompts`
+    ({"id", "prompt"} records, e.g. from a JSONL file)."""
     from hf_diffspec.assets import eval_prompt_texts
 
     writer = ShardWriter(out_dir, target_name, tokenizer, source="generated")
+    exclude = eval_prompt_texts()
+    if prompts is None:
+        source = [(rid, prompt) for rid, prompt, _ in sharegpt_exchanges(seed, exclude)]
+    else:
+        source = [(p["id"], p["prompt"]) for p in prompts if p["prompt"] not in exclude]
     todo = []
-    for record_id, prompt, _ in sharegpt_exchanges(seed, eval_prompt_texts())[skip:]:
+    for record_id, prompt in source[skip:]:
         if len(todo) >= num_samples:
             break
         ids = _as_list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],

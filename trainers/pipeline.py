@@ -45,6 +45,7 @@ class TrainConfig:
     resume: bool = False
     bf16: bool = True
     init_from_target_layers: bool = False
+    time_budget_minutes: float | None = None
     extra_config: dict = field(default_factory=dict)
 
 
@@ -99,6 +100,7 @@ def train_drafter(target, tokenizer, target_name: str, cfg: TrainConfig, command
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = BlockDiffusionTrainer(
         model=model, args=args, train_dataset=dataset, target=target,
+        time_budget_s=cfg.time_budget_minutes * 60 if cfg.time_budget_minutes else None,
         data_collator=BlockDiffusionCollator(pad, num_anchors=cfg.num_anchors, seed=cfg.seed),
     )
     start = time.perf_counter()
