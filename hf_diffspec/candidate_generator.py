@@ -65,7 +65,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
     @torch.no_grad()
     def propose(self, root_token: int, root_position: int, max_depth: int) -> CandidateTree:
         """Draft up to `max_depth` tokens after `root_token` (the anchor) and return them as a chain."""
-        max_depth = min(max_depth, self.block_size - 1)
+        max_depth = min(max_depth, self.drafter.config.num_draft_tokens or self.block_size - 1)
         if self.max_positions is not None:
             max_depth = min(max_depth, self.max_positions - 1 - root_position)
         device = self.drafter.device

@@ -44,6 +44,9 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         target_model_type (`str`, *optional*): `model_type` of the target, for clear errors on mismatch.
         target_name_or_path (`str`, *optional*): where the target came from (informational, used in model cards).
         draft_role (`str`): `"first"` for a DFlash drafter, `"variable_prefix"` for a D²SD VP drafter.
+        num_draft_tokens (`int`, *optional*): how many of the block's block_size-1 drafts are sent to the target for
+            verification (default: all). Verifying costs more per token than it drafts, so on slow hardware fewer is
+            often faster; chosen by measurement for shipped drafters.
     """
 
     model_type = "diffusion_drafter"
@@ -70,6 +73,7 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         target_model_type: str | None = None,
         target_name_or_path: str | None = None,
         draft_role: str = "first",
+        num_draft_tokens: int | None = None,
         **kwargs,
     ):
         if block_size < 2:
@@ -105,6 +109,9 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         self.target_model_type = target_model_type
         self.target_name_or_path = target_name_or_path
         self.draft_role = draft_role
+        if num_draft_tokens is not None and not 1 <= num_draft_tokens <= block_size - 1:
+            raise ValueError(f"num_draft_tokens must be between 1 and block_size-1={block_size - 1}, got {num_draft_tokens}")
+        self.num_draft_tokens = num_draft_tokens
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -1,0 +1,119 @@
+"""Configuration of the block-diffusion drafter (DFlash architecture).
+
+Self-contained on purpose (torch/transformers only): `save_pretrained` copies this file into checkpoints so that
+`AutoConfig.from_pretrained(dir, trust_remote_code=True)` works without hf_diffspec installed.
+"""
+
+from transformers import PreTrainedConfig
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """DFlash's rule: `num_features` decoder-layer outputs spread uniformly from layer 1 to layer L-3 (0-based)."""
+    if num_target_layers < 1:
+        raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
+    if num_target_layers <= num_features:
+        return list(range(num_target_layers))
+    if num_features == 1:
+        return [num_target_layers // 2]
+    last = max(num_target_layers - 3, 1)
+    # a set: small targets would otherwise repeat a layer
+    return sorted({int(round(1 + i * (last - 1) / (num_features - 1))) for i in range(num_features)})
+
+class DiffusionDrafterConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`DiffusionDrafter`], a block-diffusion drafter conditioned on a target model's hidden states.
+
+    The decoder dimensions (`hidden_size`, heads, `head_dim`) follow the target because the drafter borrows the
+    target's input embeddings and LM head; depth and MLP width are free.
+
+    Args:
+        hidden_size (`int`): width of the residual stream; must equal the target's hidden size.
+        intermediate_size (`int`): SwiGLU MLP width.
+        num_hidden_layers (`int`): number of drafter decoder layers.
+        num_attention_heads / num_key_value_heads / head_dim (`int`): attention shape (GQA, QK-norm, RoPE).
+        rms_norm_eps (`float`), hidden_act (`str`), initializer_range (`float`), attention_bias (`bool`).
+        rope_theta (`float`): RoPE base; taken from the target by `from_target`.
+        max_position_embeddings (`int`): longest context the drafter is meant for.
+        vocab_size (`int`): vocabulary of the target whose LM head the drafter borrows.
+        block_size (`int`): tokens per block `[anchor, MASK x (block_size-1)]`; one forward drafts block_size-1 tokens.
+        target_layer_ids (`list[int]`): 0-based target decoder layers whose outputs are fused into the drafter's
+            context (`hidden_states[i + 1]` in transformers' numbering). Defaults to DFlash's uniform spread.
+        num_target_layers (`int`): depth of the target the drafter was built for (validated at bind time).
+        mask_token_id (`int`, *optional*): use this row of the target embedding table as the MASK embedding. When
+            `None` (default) the drafter owns a trained MASK embedding and the target's vocabulary is untouched.
+        target_model_type (`str`, *optional*): `model_type` of the target, for clear errors on mismatch.
+        target_name_or_path (`str`, *optional*): where the target came from (informational, used in model cards).
+        draft_role (`str`): `"first"` for a DFlash drafter, `"variable_prefix"` for a D²SD VP drafter.
+        num_draft_tokens (`int`, *optional*): how many of the block's block_size-1 drafts are sent to the target for
+            verification (default: all). Verifying costs more per token than it drafts, so on slow hardware fewer is
+            often faster; chosen by measurement for shipped drafters.
+    """
+
+    model_type = "diffusion_drafter"
+
+    def __init__(
+        self,
+        hidden_size: int = 576,
+        intermediate_size: int = 1536,
+        num_hidden_layers: int = 1,
+        num_attention_heads: int = 9,
+        num_key_value_heads: int = 3,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-5,
+        initializer_range: float = 0.02,
+        attention_bias: bool = False,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 8192,
+        vocab_size: int = 49152,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        num_target_layers: int = 30,
+        mask_token_id: int | None = None,
+        target_model_type: str | None = None,
+        target_name_or_path: str | None = None,
+        draft_role: str = "first",
+        num_draft_tokens: int | None = None,
+        **kwargs,
+    ):
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one drafted token), got {block_size}")
+        if hidden_size % num_attention_heads and head_dim is None:
+            raise ValueError("hidden_size is not divisible by num_attention_heads; pass head_dim explicitly")
+        if num_attention_heads % num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if draft_role not in ("first", "variable_prefix"):
+            raise ValueError(f"draft_role must be 'first' or 'variable_prefix', got {draft_role!r}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.attention_bias = attention_bias
+        self.rope_theta = float(rope_theta)
+        self.max_position_embeddings = max_position_embeddings
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.num_target_layers = num_target_layers
+        self.target_layer_ids = (
+            list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(num_target_layers)
+        )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} are outside the target's {num_target_layers} layers")
+        self.mask_token_id = mask_token_id
+        self.target_model_type = target_model_type
+        self.target_name_or_path = target_name_or_path
+        self.draft_role = draft_role
+        if num_draft_tokens is not None and not 1 <= num_draft_tokens <= block_size - 1:
+            raise ValueError(f"num_draft_tokens must be between 1 and block_size-1={block_size - 1}, got {num_draft_tokens}")
+        self.num_draft_tokens = num_draft_tokens
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+__all__ = ["DiffusionDrafterConfig", "default_target_layer_ids"]

@@ -1,0 +1,389 @@
+"""Block-diffusion drafter (DFlash architecture) as a transformers `PreTrainedModel`.
+
+Read top to bottom: norms and RoPE, attention with the target's features injected as extra K/V, the decoder layer,
+then `DiffusionDrafter` itself. The drafter has no embedding table and no LM head of its own: it borrows the target's
+frozen ones (`bind_target`), which are never stored in the drafter's checkpoint.
+
+Self-contained on purpose (torch/transformers + single-dot relative imports): `save_pretrained` copies this file into
+checkpoints for `trust_remote_code` loading.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from .configuration_diffusion_drafter import DiffusionDrafterConfig
+
+
+class DiffusionDrafterRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DiffusionDrafterRotaryEmbedding(nn.Module):
+    """Plain RoPE over absolute positions; returns (cos, sin) of shape (batch, seq, head_dim)."""
+
+    def __init__(self, config: DiffusionDrafterConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", self.compute_inv_freq(config), persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: DiffusionDrafterConfig) -> torch.Tensor:
+        dim = config.head_dim
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class DiffusionDrafterAttention(nn.Module):
+    """Non-causal attention whose keys/values are [context features ; block] and whose queries are the block only.
+
+    The fused target features never pass through Q, the MLP or the residual stream: in every layer they are projected
+    by that layer's own k_proj/v_proj (+ k_norm, RoPE at their absolute positions) and act as a K/V prefix. The cache,
+    when given, accumulates them across decoding steps.
+    """
+
+    def __init__(self, config: DiffusionDrafterConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = DiffusionDrafterRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DiffusionDrafterRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None):
+        batch, q_len, _ = hidden_states.shape
+        kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
+        kv_len = kv_input.shape[1]
+
+        q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_input).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # cos/sin cover [context ; block]; queries are the block, i.e. the last q_len positions
+        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+
+
+class DiffusionDrafterMLP(nn.Module):
+    def __init__(self, config: DiffusionDrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DiffusionDrafterDecoderLayer(nn.Module):
+    def __init__(self, config: DiffusionDrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DiffusionDrafterAttention(config, layer_idx)
+        self.mlp = DiffusionDrafterMLP(config)
+        self.input_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None):
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), context, cos, sin, attention_mask, cache
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DiffusionDrafterPreTrainedModel(PreTrainedModel):
+    config_class = DiffusionDrafterConfig
+    base_model_prefix = "drafter"
+    main_input_name = "noise_embeds"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DiffusionDrafterDecoderLayer"]
+    # forward has no loss-related kwargs: keep Trainer from assuming it scales the loss for accumulation
+    accepts_loss_kwargs = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, DiffusionDrafterRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, DiffusionDrafterRotaryEmbedding):
+            # a non-persistent buffer: from_pretrained materialises it empty, so it is (re)computed here
+            module.inv_freq.copy_(module.compute_inv_freq(self.config))
+        elif isinstance(module, DiffusionDrafter) and module.mask_embedding is not None:
+            module.mask_embedding.normal_(0.0, std)
+
+
+class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
+    r"""
+    A DFlash-style block-diffusion drafter.
+
+    One forward pass takes the embeddings of a block `[anchor, MASK x (block_size-1)]` and returns the final-normed
+    hidden states of every block position; the target's LM head turns slot k into a draft for the token k positions
+    after the anchor. The block attends bidirectionally to itself and to all committed context, whose information
+    arrives as the target's hidden states of `config.target_layer_ids`, fused by `fc` + `hidden_norm` and injected as
+    extra keys/values in every layer.
+
+    Forward contract (the same one transformers' DFlash candidate generator uses):
+        `noise_embeds` (batch, q, hidden): block embeddings;
+        `context_hidden_states` (batch, c, len(target_layer_ids) * hidden), optional: raw target features of the
+            context tokens not yet in `cache`;
+        `position_ids` (batch, c + q): absolute positions of [context ; block];
+        `attention_mask`, optional: additive float mask (batch, 1, q, kv) over [cached ; context ; block] keys, or a
+            2D 0/1 mask (batch, kv); `None` means every query sees every key;
+        `cache`, optional: a transformers `Cache` that accumulates the context K/V (callers crop the block after use);
+        `mask_positions` (batch, q) bool, optional: slots to replace by the MASK embedding inside the forward (what
+            training uses, so that the MASK embedding is used inside forward under DDP/peft wrappers).
+
+    The target's input embeddings and LM head are borrowed, frozen, through `bind_target` (done by `from_target` and
+    `from_pretrained(..., target=...)`).
+    """
+
+    def __init__(self, config: DiffusionDrafterConfig):
+        super().__init__(config)
+        feature_size = len(config.target_layer_ids) * config.hidden_size
+        self.fc = nn.Linear(feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            [DiffusionDrafterDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DiffusionDrafterRotaryEmbedding(config)
+        # A drafter-owned MASK embedding keeps the target's vocabulary untouched.
+        self.mask_embedding = (
+            nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
+        )
+        # Borrowed target modules live outside the module tree: never saved, never trained, never moved by .to().
+        self._borrowed: dict[str, nn.Module] = {}
+        self.post_init()
+
+    # ----- binding to a target -------------------------------------------------------------------------------------
+    def bind_target(self, target: PreTrainedModel) -> "DiffusionDrafter":
+        """Borrow `target`'s input embeddings and LM head after checking that the drafter was built for it."""
+        check_target_compatible(self.config, target)
+        self._borrowed = {"embed_tokens": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
+        return self
+
+    @property
+    def is_bound(self) -> bool:
+        return bool(self._borrowed)
+
+    def _borrowed_module(self, name: str) -> nn.Module:
+        if not self._borrowed:
+            raise RuntimeError(
+                "This DiffusionDrafter is not bound to a target model, so it has no embeddings or LM head. "
+                "Create it with DiffusionDrafter.from_target(target), load it with "
+                "DiffusionDrafter.from_pretrained(path, target=target), or call drafter.bind_target(target)."
+            )
+        return self._borrowed[name]
+
+    @property
+    def target_embed_tokens(self) -> nn.Module:
+        return self._borrowed_module("embed_tokens")
+
+    @property
+    def target_lm_head(self) -> nn.Module:
+        return self._borrowed_module("lm_head")
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **config_overrides) -> "DiffusionDrafter":
+        """A freshly initialised drafter sized to `target` (same width, heads and RoPE), bound to it, in its dtype."""
+        config = drafter_config_for_target(target.config, **config_overrides)
+        drafter = cls(config).to(device=target.device, dtype=target.dtype)
+        return drafter.bind_target(target)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target: PreTrainedModel | None = None, **kwargs):
+        """`PreTrainedModel.from_pretrained`, plus `target=`: bind to that target and match its device and dtype."""
+        if target is not None:
+            kwargs.setdefault("dtype", target.dtype)
+        wants_info = kwargs.pop("output_loading_info", False)
+        # mismatched shapes are reported below, naming the tensors
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+        try:
+            drafter, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except Exception as error:
+            if "safetensor" not in type(error).__name__.lower():
+                raise
+            raise OSError(
+                f"could not read the drafter weights in {pretrained_model_name_or_path} ({error}); the file is "
+                "truncated or corrupt. Re-save it with drafter.save_pretrained(...) or re-download it."
+            ) from error
+        # a drafter with randomly initialised parts would draft garbage silently: refuse incomplete checkpoints
+        broken = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+        if broken:
+            raise OSError(
+                f"the drafter checkpoint at {pretrained_model_name_or_path} is incomplete or corrupt: {broken}. "
+                "Re-save it with drafter.save_pretrained(...) or re-download it."
+            )
+        if target is not None:
+            drafter = drafter.to(target.device).bind_target(target)
+        return (drafter, info) if wants_info else drafter
+
+    # ----- the forward pass ---------------------------------------------------------------------------------------
+    def mask_embeds(self, batch: int, length: int) -> torch.Tensor:
+        """Embeddings of `length` MASK tokens, shape (batch, length, hidden)."""
+        if self.mask_embedding is not None:
+            return self.mask_embedding.expand(batch, length, -1)
+        mask_ids = torch.full((batch, length), self.config.mask_token_id, device=self.device)
+        return self.target_embed_tokens(mask_ids)
+
+    def block_embeds(self, anchor_ids: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+        """Embeddings of `[anchor, MASK x (block_size-1)]` for a (batch,) tensor of anchors."""
+        block_size = block_size or self.config.block_size
+        anchor = self.target_embed_tokens(anchor_ids[:, None])
+        masks = self.mask_embeds(anchor_ids.shape[0], block_size - 1).to(anchor.dtype)
+        return torch.cat([anchor, masks], dim=1)
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        use_cache: bool | None = None,
+        mask_positions: torch.Tensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        batch, q_len, _ = noise_embeds.shape
+        noise_embeds = noise_embeds.to(self.fc.weight.dtype)
+        if mask_positions is not None:  # (batch, q) bool: slots that hold MASK, whatever noise_embeds has there
+            masks = self.mask_embeds(batch, q_len).to(noise_embeds.dtype)
+            noise_embeds = torch.where(mask_positions[..., None], masks, noise_embeds)
+        context = None
+        if context_hidden_states is not None and context_hidden_states.shape[1] > 0:
+            expected = self.fc.in_features
+            if context_hidden_states.shape[-1] != expected:
+                raise ValueError(
+                    f"context_hidden_states has {context_hidden_states.shape[-1]} features per token but this drafter "
+                    f"expects {expected} (= {len(self.config.target_layer_ids)} target layers x hidden "
+                    f"{self.config.hidden_size}); pass the target's hidden states of layers "
+                    f"{self.config.target_layer_ids} concatenated on the last dimension"
+                )
+            context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        ctx_len = 0 if context is None else context.shape[1]
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + ctx_len + q_len, device=noise_embeds.device)[None].expand(batch, -1)
+        if position_ids.shape[-1] != ctx_len + q_len:
+            raise ValueError(
+                f"position_ids must cover context + block ({ctx_len} + {q_len} positions), got {position_ids.shape[-1]}"
+            )
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = expand_padding_mask(attention_mask, q_len, noise_embeds.dtype)
+        elif attention_mask is not None:
+            attention_mask = attention_mask.to(noise_embeds.dtype)
+
+        cos, sin = self.rotary_emb(position_ids, noise_embeds.dtype)
+        hidden_states = noise_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, cos, sin, attention_mask, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the borrowed (frozen) target LM head."""
+        lm_head = self.target_lm_head
+        return lm_head(hidden_states.to(lm_head.weight.dtype))
+
+
+def expand_padding_mask(mask_2d: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """(batch, kv) 0/1 mask -> (batch, 1, q_len, kv) additive float mask (0 = attend, dtype min = blocked)."""
+    blocked = mask_2d[:, None, None, :].eq(0).expand(-1, 1, q_len, -1)
+    return torch.zeros(blocked.shape, dtype=dtype, device=mask_2d.device).masked_fill(blocked, torch.finfo(dtype).min)
+
+
+def drafter_config_for_target(target_config, **overrides) -> DiffusionDrafterConfig:
+    """A `DiffusionDrafterConfig` whose attention shape, RoPE and vocabulary follow `target_config`."""
+    text_config = target_config.get_text_config()
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    rope_theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    heads = text_config.num_attention_heads
+    values = dict(
+        hidden_size=text_config.hidden_size,
+        intermediate_size=text_config.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+        rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=getattr(text_config, "max_position_embeddings", 8192),
+        vocab_size=text_config.vocab_size,
+        num_target_layers=text_config.num_hidden_layers,
+        target_model_type=text_config.model_type,
+        target_name_or_path=getattr(target_config, "_name_or_path", None) or None,
+    )
+    values.update(overrides)
+    return DiffusionDrafterConfig(**values)
+
+
+def check_target_compatible(config: DiffusionDrafterConfig, target: PreTrainedModel) -> None:
+    """Raise a clear error when `target` is not a model this drafter can be used with."""
+    text_config = target.config.get_text_config()
+    problems = []
+    if text_config.hidden_size != config.hidden_size:
+        problems.append(f"hidden size {text_config.hidden_size} != drafter's {config.hidden_size}")
+    if text_config.vocab_size != config.vocab_size:
+        problems.append(f"vocabulary {text_config.vocab_size} != drafter's {config.vocab_size}")
+    if text_config.num_hidden_layers != config.num_target_layers:
+        problems.append(f"{text_config.num_hidden_layers} layers != the {config.num_target_layers} the drafter expects")
+    elif max(config.target_layer_ids) >= text_config.num_hidden_layers:
+        problems.append(f"target_layer_ids {config.target_layer_ids} exceed its {text_config.num_hidden_layers} layers")
+    if config.target_model_type and text_config.model_type != config.target_model_type:
+        problems.append(f"model_type {text_config.model_type!r} != {config.target_model_type!r}")
+    if target.get_output_embeddings() is None:
+        problems.append("it has no LM head (load it with AutoModelForCausalLM)")
+    if problems:
+        raise ValueError(
+            "This drafter was built for a different target model: "
+            + "; ".join(problems)
+            + f". The drafter expects target {config.target_name_or_path or config.target_model_type!s}; "
+            "train or load a drafter for this target (DiffusionDrafter.from_target(target) makes a new one)."
+        )
+
+
+__all__ = ["DiffusionDrafter", "DiffusionDrafterPreTrainedModel", "drafter_config_for_target", "check_target_compatible"]

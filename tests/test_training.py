@@ -1,0 +1,139 @@
+"""Drafter training: data shards, collator, block masks, the KD Trainer (full, resumed, LoRA), bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import hf_diffspec
+from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, block_attention_mask
+from hf_diffspec.trainers.data import DrafterDataset, ShardWriter, write_generated_data
+from hf_diffspec.trainers.pipeline import TrainConfig, train_drafter
+from helpers import tiny_target
+
+PROMPTS = [{"id": f"p{i}", "prompt": text} for i, text in enumerate([
+    "Name three colours.", "Say hello in French.", "Count to five.", "What is a cat?",
+    "Give me a fruit.", "Describe the sea.", "Spell 'tree'.", "Pick a number.",
+])]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_target):
+    return real_target[1]
+
+
+@pytest.fixture(scope="module")
+def target_and_data(tokenizer, tmp_path_factory):
+    """A tiny random target with SmolLM2's vocabulary, and its own greedy answers as training data."""
+    target = tiny_target("llama", seed=3, vocab_size=len(tokenizer), layers=4)
+    data = tmp_path_factory.mktemp("data") / "generated"
+    n = write_generated_data(target, tokenizer, "tiny", data, num_samples=8, max_new_tokens=40, batch_size=4,
+                             prompts=PROMPTS)
+    assert n == 8
+    return target, data
+
+
+def test_data_shards_are_complete_resumable_and_checked(target_and_data, tokenizer):
+    target, data = target_and_data
+    files = sorted(p.name for p in data.iterdir())
+    assert files == ["meta.json", "shard-00000.json", "shard-00000.npz"]
+    assert not any(name.startswith(".") for name in files)  # no temporary file left behind
+    ds = DrafterDataset(data, tokenizer=tokenizer)
+    assert len(ds) == 8 and all(ds[i]["prompt_length"] < len(ds[i]["input_ids"]) for i in range(8))
+    # resuming writes nothing new
+    assert write_generated_data(target, tokenizer, "tiny", data, num_samples=8, max_new_tokens=40,
+                                prompts=PROMPTS) == 8
+    assert sorted(p.name for p in data.iterdir()) == files
+
+
+def test_data_from_another_tokenizer_is_refused(target_and_data, tokenizer, tmp_path):
+    _, data = target_and_data
+    meta = json.loads((data / "meta.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "meta.json").write_text(json.dumps({**meta, "tokenizer_fingerprint": "0000", "target": "gpt-x"}))
+    with pytest.raises(ValueError, match="different tokenizer"):
+        DrafterDataset(other, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        ShardWriter(other, "x", tokenizer, source="relabel")
+
+
+def test_empty_missing_and_corrupt_data_are_clear_errors(target_and_data, tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        DrafterDataset(tmp_path)
+    ShardWriter(tmp_path / "empty", "tiny", tokenizer, source="relabel")
+    with pytest.raises(ValueError, match="no training sequences"):
+        DrafterDataset(tmp_path / "empty")
+    broken = tmp_path / "broken"
+    ShardWriter(broken, "tiny", tokenizer, source="relabel")
+    (broken / "shard-00000.json").write_text(json.dumps({"ids": ["a"], "domains": ["chat"], "source": "relabel"}))
+    (broken / "shard-00000.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="corrupt data shard"):
+        DrafterDataset(broken)
+
+
+def test_collator_samples_anchors_on_response_tokens():
+    collate = BlockDiffusionCollator(pad_token_id=0, num_anchors=4, seed=0)
+    batch = collate([{"input_ids": torch.arange(1, 11), "prompt_length": 6},
+                     {"input_ids": torch.arange(1, 6), "prompt_length": 3}])
+    assert batch["input_ids"].shape == (2, 10) and batch["attention_mask"][1].tolist() == [1] * 5 + [0] * 5
+    a0 = batch["anchors"][0][batch["anchor_mask"][0]].tolist()
+    assert len(a0) == 3 and all(6 <= a <= 8 for a in a0)  # anchor and the next token are response tokens
+    assert batch["anchors"][1][batch["anchor_mask"][1]].tolist() == [3]
+
+
+def test_block_mask_sees_strictly_earlier_context_and_its_own_block_only():
+    anchors = torch.tensor([[2, 4]])
+    mask = block_attention_mask(anchors, torch.tensor([[True, True]]), torch.ones(1, 6, dtype=torch.long), 3,
+                                torch.float32)
+    allowed = (mask[0, 0] == 0)
+    assert allowed.shape == (6, 6 + 6)
+    assert allowed[0, :6].tolist() == [True, True, False, False, False, False]  # block 0: context < 2
+    assert allowed[3, :6].tolist() == [True, True, True, True, False, False]    # block 1: context < 4
+    assert allowed[:3, 6:].tolist() == [[True] * 3 + [False] * 3] * 3
+    assert allowed[3:, 6:].tolist() == [[False] * 3 + [True] * 3] * 3
+
+
+def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer, tmp_path):
+    target, data = target_and_data
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    cfg = TrainConfig(data=[str(data)], out=str(tmp_path / "drafter"), num_layers=1, block_size=4, num_anchors=32,
+                      batch_size=4, max_steps=100, learning_rate=3e-3, logging_steps=10, bf16=False, save_steps=1000)
+    out = train_drafter(target, tokenizer, "tiny", cfg, command="test")
+    info = json.loads((out / "training_info.json").read_text())
+    assert info["steps"] == 100 and info["loss_curve"]["last_loss"] < info["loss_curve"]["first_loss"]
+    assert (out / "README.md").read_text().startswith("---")
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())  # the target is never trained
+    drafter = hf_diffspec.DiffusionDrafter.from_pretrained(out, target=target)
+    # on a training prompt the trained drafter predicts the target's continuation: several tokens per forward
+    ds = DrafterDataset(data)
+    prompt = ds[0]["input_ids"][: ds[0]["prompt_length"]][None]
+    ref = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    spec = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False)
+    assert torch.equal(ref, spec)
+    assert drafter.last_generation_stats.tau > 1.25  # an untrained drafter gets 1.0 on a 49k vocabulary
+
+    # resume: a second run continues from the saved trainer checkpoint instead of starting over
+    cfg2 = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "resumable"), "max_steps": 4, "save_steps": 2})
+    train_drafter(target, tokenizer, "tiny", cfg2, command="test")
+    cfg3 = TrainConfig(**{**cfg2.__dict__, "max_steps": 6, "resume": True})
+    resumed = train_drafter(target, tokenizer, "tiny", cfg3, command="test")
+    assert json.loads((resumed / "training_info.json").read_text())["steps"] == 6
+
+    # LoRA fine-tuning of the trained drafter through peft: adapter saved, merged into a plain drafter
+    cfg4 = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "lora"), "init": str(out), "lora": True,
+                          "max_steps": 5})
+    lora_out = train_drafter(target, tokenizer, "tiny", cfg4, command="test")
+    assert (lora_out / "adapter" / "adapter_config.json").exists()
+    merged = hf_diffspec.DiffusionDrafter.from_pretrained(lora_out, target=target)
+    assert not any("lora" in k for k in merged.state_dict())
+    assert not all(torch.equal(merged.state_dict()[k], v) for k, v in drafter.state_dict().items())
+
+
+def test_resume_without_a_checkpoint_says_so(target_and_data, tokenizer, tmp_path):
+    target, data = target_and_data
+    cfg = TrainConfig(data=[str(data)], out=str(tmp_path / "none"), num_layers=1, block_size=4, max_steps=2,
+                      resume=True, bf16=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train_drafter(target, tokenizer, "tiny", cfg)
