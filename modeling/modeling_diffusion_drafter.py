@@ -323,7 +323,7 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         hidden_states = noise_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, cos, sin, attention_mask, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft logits through the borrowed (frozen) target LM head."""

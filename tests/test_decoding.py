@@ -116,6 +116,15 @@ def test_tiny_budgets_are_never_exceeded(monkeypatch, max_new_tokens):
     assert torch.equal(out, ref)
 
 
+def test_zero_new_tokens_is_refused_like_plain_generate():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        target.generate(prompt(0), max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        target.generate(prompt(0), assistant_model=drafter, max_new_tokens=0)
+
+
 def test_left_padded_prompt_matches_plain_generate():
     target = tiny_target("llama", seed=8)
     drafter = tiny_drafter(target, block_size=4)

@@ -73,6 +73,24 @@ def test_empty_missing_and_corrupt_data_are_clear_errors(target_and_data, tokeni
         DrafterDataset(broken)
 
 
+def test_a_failed_shard_write_leaves_no_partial_file(tokenizer, tmp_path, monkeypatch):
+    """Disk full (or any error) while writing: nothing that looks like a complete shard stays behind."""
+    writer = ShardWriter(tmp_path, "tiny", tokenizer, source="relabel")
+    writer.add("a", [1, 2, 3, 4], 2, "chat")
+
+    def disk_full(file, **arrays):
+        file.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez_compressed", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        writer.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
+    monkeypatch.undo()
+    writer.flush()  # the record is still buffered: a retry writes it
+    assert len(DrafterDataset(tmp_path)) == 1
+
+
 def test_collator_samples_anchors_on_response_tokens():
     collate = BlockDiffusionCollator(pad_token_id=0, num_anchors=4, seed=0)
     batch = collate([{"input_ids": torch.arange(1, 11), "prompt_length": 6},
