@@ -1,5 +1,8 @@
 """The drafting side of speculative decoding: a `CandidateGenerator` that wraps a `DiffusionDrafter`.
 
+Like every runtime file that `custom_generate/` ships (see `hub.py`), it imports only torch, transformers and
+sibling modules, so it also runs from a Hub folder without hf_diffspec installed.
+
 It owns the per-call drafter state: the drafter's KV cache (context K/V of committed tokens) and the target features of
 tokens committed since the last draft. Our decoding loop calls `add_context` + `propose` (which returns a
 `CandidateTree`); transformers' stock `_assisted_decoding` calls `get_candidates` (a chain), so the same drafter also
@@ -10,16 +13,22 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .modeling import DiffusionDrafter, check_target_compatible
 from .tree import CandidateTree
 
+DRAFTER_MODEL_TYPE = "diffusion_drafter"
 
-def feature_layers(drafter: DiffusionDrafter) -> list[int]:
+
+def is_diffusion_drafter(model) -> bool:
+    """True for hf_diffspec drafters, including ones loaded as remote code (another class object, same model_type)."""
+    return getattr(getattr(model, "config", None), "model_type", None) == DRAFTER_MODEL_TYPE
+
+
+def feature_layers(drafter) -> list[int]:
     """`output_hidden_states` indices of the target features (index 0 is the embeddings)."""
     return [i + 1 for i in drafter.config.target_layer_ids]
 
 
-def gather_features(hidden_states, drafter: DiffusionDrafter) -> torch.Tensor:
+def gather_features(hidden_states, drafter) -> torch.Tensor:
     """Concatenate the selected target hidden states on the last dim: (batch, seq, n_layers * hidden)."""
     return torch.cat([hidden_states[i] for i in feature_layers(drafter)], dim=-1)
 
@@ -35,10 +44,10 @@ class DiffusionCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter: DiffusionDrafter, target: PreTrainedModel, max_length: int):
-        if not isinstance(drafter, DiffusionDrafter):
+    def __init__(self, drafter, target: PreTrainedModel, max_length: int):
+        if not is_diffusion_drafter(drafter):
             raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
-        check_target_compatible(drafter.config, target)
+        # binding checks that the drafter was built for this target; the target generating is the one to borrow from
         if not drafter.is_bound or drafter.target_lm_head is not target.get_output_embeddings():
             drafter.bind_target(target)
         self.drafter = drafter

@@ -1,4 +1,4 @@
-"""Command line: `hf-diffspec demo | bench | data | train`."""
+"""Command line: `hf-diffspec demo | bench | data | train | push`."""
 
 import argparse
 import json
@@ -151,6 +151,17 @@ def evaluate_drafter(target, tok, drafter, prompts_per_domain: int, max_new_toke
     }
 
 
+def cmd_push(args) -> None:
+    from .hub import files_to_upload, push
+
+    files = files_to_upload(args.folder)
+    if args.dry_run:
+        print(f"would upload {len(files)} files from {args.folder} to {args.repo_id}:")
+        print("\n".join(f"  {name}" for name in files))
+        return
+    print(push(args.folder, args.repo_id, private=args.private, token=args.token, revision=args.revision))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     kd.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     kd.add_argument("--device", default=None)
     kd.set_defaults(func=cmd_train)
+
+    push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")
+    push.add_argument("folder")
+    push.add_argument("--repo-id", required=True)
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--token", default=None, help="default: the token huggingface_hub finds (HF_TOKEN, login)")
+    push.add_argument("--revision", default=None)
+    push.add_argument("--dry-run", action="store_true", help="check the folder and list the files, upload nothing")
+    push.set_defaults(func=cmd_push)
     return parser
 
 

@@ -4,8 +4,9 @@ This is the only module that touches transformers' generation machinery beyond i
 
 Why this design (transformers 5.24 offers no registry for assistant types):
 - `GenerationMixin.generate` is wrapped once, at `import hf_diffspec`. The wrapper looks at `assistant_model` only:
-  a `DiffusionDrafter` is routed to our loop, anything else (including no assistant) calls the original `generate`
-  unchanged, so transformers' own assisted generation, prompt lookup, etc. behave exactly as before.
+  a diffusion drafter is routed to our loop (`routing.run_speculative`), anything else (including no assistant, or
+  an explicit `speculation_type="dflash"`) calls the original `generate` unchanged, so transformers' own assisted
+  generation, prompt lookup, DFlash path, etc. behave exactly as before.
 - Our loop is passed to the original `generate` as a `custom_generate` callable, a public API: generate still does
   all of its preparation (generation config, logits processors, stopping criteria incl. stop strings, cache, max
   length, streaming the prompt) and then calls the loop. A callable `custom_generate` does not receive
@@ -20,60 +21,17 @@ Why this design (transformers 5.24 offers no registry for assistant types):
 import functools
 import types
 
-from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
+from transformers import GenerationMixin
 
-from .decoding import speculative_generate
-from .modeling import DiffusionDrafter
-
-_UNSUPPORTED = {
-    "num_beams": (1, "beam search"),
-    "num_return_sequences": (1, "several return sequences"),
-}
-
-
-def is_diffusion_drafter(assistant) -> bool:
-    return isinstance(assistant, DiffusionDrafter)
-
-
-def _route_to_speculative_loop(model, args, kwargs, drafter, streamer):
-    if kwargs.get("custom_generate") is not None:
-        raise ValueError("assistant_model=<DiffusionDrafter> already selects hf_diffspec's loop; drop custom_generate")
-    for name, (allowed, what) in _UNSUPPORTED.items():
-        value = kwargs.get(name, getattr(kwargs.get("generation_config") or model.generation_config, name, allowed))
-        if value not in (None, allowed):
-            raise ValueError(f"speculative decoding with a DiffusionDrafter does not support {what} ({name}={value})")
-
-    _move_stop_strings_into_criteria(model, kwargs)
-
-    # generate already streamed the prompt; the loop streams every committed token
-    def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-        return speculative_generate(
-            model, input_ids, logits_processor, stopping_criteria, generation_config,
-            drafter=drafter, streamer=streamer, **model_kwargs,
-        )
-
-    return _original_generate(model, *args, streamer=streamer, custom_generate=loop, **kwargs)
-
-
-def _move_stop_strings_into_criteria(model, kwargs) -> None:
-    """generate (5.24) drops `tokenizer=` when `custom_generate` is a callable, so stop strings would fail: build
-    their criterion here, where the tokenizer is still known."""
-    config = kwargs.get("generation_config") or model.generation_config
-    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
-    tokenizer = kwargs.pop("tokenizer", None)
-    if not stop_strings:
-        return
-    if tokenizer is None:
-        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
-    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-    kwargs["stopping_criteria"] = criteria
-    kwargs["stop_strings"] = None
+from .candidate_generator import is_diffusion_drafter
+from .routing import run_speculative
 
 
 def _dispatching_generate(self, *args, assistant_model=None, streamer=None, **kwargs):
-    if is_diffusion_drafter(assistant_model):
-        return _route_to_speculative_loop(self, args, kwargs, assistant_model, streamer)
+    # speculation_type="dflash" explicitly asks for transformers' own DFlash path: respect it
+    config = kwargs.get("generation_config") or self.generation_config
+    if is_diffusion_drafter(assistant_model) and (kwargs.get("speculation_type") or config.speculation_type) is None:
+        return run_speculative(self, args, kwargs, assistant_model, streamer, _original_generate)
     return _original_generate(self, *args, assistant_model=assistant_model, streamer=streamer, **kwargs)
 
 
@@ -86,7 +44,7 @@ else:  # module re-imported: keep the first wrapper, find the real generate behi
     _original_generate = _original_generate.__wrapped__
 
 
-def assisted_generate_with_stock_loop(target, drafter: DiffusionDrafter, **generate_kwargs):
+def assisted_generate_with_stock_loop(target, drafter, **generate_kwargs):
     """Run transformers' own `_assisted_decoding` with our `DiffusionCandidateGenerator` (chains, batch 1).
 
     Useful to compare against transformers' reference verification; our loop is what `generate` uses by default.

@@ -143,5 +143,7 @@ def save_drafter(drafter: DiffusionDrafter, out: Path, info: dict) -> None:
     write_model_card(staging / "README.md", drafter, info)
     names = sorted(p.name for p in staging.iterdir())
     for name in [n for n in names if n != "config.json"] + ["config.json"]:
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
         os.replace(staging / name, out / name)
     staging.rmdir()

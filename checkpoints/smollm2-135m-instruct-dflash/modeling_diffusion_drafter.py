@@ -264,6 +264,17 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             drafter = drafter.to(target.device).bind_target(target)
         return (drafter, info) if wants_info else drafter
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus (when hf_diffspec is installed) a `custom_generate/` folder with the
+        decoding loop and a model card, so the folder also works with plain transformers and trust_remote_code."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        try:  # optional: a remote-code copy of this file must not require hf_diffspec
+            from hf_diffspec.hub import write_custom_generate, write_default_model_card
+        except ImportError:
+            return
+        write_custom_generate(save_directory)
+        write_default_model_card(save_directory, self.config)
+
     # ----- the forward pass ---------------------------------------------------------------------------------------
     def mask_embeds(self, batch: int, length: int) -> torch.Tensor:
         """Embeddings of `length` MASK tokens, shape (batch, length, hidden)."""

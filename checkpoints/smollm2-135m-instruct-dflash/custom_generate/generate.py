@@ -1,0 +1,67 @@
+"""From a `generate(...)` call with a diffusion drafter to our decoding loop.
+
+`run_speculative` re-enters transformers' `generate` with our loop as a `custom_generate` callable, so generate does
+all of its usual preparation (generation config, logits processors, stopping criteria, cache, max length, streaming
+the prompt) and then hands over. Two callers share it:
+- the dispatcher that `import hf_diffspec` installs (`generation.py`);
+- `generate` below, which is what a saved drafter's `custom_generate/generate.py` is (this file, copied at save
+  time), so `target.generate(..., assistant_model=drafter, custom_generate=<dir>, trust_remote_code=True)` works
+  without hf_diffspec installed. Imports: torch/transformers and sibling runtime modules only.
+"""
+
+from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
+
+from .candidate_generator import is_diffusion_drafter
+from .decoding import speculative_generate
+
+_UNSUPPORTED = {
+    "num_beams": (1, "beam search"),
+    "num_return_sequences": (1, "several return sequences"),
+}
+
+
+def run_speculative(model, args, kwargs, drafter, streamer, generate_fn):
+    """Call `generate_fn` (transformers' generate) with our loop as its `custom_generate` callable."""
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("assistant_model=<DiffusionDrafter> already selects hf_diffspec's loop; drop custom_generate")
+    config = kwargs.get("generation_config") or model.generation_config
+    for name, (allowed, what) in _UNSUPPORTED.items():
+        value = kwargs.get(name, getattr(config, name, allowed))
+        if value not in (None, allowed):
+            raise ValueError(f"speculative decoding with a DiffusionDrafter does not support {what} ({name}={value})")
+    _move_stop_strings_into_criteria(config, kwargs)
+
+    # generate already streamed the prompt; the loop streams every committed token
+    def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        return speculative_generate(
+            model, input_ids, logits_processor, stopping_criteria, generation_config,
+            drafter=drafter, streamer=streamer, **model_kwargs,
+        )
+
+    return generate_fn(model, *args, streamer=streamer, custom_generate=loop, **kwargs)
+
+
+def _move_stop_strings_into_criteria(config, kwargs) -> None:
+    """generate (5.24) drops `tokenizer=` when `custom_generate` is a callable, so stop strings would fail: build
+    their criterion here, where the tokenizer is still known."""
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    kwargs["stop_strings"] = None
+
+
+def generate(*args, model, assistant_model=None, streamer=None, **kwargs):
+    """Entry point of a drafter checkpoint's `custom_generate/` folder (keyword-only `model`, as transformers asks)."""
+    if not is_diffusion_drafter(assistant_model):
+        raise ValueError(
+            "this custom_generate folder runs hf_diffspec speculative decoding: pass the diffusion drafter as "
+            f"assistant_model= (got {type(assistant_model).__name__})"
+        )
+    kwargs.pop("trust_remote_code", None)
+    return run_speculative(model, args, kwargs, assistant_model, streamer, GenerationMixin.generate)

@@ -1,0 +1,85 @@
+"""Hub-ready drafter folders: the `custom_generate/` folder with our decoding loop, model cards, and `push`.
+
+A saved drafter folder works with plain transformers (no hf_diffspec installed):
+
+    drafter = AutoModel.from_pretrained(dir, trust_remote_code=True)
+    target.generate(**inputs, assistant_model=drafter, custom_generate=dir, trust_remote_code=True)
+
+`custom_generate/` is not a hand-kept copy: `write_custom_generate` copies the library's own runtime modules at save
+time (`routing.py` becomes `generate.py`), and a test checks that a saved folder matches the library.
+"""
+
+import shutil
+from pathlib import Path
+
+# runtime modules shipped in custom_generate/: name in the folder -> module of hf_diffspec
+CUSTOM_GENERATE_FILES = {
+    "generate.py": "routing.py",
+    "decoding.py": "decoding.py",
+    "candidate_generator.py": "candidate_generator.py",
+    "tree.py": "tree.py",
+    "kv_cache.py": "kv_cache.py",
+    "verification.py": "verification.py",
+}
+REQUIREMENTS = "transformers>=5.24\ntorch\n"
+REQUIRED_FILES = ["config.json", "configuration_diffusion_drafter.py", "modeling_diffusion_drafter.py", "README.md",
+                  *[f"custom_generate/{name}" for name in CUSTOM_GENERATE_FILES]]
+
+_RUNTIME = Path(__file__).resolve().parent
+
+
+def write_custom_generate(save_directory) -> Path:
+    """Copy the decoding loop into `save_directory/custom_generate/` (flat files, single-dot relative imports)."""
+    folder = Path(save_directory) / "custom_generate"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, module in CUSTOM_GENERATE_FILES.items():
+        shutil.copyfile(_RUNTIME / module, folder / name)
+    (folder / "requirements.txt").write_text(REQUIREMENTS)
+    return folder
+
+
+def write_default_model_card(save_directory, config) -> None:
+    """A short README.md for folders saved outside the training pipeline (which writes a fuller card)."""
+    path = Path(save_directory) / "README.md"
+    if path.exists():
+        return
+    path.write_text(
+        "---\nlibrary_name: hf-diffspec\ntags: [speculative-decoding, dflash, block-diffusion, drafter]\n---\n\n"
+        f"# Block-diffusion drafter ({config.num_hidden_layers} layers, block size {config.block_size})\n\n"
+        f"Target: `{config.target_name_or_path or config.target_model_type}` "
+        f"(features of layers {config.target_layer_ids} of {config.num_target_layers}).\n\n"
+        "With hf_diffspec: `DiffusionDrafter.from_pretrained(dir, target=target)`, then "
+        "`target.generate(**inputs, assistant_model=drafter)`.\n\n"
+        "Without it: `AutoModel.from_pretrained(dir, trust_remote_code=True)`, then "
+        "`target.generate(**inputs, assistant_model=drafter, custom_generate=dir, trust_remote_code=True)`.\n"
+    )
+
+
+def files_to_upload(folder) -> list[str]:
+    """The files `push` would upload (relative paths), after checking the folder is a complete drafter."""
+    folder = Path(folder)
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    has_weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    if not has_weights:
+        missing.append("model.safetensors")
+    if missing:
+        raise FileNotFoundError(
+            f"{folder} is not a complete drafter folder; missing {missing}. Save it with drafter.save_pretrained(dir)."
+        )
+    return sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") or part in ("checkpoints", "__pycache__")
+                                   for part in p.relative_to(folder).parts)
+    )
+
+
+def push(folder, repo_id: str, private: bool = False, token: str | None = None, revision: str | None = None) -> str:
+    """Create `repo_id` on the Hub (if needed) and upload the drafter folder; returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    files = files_to_upload(folder)
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, allow_patterns=files,
+                               commit_message="Upload hf-diffspec drafter")
+    return str(commit)

@@ -1,0 +1,123 @@
+"""Hub-ready folders: custom_generate/ made from the library, plain-transformers use without hf_diffspec, push."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_diffspec
+from hf_diffspec.cli import main
+from hf_diffspec.hub import CUSTOM_GENERATE_FILES, files_to_upload
+from helpers import tiny_drafter, tiny_target
+
+RUNTIME = Path(hf_diffspec.__file__).resolve().parent
+
+# Runs in a fresh interpreter in which importing hf_diffspec is impossible.
+NO_HF_DIFFSPEC = textwrap.dedent('''
+    import sys, importlib.abc
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hf_diffspec" or name.startswith("hf_diffspec."):
+                raise ModuleNotFoundError(f"blocked: {name}")
+
+    sys.meta_path.insert(0, Block())
+    try:
+        import hf_diffspec
+        raise SystemExit("hf_diffspec must not be importable here")
+    except ModuleNotFoundError:
+        pass
+
+    import random, torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    target_dir, drafter_dir = sys.argv[1], sys.argv[2]
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    try:
+        AutoModel.from_pretrained(drafter_dir, trust_remote_code=False)
+        raise SystemExit("remote code ran without trust_remote_code=True")
+    except ValueError:
+        pass
+    drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)
+    assert "hf_diffspec" not in type(drafter).__module__
+    ids = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=24, do_sample=False, repetition_penalty=1.2)
+    ref = target.generate(ids, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, custom_generate=drafter_dir, trust_remote_code=True,
+                          return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref), "chain: not identical to plain generate"
+    stats = out.speculation_stats
+    assert stats.target_forwards < 24 + 1 and stats.drafted_tokens > 0
+
+    # trees: replace the drafting policy of the loaded remote module by a noisy oracle with wrong siblings
+    gen_module = next(m for name, m in sys.modules.items() if name.endswith("custom_generate.candidate_generator"))
+    tree_module = next(m for name, m in sys.modules.items() if name.endswith("custom_generate.tree"))
+    truth, rng, trees = ref[0].tolist(), random.Random(0), []
+
+    def oracle(self, root_token, root_position, max_depth):
+        tokens, parents, parent = [root_token], [-1], 0
+        for tok in truth[root_position + 1 : root_position + 1 + min(max_depth, 7)]:
+            wrong = (tok + 1 + rng.randrange(100)) % 128
+            tokens += [wrong, tok]
+            parents += [parent, parent]
+            parent = len(tokens) - 1
+        tree = tree_module.CandidateTree(torch.tensor(tokens), parents)
+        trees.append(tree)
+        return tree
+
+    gen_module.DiffusionCandidateGenerator.propose = oracle
+    out = target.generate(ids, assistant_model=drafter, custom_generate=drafter_dir, trust_remote_code=True, **kwargs)
+    assert torch.equal(out, ref), "tree: not identical to plain generate"
+    assert trees and not trees[0].is_chain
+    print("OK", stats.tau)
+''')
+
+
+@pytest.fixture
+def saved(tmp_path):
+    target = tiny_target("llama", seed=21)
+    drafter = tiny_drafter(target, block_size=6)
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    return tmp_path / "target", tmp_path / "drafter"
+
+
+def test_custom_generate_is_the_librarys_own_code(saved):
+    _, drafter_dir = saved
+    for name, module in CUSTOM_GENERATE_FILES.items():
+        assert (drafter_dir / "custom_generate" / name).read_bytes() == (RUNTIME / module).read_bytes(), name
+
+
+def test_saved_folder_runs_with_plain_transformers_and_no_hf_diffspec(saved, tmp_path):
+    target_dir, drafter_dir = saved
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", NO_HF_DIFFSPEC, str(target_dir), str(drafter_dir)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "OK" in result.stdout
+
+
+def test_push_uploads_a_complete_folder_only(saved, tmp_path, capsys):
+    _, drafter_dir = saved
+    files = files_to_upload(drafter_dir)
+    assert {"config.json", "model.safetensors", "README.md", "modeling_diffusion_drafter.py",
+            "custom_generate/generate.py", "custom_generate/requirements.txt"} <= set(files)
+    main(["push", str(drafter_dir), "--repo-id", "me/drafter", "--dry-run"])
+    assert "custom_generate/generate.py" in capsys.readouterr().out
+    (drafter_dir / "custom_generate" / "generate.py").unlink()
+    with pytest.raises(FileNotFoundError, match="custom_generate/generate.py"):
+        files_to_upload(drafter_dir)
+
+
+def test_shipped_drafter_folder_is_hub_ready():
+    shipped = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
+    files = files_to_upload(shipped)
+    assert "custom_generate/generate.py" in files
+    for name, module in CUSTOM_GENERATE_FILES.items():
+        assert (shipped / "custom_generate" / name).read_bytes() == (RUNTIME / module).read_bytes(), name
+    assert json.loads((shipped / "config.json").read_text())["auto_map"]["AutoModel"].startswith("modeling_")
