@@ -153,7 +153,7 @@ def test_other_assistants_keep_transformers_behaviour(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("hf_diffspec's loop must not run for a plain assistant model")
 
-    monkeypatch.setattr(hf_diffspec.generation, "speculative_generate", fail)
+    monkeypatch.setattr(hf_diffspec.generation, "run_speculative", fail)
     ref = target.generate(ids, max_new_tokens=12, do_sample=False)
     out = target.generate(ids, assistant_model=assistant, max_new_tokens=12, do_sample=False)
     assert torch.equal(out, ref)
