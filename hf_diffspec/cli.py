@@ -1,4 +1,4 @@
-"""Command line: `hf-diffspec demo | bench | data | train | push`."""
+"""Command line: `hf-diffspec demo | bench | data | train | push | convert | export`."""
 
 import argparse
 import json
@@ -162,6 +162,21 @@ def cmd_push(args) -> None:
     print(push(args.folder, args.repo_id, private=args.private, token=args.token, revision=args.revision))
 
 
+def cmd_convert(args) -> None:
+    from .formats import convert_to_drafter
+
+    print(f"converted to {convert_to_drafter(args.folder, args.out, args.source)}")
+
+
+def cmd_export(args) -> None:
+    from .formats import export_for_engine
+
+    out, notes = export_for_engine(args.folder, args.out, args.format)
+    for note in notes:
+        print(f"note: {note}")
+    print(f"exported for {args.format} to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,6 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--revision", default=None)
     push.add_argument("--dry-run", action="store_true", help="check the folder and list the files, upload nothing")
     push.set_defaults(func=cmd_push)
+
+    convert = sub.add_parser("convert", help="z-lab or transformers-native DFlash checkpoint -> DiffusionDrafter")
+    convert.add_argument("folder")
+    convert.add_argument("--from", dest="source", required=True, choices=["zlab", "hf-native"])
+    convert.add_argument("--out", required=True)
+    convert.set_defaults(func=cmd_convert)
+
+    export = sub.add_parser("export", help="DiffusionDrafter -> the layout vLLM / SGLang DFlash loaders read")
+    export.add_argument("folder")
+    export.add_argument("--format", required=True, choices=["vllm", "sglang"])
+    export.add_argument("--out", required=True)
+    export.set_defaults(func=cmd_export)
     return parser
 
 
