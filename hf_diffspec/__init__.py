@@ -9,7 +9,7 @@ Importing the package registers the drafter with the Auto classes and routes `ge
 the speculative loop (see `hf_diffspec.generation`).
 """
 
-from .modeling import DiffusionDrafter, DiffusionDrafterConfig
+from .modeling import DiffusionDrafter, DiffusionDrafterConfig, DualDiffusionDrafter, DualDiffusionDrafterConfig
 from .tree import CandidateTree
 from .candidate_generator import DiffusionCandidateGenerator
 from .decoding import SpeculationStats, SpeculativeDecoderOnlyOutput, speculative_generate
@@ -32,6 +32,8 @@ __all__ = [
     "DiffusionCandidateGenerator",
     "DiffusionDrafter",
     "DiffusionDrafterConfig",
+    "DualDiffusionDrafter",
+    "DualDiffusionDrafterConfig",
     "SpeculationStats",
     "SpeculativeDecoderOnlyOutput",
     "assisted_generate_with_stock_loop",

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .modeling import DiffusionDrafter
 
 
 @dataclass
@@ -27,6 +26,7 @@ class MethodRun:
     seconds: float = 0.0
     committed: int = 0
     steps: int = 0
+    verified: int = 0
     identical: int = 0
     prompts: int = 0
     outputs: list = field(default_factory=list)
@@ -40,17 +40,12 @@ class MethodRun:
         return self.committed / self.steps if self.steps else 1.0
 
 
-def _run_ar(target, drafter, inputs, max_new_tokens):
-    out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return out, None
-
-
-def _run_speculative(target, drafter, inputs, max_new_tokens):
+def _generate(target, drafter, inputs, max_new_tokens):
+    """Plain greedy generate when `drafter` is None, else speculative; returns (ids, stats or None)."""
+    if drafter is None:
+        return target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False), None
     out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
     return out, drafter.last_generation_stats
-
-
-METHODS = {"ar": _run_ar, "dflash": _run_speculative}
 
 
 def machine_description() -> dict:
@@ -71,19 +66,15 @@ def machine_description() -> dict:
     }
 
 
-def run_benchmark(target, tokenizer, drafter: DiffusionDrafter | None, prompts: list[dict], methods: list[str],
-                  max_new_tokens: int, progress: bool = True) -> dict[tuple[str, str], MethodRun]:
-    """Run every method on every prompt (chat-templated `text`), interleaved; return totals per (method, domain)."""
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
-    if "ar" not in methods:
-        methods = ["ar", *methods]  # speedups are ratios to ar measured in the same run
-    if any(m != "ar" for m in methods) and drafter is None:
-        raise ValueError("speculative methods need a drafter")
+def run_benchmark(target, tokenizer, drafters: dict, prompts: list[dict], max_new_tokens: int,
+                  progress: bool = True) -> dict[tuple[str, str], MethodRun]:
+    """Run every method (name -> drafter, None for plain `ar`) on every prompt (chat-templated `text`),
+    interleaved; return totals per (method, domain)."""
+    drafters = {"ar": None, **drafters}  # speedups are ratios to ar measured in the same run
+    methods = list(drafters)
     encoded = [tokenizer(p["text"], return_tensors="pt", add_special_tokens=False).to(target.device) for p in prompts]
     for method in methods:  # warm-up, not counted
-        METHODS[method](target, drafter, encoded[0], min(8, max_new_tokens))
+        _generate(target, drafters[method], encoded[0], min(8, max_new_tokens))
 
     results: dict[tuple[str, str], MethodRun] = {}
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress)
@@ -92,7 +83,7 @@ def run_benchmark(target, tokenizer, drafter: DiffusionDrafter | None, prompts: 
         outputs = {}
         for method in order:
             start = time.perf_counter()
-            out, stats = METHODS[method](target, drafter, inputs, max_new_tokens)
+            out, stats = _generate(target, drafters[method], inputs, max_new_tokens)
             elapsed = time.perf_counter() - start
             outputs[method] = out
             run = results.setdefault((method, prompt["domain"]), MethodRun())
@@ -102,6 +93,7 @@ def run_benchmark(target, tokenizer, drafter: DiffusionDrafter | None, prompts: 
             if stats is not None:
                 run.committed += sum(stats.committed_per_step)
                 run.steps += len(stats.committed_per_step)
+                run.verified += stats.verified_tokens
             bar.update(1)
         for method in methods:
             run = results[(method, prompt["domain"])]
@@ -123,6 +115,7 @@ def summarize(results: dict[tuple[str, str], MethodRun]) -> list[dict]:
             total = MethodRun(
                 new_tokens=sum(r.new_tokens for r in picked), seconds=sum(r.seconds for r in picked),
                 committed=sum(r.committed for r in picked), steps=sum(r.steps for r in picked),
+                verified=sum(r.verified for r in picked),
                 identical=sum(r.identical for r in picked), prompts=sum(r.prompts for r in picked),
             )
             ar_rate = sum(r.new_tokens for r in base) / max(sum(r.seconds for r in base), 1e-9)
@@ -132,18 +125,19 @@ def summarize(results: dict[tuple[str, str], MethodRun]) -> list[dict]:
                 "speedup_vs_ar": round(total.tokens_per_s / ar_rate, 3) if ar_rate else None,
                 "identical_to_ar": total.identical == total.prompts,
                 "identical_fraction": round(total.identical / max(total.prompts, 1), 3),
+                "nodes_per_step": round(total.verified / total.steps, 2) if total.steps else 1.0,
                 "new_tokens": total.new_tokens, "seconds": round(total.seconds, 2),
             })
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method | domain | prompts | tau | tokens/s | speedup vs ar | identical to ar |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | domain | prompts | tau | tokens verified/step | tokens/s | speedup vs ar | identical to ar |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['domain']} | {r['prompts']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
-            f"{r['speedup_vs_ar']:.2f}x | {r['identical_fraction'] * 100:.0f}% |"
+            f"| {r['method']} | {r['domain']} | {r['prompts']} | {r['tau']:.2f} | {r['nodes_per_step']:.1f} | "
+            f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {r['identical_fraction'] * 100:.0f}% |"
         )
     return "\n".join(lines)
 

@@ -13,6 +13,8 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # Shipped drafters live in the repository's checkpoints/ folder (found through an editable install or a checkout).
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-dflash"}
+SHIPPED_VP_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-d2sd-vp"}
+SPECULATIVE_METHODS = ("dflash", "d2sd", "d2sd-reuse")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 log = logging.getLogger("hf_diffspec")
@@ -65,6 +67,31 @@ def cmd_demo(args) -> None:
           + ("" if args.dtype.startswith("fp") else " (bf16 may flip near-ties; use --dtype fp32 for the exact check)"))
 
 
+def build_method_drafters(methods: list[str], target, args) -> dict:
+    """method name -> drafter: `dflash` the first drafter, `d2sd` first + VP drafter, `d2sd-reuse` the first drafter
+    re-drafting its own branches (the paper's DFlash -> DFlash ablation)."""
+    from . import DiffusionDrafter, DualDiffusionDrafter
+
+    unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS)]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)}")
+    drafters = {}
+    first = load_drafter(args.drafter, target, args.target) if set(methods) - {"ar"} else None
+    tree = dict(num_branches=args.branches, tree_budget=args.tree_budget, max_depth=args.tree_depth)
+    for method in methods:
+        if method == "dflash":
+            drafters[method] = first
+        elif method == "d2sd-reuse":
+            drafters[method] = DualDiffusionDrafter.from_drafters(first, None, **tree)
+        elif method == "d2sd":
+            vp_path = args.vp_drafter or SHIPPED_VP_DRAFTERS.get(args.target)
+            if vp_path is None or not (Path(vp_path) / "config.json").exists():
+                raise SystemExit("method d2sd needs a VP drafter: pass --vp-drafter PATH (or use d2sd-reuse)")
+            vp = DiffusionDrafter.from_pretrained(vp_path, target=target)
+            drafters[method] = DualDiffusionDrafter.from_drafters(first, vp, **tree)
+    return drafters
+
+
 def cmd_bench(args) -> None:
     from . import load_target
     from .assets import load_prompts, load_prompts_file
@@ -72,14 +99,14 @@ def cmd_bench(args) -> None:
 
     torch.manual_seed(args.seed)
     target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    drafter = load_drafter(args.drafter, target, args.target) if any(m != "ar" for m in methods) else None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "ar"]
+    drafters = build_method_drafters(methods, target, args)
     if args.prompts_file:
         prompts = load_prompts_file(args.prompts_file, tokenizer=tok)
     else:
         domains = [d.strip() for d in args.domains.split(",") if d.strip()]
         prompts = load_prompts(domains, n_per_domain=args.prompts, tokenizer=tok)
-    results = run_benchmark(target, tok, drafter, prompts, methods, args.max_new_tokens)
+    results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens)
     rows = summarize(results)
     print(markdown_table(rows))
     config = {k: v for k, v in vars(args).items() if k != "func"}
@@ -126,6 +153,7 @@ def cmd_train(args) -> None:
         grad_accum=args.grad_accum, learning_rate=args.lr, logging_steps=args.logging_steps,
         save_steps=args.save_steps, seed=args.seed, resume=args.resume,
         init_from_target_layers=args.init_from_target_layers, time_budget_minutes=args.time_budget,
+        kind=args.kind, prefix_beta=getattr(args, "prefix_beta", 0.9),
     )
     evaluate = None
     if args.eval_prompts > 0:
@@ -141,7 +169,7 @@ def evaluate_drafter(target, tok, drafter, prompts_per_domain: int, max_new_toke
     from .bench import machine_description, run_benchmark, summarize
 
     prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tok)
-    rows = summarize(run_benchmark(target, tok, drafter, prompts, ["ar", "dflash"], max_new_tokens, progress=False))
+    rows = summarize(run_benchmark(target, tok, {"dflash": drafter}, prompts, max_new_tokens, progress=False))
     machine = machine_description()
     return {
         "rows": [r for r in rows if r["method"] == "dflash"],
@@ -192,7 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="tau, tokens/s and speedup per method and domain")
     bench.add_argument("--target", default=DEFAULT_TARGET)
     bench.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
-    bench.add_argument("--methods", default="ar,dflash")
+    bench.add_argument("--methods", default="ar,dflash", help=f"ar and any of {', '.join(SPECULATIVE_METHODS)}")
+    bench.add_argument("--vp-drafter", default=None, help="VP drafter for d2sd (default: the shipped one)")
+    bench.add_argument("--branches", type=int, default=4, help="D²SD: K prefix lengths re-drafted")
+    bench.add_argument("--tree-budget", type=int, default=16, help="D²SD: most tree nodes verified per step")
+    bench.add_argument("--tree-depth", type=int, default=None, help="D²SD: deepest level (default block_size-1)")
     bench.add_argument("--domains", default="code,math,chat")
     bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
     bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
@@ -225,34 +257,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a drafter")
     train_sub = train.add_subparsers(dest="train_command", required=True)
-    kd = train_sub.add_parser("kd", help="block-diffusion distillation (DFlash recipe)")
-    kd.add_argument("--target", default=DEFAULT_TARGET)
-    kd.add_argument("--data", nargs="+", required=True, help="one or more data directories")
-    kd.add_argument("--out", required=True)
-    kd.add_argument("--init", default=None, help="start from this drafter checkpoint")
-    kd.add_argument("--lora", action="store_true", help="LoRA fine-tuning of --init through peft")
-    kd.add_argument("--lora-rank", type=int, default=16)
-    kd.add_argument("--num-layers", type=int, default=2)
-    kd.add_argument("--block-size", type=int, default=16)
-    kd.add_argument("--num-anchors", type=int, default=64)
-    kd.add_argument("--max-length", type=int, default=1024)
-    kd.add_argument("--epochs", type=float, default=1.0)
-    kd.add_argument("--max-steps", type=int, default=-1)
-    kd.add_argument("--batch-size", type=int, default=4)
-    kd.add_argument("--grad-accum", type=int, default=1)
-    kd.add_argument("--lr", type=float, default=6e-4)
-    kd.add_argument("--logging-steps", type=int, default=10)
-    kd.add_argument("--save-steps", type=int, default=500)
-    kd.add_argument("--seed", type=int, default=0)
-    kd.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
-    kd.add_argument("--init-from-target-layers", action="store_true")
-    kd.add_argument("--time-budget", type=float, default=None,
-                    help="minutes: stop then, with warmup + cosine following the fraction of the budget spent")
-    kd.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts per domain for the model card")
-    kd.add_argument("--eval-max-new-tokens", type=int, default=64)
-    kd.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    kd.add_argument("--device", default=None)
-    kd.set_defaults(func=cmd_train)
+    for kind, helptext in [("kd", "block-diffusion distillation of a first drafter (DFlash recipe)"),
+                           ("vp", "a D²SD variable-prefix drafter (prefix prior beta^l), usually --init FIRST")]:
+        trainp = train_sub.add_parser(kind, help=helptext)
+        trainp.add_argument("--target", default=DEFAULT_TARGET)
+        trainp.add_argument("--data", nargs="+", required=True, help="one or more data directories")
+        trainp.add_argument("--out", required=True)
+        trainp.add_argument("--init", default=None, help="start from this drafter checkpoint")
+        trainp.add_argument("--lora", action="store_true", help="LoRA fine-tuning of --init through peft")
+        trainp.add_argument("--lora-rank", type=int, default=16)
+        trainp.add_argument("--num-layers", type=int, default=2)
+        trainp.add_argument("--block-size", type=int, default=16)
+        trainp.add_argument("--num-anchors", type=int, default=64)
+        trainp.add_argument("--max-length", type=int, default=1024)
+        trainp.add_argument("--epochs", type=float, default=1.0)
+        trainp.add_argument("--max-steps", type=int, default=-1)
+        trainp.add_argument("--batch-size", type=int, default=4)
+        trainp.add_argument("--grad-accum", type=int, default=1)
+        trainp.add_argument("--lr", type=float, default=6e-4)
+        trainp.add_argument("--logging-steps", type=int, default=10)
+        trainp.add_argument("--save-steps", type=int, default=500)
+        trainp.add_argument("--seed", type=int, default=0)
+        trainp.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
+        trainp.add_argument("--init-from-target-layers", action="store_true")
+        trainp.add_argument("--time-budget", type=float, default=None,
+                        help="minutes: stop then, with warmup + cosine following the fraction of the budget spent")
+        trainp.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts per domain for the model card")
+        trainp.add_argument("--eval-max-new-tokens", type=int, default=64)
+        trainp.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+        trainp.add_argument("--device", default=None)
+        trainp.set_defaults(func=cmd_train)
+        trainp.set_defaults(kind=kind)
+        if kind == "vp":
+            trainp.add_argument("--prefix-beta", type=float, default=0.9)
 
     push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")
     push.add_argument("folder")

@@ -51,6 +51,9 @@ def assisted_generate_with_stock_loop(target, drafter, **generate_kwargs):
     """
     from .candidate_generator import DiffusionCandidateGenerator
 
+    if drafter.config.model_type != "diffusion_drafter":
+        raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
+
     def candidate_generator(self, generation_config, *args, **kwargs):
         return DiffusionCandidateGenerator(drafter, self, generation_config.max_length)
 

@@ -9,6 +9,7 @@ A saved drafter folder works with plain transformers (no hf_diffspec installed):
 time (`routing.py` becomes `generate.py`), and a test checks that a saved folder matches the library.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ CUSTOM_GENERATE_FILES = {
     "decoding.py": "decoding.py",
     "candidate_generator.py": "candidate_generator.py",
     "tree.py": "tree.py",
+    "prefix_tree.py": "prefix_tree.py",
     "kv_cache.py": "kv_cache.py",
     "verification.py": "verification.py",
 }
@@ -26,6 +28,11 @@ REQUIRED_FILES = ["config.json", "configuration_diffusion_drafter.py", "modeling
                   *[f"custom_generate/{name}" for name in CUSTOM_GENERATE_FILES]]
 
 _RUNTIME = Path(__file__).resolve().parent
+_SINGLE = ["configuration_diffusion_drafter.py", "modeling_diffusion_drafter.py"]
+_MODELING_FILES = {
+    "diffusion_drafter": _SINGLE,
+    "dual_diffusion_drafter": [*_SINGLE, "configuration_dual_drafter.py", "modeling_dual_drafter.py"],
+}
 
 
 def write_custom_generate(save_directory) -> Path:
@@ -36,6 +43,19 @@ def write_custom_generate(save_directory) -> Path:
         shutil.copyfile(_RUNTIME / module, folder / name)
     (folder / "requirements.txt").write_text(REQUIREMENTS)
     return folder
+
+
+def refresh_code(folder) -> None:
+    """Bring a saved drafter folder's remote code (modeling files and custom_generate/) up to this library's version,
+    leaving weights, config and model card untouched."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    from . import modeling as modeling_package  # installed from modeling/ as hf_diffspec.modeling
+
+    modeling = Path(modeling_package.__file__).resolve().parent
+    for name in _MODELING_FILES[config["model_type"]]:
+        shutil.copyfile(modeling / name, folder / name)
+    write_custom_generate(folder)
 
 
 def write_default_model_card(save_directory, config) -> None:

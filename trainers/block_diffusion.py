@@ -213,6 +213,21 @@ class BlockDiffusionTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
+class VariablePrefixTrainer(BlockDiffusionTrainer):
+    """Trains D²SD's variable-prefix (VP) drafter: each block starts with the anchor plus `l` real tokens,
+    Pr(l) ∝ beta^l with at least one MASK slot left, and only slots after the prefix are learned (weights
+    exp(-(k-l-1)/decay) via the shared loss). At inference the prefix is the first drafter's accepted-looking drafts."""
+
+    def __init__(self, *args, prefix_beta: float = 0.9, **kwargs):
+        super().__init__(*args, **kwargs)
+        lengths = torch.arange(self.block_size - 1, dtype=torch.float)
+        self.prefix_probs = prefix_beta ** lengths / (prefix_beta ** lengths).sum()
+
+    def prefix_lengths(self, anchors: torch.Tensor) -> torch.Tensor:
+        draws = torch.multinomial(self.prefix_probs, anchors.numel(), replacement=True)
+        return draws.view_as(anchors).to(anchors.device)
+
+
 class _StopAtTimeBudget(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer

@@ -14,7 +14,7 @@ from transformers import TrainingArguments, set_seed
 
 from hf_diffspec.modeling import DiffusionDrafter
 
-from .block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer, loss_curve_summary
+from .block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer, VariablePrefixTrainer, loss_curve_summary
 from .data import DrafterDataset
 from .model_card import write_model_card
 
@@ -46,6 +46,8 @@ class TrainConfig:
     bf16: bool = True
     init_from_target_layers: bool = False
     time_budget_minutes: float | None = None
+    kind: str = "kd"  # "kd": a first (DFlash) drafter; "vp": a D²SD variable-prefix drafter
+    prefix_beta: float = 0.9
     extra_config: dict = field(default_factory=dict)
 
 
@@ -59,6 +61,7 @@ def build_drafter(target, cfg: TrainConfig) -> DiffusionDrafter:
                                                **cfg.extra_config).float()
         if cfg.init_from_target_layers:
             copy_target_layers(drafter, target)
+    drafter.config.draft_role = "variable_prefix" if cfg.kind == "vp" else "first"
     return drafter
 
 
@@ -98,8 +101,11 @@ def train_drafter(target, tokenizer, target_name: str, cfg: TrainConfig, command
         remove_unused_columns=False, disable_tqdm=False, use_cpu=not use_gpu,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = BlockDiffusionTrainer(
-        model=model, args=args, train_dataset=dataset, target=target,
+    trainer_class, extra = BlockDiffusionTrainer, {}
+    if cfg.kind == "vp":
+        trainer_class, extra = VariablePrefixTrainer, {"prefix_beta": cfg.prefix_beta}
+    trainer = trainer_class(
+        model=model, args=args, train_dataset=dataset, target=target, **extra,
         time_budget_s=cfg.time_budget_minutes * 60 if cfg.time_budget_minutes else None,
         data_collator=BlockDiffusionCollator(pad, num_anchors=cfg.num_anchors, seed=cfg.seed),
     )

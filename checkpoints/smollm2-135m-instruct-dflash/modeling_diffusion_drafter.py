@@ -84,7 +84,14 @@ class DiffusionDrafterAttention(nn.Module):
         self.q_norm = DiffusionDrafterRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DiffusionDrafterRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None):
+    def project_context(self, context, cos, sin):
+        """This layer's K/V of the fused context features (RoPE at their positions), as stored in the cache."""
+        batch, ctx_len, _ = context.shape
+        k = self.k_norm(self.k_proj(context).view(batch, ctx_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(context).view(batch, ctx_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None, extend_cache=True):
         batch, q_len, _ = hidden_states.shape
         kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
         kv_len = kv_input.shape[1]
@@ -95,8 +102,12 @@ class DiffusionDrafterAttention(nn.Module):
         # cos/sin cover [context ; block]; queries are the block, i.e. the last q_len positions
         q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
         k = apply_rope(k, cos, sin)
-        if cache is not None:
+        if cache is not None and extend_cache:
             k, v = cache.update(k, v, self.layer_idx)
+        elif cache is not None:  # read-only: one cached context shared by every row (e.g. D²SD branches)
+            layer = cache.layers[self.layer_idx]
+            k = torch.cat([layer.keys.expand(batch, -1, -1, -1), k], dim=2)
+            v = torch.cat([layer.values.expand(batch, -1, -1, -1), v], dim=2)
 
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
@@ -124,9 +135,9 @@ class DiffusionDrafterDecoderLayer(nn.Module):
         self.input_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None):
+    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None, extend_cache=True):
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), context, cos, sin, attention_mask, cache
+            self.input_layernorm(hidden_states), context, cos, sin, attention_mask, cache, extend_cache
         )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -175,7 +186,9 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             2D 0/1 mask (batch, kv); `None` means every query sees every key;
         `cache`, optional: a transformers `Cache` that accumulates the context K/V (callers crop the block after use);
         `mask_positions` (batch, q) bool, optional: slots to replace by the MASK embedding inside the forward (what
-            training uses, so that the MASK embedding is used inside forward under DDP/peft wrappers).
+            training uses, so that the MASK embedding is used inside forward under DDP/peft wrappers);
+        `extend_cache` (default True): False reads `cache` without writing to it, broadcasting its (batch 1) context
+            to every row: several blocks (D²SD branches) drafted against one cached context in one pass.
 
     The target's input embeddings and LM head are borrowed, frozen, through `bind_target` (done by `from_target` and
     `from_pretrained(..., target=...)`).
@@ -299,6 +312,7 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         cache=None,
         use_cache: bool | None = None,
         mask_positions: torch.Tensor | None = None,
+        extend_cache: bool = True,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         batch, q_len, _ = noise_embeds.shape
@@ -333,8 +347,18 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         cos, sin = self.rotary_emb(position_ids, noise_embeds.dtype)
         hidden_states = noise_embeds
         for layer in self.layers:
-            hidden_states = layer(hidden_states, context, cos, sin, attention_mask, cache)
+            hidden_states = layer(hidden_states, context, cos, sin, attention_mask, cache, extend_cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+    @torch.no_grad()
+    def prefill_context(self, context_hidden_states: torch.Tensor, position_ids: torch.Tensor, cache) -> None:
+        """Append the K/V of new context tokens to `cache` in every layer, without drafting a block. Context K/V
+        depend only on the fused features (never on the block), so they can be computed ahead of any draft."""
+        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(position_ids, context.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_context(context, cos, sin)
+            cache.update(k, v, i)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft logits through the borrowed (frozen) target LM head."""

@@ -1,0 +1,67 @@
+"""D²SD prefix trees: where the first drafter's block is likeliest to be rejected, re-draft alternatives.
+
+With first-drafter confidences c_k = max_v q_k(v), the probability that exactly the first i drafts are accepted is
+estimated by the rejection-boundary posterior r(i) = (c_1 ... c_i)(1 - c_{i+1}). The K prefix lengths with the largest
+r(i) are re-drafted (by the VP drafter, all in one batched pass): branch i keeps drafts 1..i, then proposes the VP
+drafter's best token OTHER than draft i+1 (the main chain already holds that one) and continues with its drafts.
+
+Branches that share tokens share nodes (a deduplicated tree verifies fewer tokens than the paper's per-branch
+cascade). Every node gets the estimated probability that verification reaches it; the `budget` most probable nodes
+are kept, which is ancestor-closed because a node is never more probable than its parent.
+"""
+
+import torch
+
+from .tree import CandidateTree
+
+
+def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_fn, num_branches: int,
+                      budget: int) -> CandidateTree:
+    """`first_probs` (depth, vocab): the first drafter's distributions for slots 1..depth.
+    `branch_probs_fn(prefixes)` -> (K, depth, vocab): the second drafter's distributions for each prefix."""
+    depth = first_probs.shape[0]
+    confidences, drafts = first_probs.max(-1)
+    reach = torch.cat([confidences.new_ones(1), torch.cumprod(confidences, 0)[:-1]])  # P(first i accepted)
+    boundary = reach * (1 - confidences)                                                # r(i), i = 0..depth-1
+    picks = sorted(torch.topk(boundary, min(num_branches, depth)).indices.tolist())
+
+    # candidate nodes as (score, depth, parent_key, token); a node's key is its token path from the root
+    scores: dict[tuple, float] = {}
+
+    def add(path: tuple, score: float) -> None:
+        scores[path] = max(scores.get(path, 0.0), score)
+
+    main = tuple(drafts.tolist())
+    for k in range(depth):
+        add(main[: k + 1], float(reach[k] * confidences[k]))
+
+    branch_probs = branch_probs_fn([drafts[:i] for i in picks])
+    for row, i in enumerate(picks):
+        probs = branch_probs[row, i:]                      # VP distributions for slots i+1..depth
+        first = probs[0].clone()
+        first[main[i]] = 0                                 # the alternative to draft i+1
+        alternative = int(first.argmax())
+        rest = 1 - float(probs[0, main[i]])
+        score = float(boundary[i]) * float(first[alternative]) / max(rest, 1e-9)
+        path = main[:i] + (alternative,)
+        add(path, score)
+        for slot in range(1, probs.shape[0]):
+            confidence, token = probs[slot].max(-1)
+            score *= float(confidence)
+            path = path + (int(token),)
+            add(path, score)
+
+    # keep the most probable nodes; a child is never more probable than its parent, so this keeps ancestors
+    keep = sorted(scores, key=lambda p: (-min(scores[p[:j]] for j in range(1, len(p) + 1)), len(p)))[: budget - 1]
+    keep.sort(key=len)
+    index = {(): 0}
+    tokens, parents, node_conf = [root_token], [-1], [1.0]
+    for path in keep:
+        if path[:-1] not in index:
+            continue  # its parent was pruned (only possible with equal scores)
+        index[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]])
+        node_conf.append(scores[path])
+    return CandidateTree(torch.tensor(tokens, device=first_probs.device), parents,
+                         confidences=torch.tensor(node_conf[1:]))

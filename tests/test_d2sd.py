@@ -1,0 +1,129 @@
+"""D²SD: dual drafter checkpoints, prefix-tree construction, lossless tree decoding, bad input."""
+
+import pytest
+import torch
+from transformers import AutoModel
+
+import hf_diffspec
+from hf_diffspec.candidate_generator import DiffusionCandidateGenerator
+from hf_diffspec.prefix_tree import build_prefix_tree
+from helpers import tiny_drafter, tiny_target
+
+
+def dual_for(target, vp=True, seed=0, **tree):
+    first = tiny_drafter(target, block_size=8, seed=seed)
+    second = tiny_drafter(target, block_size=8, seed=seed + 100) if vp else None
+    return hf_diffspec.DualDiffusionDrafter.from_drafters(first, second, **tree)
+
+
+def record_trees(monkeypatch):
+    trees = []
+    original = DiffusionCandidateGenerator.propose
+
+    def recording(self, *args, **kwargs):
+        tree = original(self, *args, **kwargs)
+        trees.append(tree)
+        return tree
+
+    monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording)
+    return trees
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("vp", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_d2sd_greedy_is_identical_to_plain_generate(monkeypatch, kind, vp, seed):
+    target = tiny_target(kind, seed=seed)
+    # sharpen the random target so that some drafts get accepted and trees get walked below the root
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+    dual = dual_for(target, vp=vp, seed=seed, num_branches=3, tree_budget=10, max_depth=6)
+    ids = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(seed))
+    kwargs = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.1)
+    trees = record_trees(monkeypatch)
+    assert torch.equal(target.generate(ids, assistant_model=dual, **kwargs), target.generate(ids, **kwargs))
+    assert all(len(t) <= 10 and t.max_depth <= 6 for t in trees)
+    assert any(not t.is_chain for t in trees)
+    assert sum(dual.last_generation_stats.committed_per_step) + 1 == 30
+
+
+def test_prefix_tree_branches_where_rejection_is_likeliest():
+    vocab = 10
+    first = torch.zeros(4, vocab)
+    # drafts 1, 2, 3, 4 with confidences 0.9, 0.3, 0.9, 0.9: rejection is likeliest at slot 2 (i = 1)
+    for slot, (token, conf) in enumerate([(1, 0.9), (2, 0.3), (3, 0.9), (4, 0.9)]):
+        first[slot] = (1 - conf) / (vocab - 1)
+        first[slot, token] = conf
+    calls = []
+
+    def branch_probs(prefixes):
+        calls.append([p.tolist() for p in prefixes])
+        probs = torch.full((len(prefixes), 4, vocab), 0.01)
+        probs[:, :, 7] = 0.5   # VP's favourite everywhere
+        probs[:, :, 2] = 0.4
+        return probs / probs.sum(-1, keepdim=True)
+
+    tree = build_prefix_tree(0, first, branch_probs, num_branches=1, budget=16)
+    assert calls == [[[1]]]                       # one branch, re-drafted after the prefix [1]
+    node = 0
+    for token in [1, 2, 3, 4]:                      # the main chain is kept whole
+        node = tree.children[node][token]
+    after_prefix = tree.children[tree.children[0][1]]
+    assert set(after_prefix) == {2, 7}              # main draft 2 and the VP's alternative (never the same token)
+    small = build_prefix_tree(0, first, branch_probs, num_branches=1, budget=4)
+    assert len(small) == 4 and all(p < i for i, p in enumerate(small.parents) if i)
+
+
+def test_dual_drafter_saves_and_loads_as_one_checkpoint(tmp_path):
+    target = tiny_target("llama")
+    dual = dual_for(target, num_branches=2, tree_budget=9)
+    dual.save_pretrained(tmp_path)
+    assert (tmp_path / "modeling_dual_drafter.py").exists() and (tmp_path / "custom_generate" / "prefix_tree.py").exists()
+    loaded = hf_diffspec.DualDiffusionDrafter.from_pretrained(tmp_path, target=target)
+    assert loaded.config.num_branches == 2 and loaded.config.tree_budget == 9 and loaded.vp is not None
+    assert isinstance(AutoModel.from_pretrained(tmp_path), hf_diffspec.DualDiffusionDrafter)
+    ids = torch.randint(2, 128, (1, 8))
+    assert torch.equal(target.generate(ids, assistant_model=loaded, max_new_tokens=12),
+                       target.generate(ids, max_new_tokens=12))
+
+
+def test_d2sd_sampling_follows_the_target(monkeypatch):
+    target = tiny_target("llama", seed=5, vocab_size=16)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6)
+    dual = hf_diffspec.DualDiffusionDrafter.from_drafters(tiny_drafter(target, block_size=6), None, num_branches=3)
+    ids = torch.randint(2, 16, (1, 8), generator=torch.Generator().manual_seed(0))
+    same = 0
+    for seed in range(100):
+        torch.manual_seed(seed)
+        ref = target.generate(ids, max_new_tokens=6, do_sample=True)
+        torch.manual_seed(seed)
+        same += torch.equal(target.generate(ids, assistant_model=dual, max_new_tokens=6, do_sample=True), ref)
+    assert same >= 97
+
+
+def test_bad_d2sd_configurations_are_refused():
+    target = tiny_target("llama")
+    first = tiny_drafter(target, block_size=4)
+    with pytest.raises(ValueError, match="only 3 prefix lengths"):
+        hf_diffspec.DualDiffusionDrafter.from_drafters(first, None, num_branches=4)
+    with pytest.raises(ValueError, match="block_size"):
+        hf_diffspec.DualDiffusionDrafter.from_drafters(first, tiny_drafter(target, block_size=8), num_branches=2)
+    other_target = tiny_target("llama", vocab_size=96)
+    with pytest.raises(ValueError, match="vocab_size"):
+        hf_diffspec.DualDiffusionDrafter.from_drafters(first, tiny_drafter(other_target, block_size=4), num_branches=2)
+    dual = hf_diffspec.DualDiffusionDrafter.from_drafters(first, None, num_branches=2)
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(torch.randint(2, 128, (2, 6)), assistant_model=dual, max_new_tokens=4)
+    with pytest.raises(ValueError, match="chains only"):
+        hf_diffspec.assisted_generate_with_stock_loop(target, dual, inputs=torch.randint(2, 128, (1, 6)),
+                                                      max_new_tokens=4)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
+def test_trees_never_exceed_the_token_budget(max_new_tokens):
+    target = tiny_target("qwen3", seed=2)
+    dual = dual_for(target, num_branches=3, tree_budget=12)
+    ids = torch.randint(2, 128, (1, 7))
+    assert torch.equal(target.generate(ids, assistant_model=dual, max_new_tokens=max_new_tokens),
+                       target.generate(ids, max_new_tokens=max_new_tokens))
