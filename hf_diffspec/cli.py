@@ -1,4 +1,4 @@
-"""Command line: `hf-diffspec demo | bench | data | train | push | convert | export`."""
+"""Command line: `hf-diffspec demo | bench | profile | data | train | push | convert | export`."""
 
 import argparse
 import json
@@ -14,7 +14,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-dflash"}
 SHIPPED_VP_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-d2sd-vp"}
-SPECULATIVE_METHODS = ("dflash", "d2sd", "d2sd-reuse")
+SPECULATIVE_METHODS = ("dflash", "d2sd", "d2sd-reuse", "d2sd-resample")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 log = logging.getLogger("hf_diffspec")
@@ -69,7 +69,8 @@ def cmd_demo(args) -> None:
 
 def build_method_drafters(methods: list[str], target, args) -> dict:
     """method name -> drafter: `dflash` the first drafter, `d2sd` first + VP drafter, `d2sd-reuse` the first drafter
-    re-drafting its own branches (the paper's DFlash -> DFlash ablation)."""
+    re-drafting its own branches (the paper's DFlash -> DFlash ablation), `d2sd-resample` branches taken from the
+    first pass's own distributions (no second pass)."""
     from . import DiffusionDrafter, DualDiffusionDrafter
 
     unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS)]
@@ -83,6 +84,8 @@ def build_method_drafters(methods: list[str], target, args) -> dict:
             drafters[method] = first
         elif method == "d2sd-reuse":
             drafters[method] = DualDiffusionDrafter.from_drafters(first, None, **tree)
+        elif method == "d2sd-resample":
+            drafters[method] = DualDiffusionDrafter.from_drafters(first, None, branches_from_first_pass=True, **tree)
         elif method == "d2sd":
             vp_path = args.vp_drafter or SHIPPED_VP_DRAFTERS.get(args.target)
             if vp_path is None or not (Path(vp_path) / "config.json").exists():
@@ -205,6 +208,20 @@ def cmd_export(args) -> None:
     print(f"exported for {args.format} to {out}")
 
 
+def cmd_profile(args) -> None:
+    from . import load_target
+    from .cost_model import measure_verify_cost, save_profile
+
+    target, _ = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    costs = measure_verify_cost(target, context_length=args.context_length, repeats=args.repeats)
+    path = save_profile(target, costs)
+    base = costs[1]
+    print("| tokens verified | ms | x one token |\n|---|---|---|")
+    for n, seconds in costs.items():
+        print(f"| {n} | {seconds * 1000:.1f} | {seconds / base:.2f} |")
+    print(f"saved {path}; generate() now chooses verify lengths and tree sizes from it for this target/device/dtype")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -290,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
         trainp.set_defaults(kind=kind)
         if kind == "vp":
             trainp.add_argument("--prefix-beta", type=float, default=0.9)
+
+    profile = sub.add_parser("profile", help="measure the target's verify cost T(n) once; used to size drafts")
+    profile.add_argument("--target", default=DEFAULT_TARGET)
+    profile.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    profile.add_argument("--device", default=None)
+    profile.add_argument("--context-length", type=int, default=256)
+    profile.add_argument("--repeats", type=int, default=7)
+    profile.set_defaults(func=cmd_profile)
 
     push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")
     push.add_argument("folder")

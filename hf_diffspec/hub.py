@@ -20,6 +20,7 @@ CUSTOM_GENERATE_FILES = {
     "candidate_generator.py": "candidate_generator.py",
     "tree.py": "tree.py",
     "prefix_tree.py": "prefix_tree.py",
+    "cost_model.py": "cost_model.py",
     "kv_cache.py": "kv_cache.py",
     "verification.py": "verification.py",
 }

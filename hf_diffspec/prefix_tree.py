@@ -16,9 +16,11 @@ from .tree import CandidateTree
 
 
 def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_fn, num_branches: int,
-                      budget: int) -> CandidateTree:
+                      budget: int, choose_count=None) -> CandidateTree:
     """`first_probs` (depth, vocab): the first drafter's distributions for slots 1..depth.
-    `branch_probs_fn(prefixes)` -> (K, depth, vocab): the second drafter's distributions for each prefix."""
+    `branch_probs_fn(prefixes)` -> (K, depth, vocab): the second drafter's distributions for each prefix.
+    `choose_count(reach_probs) -> n`, optional: how many nodes (root included) to verify given the reach
+    probabilities of the candidates in decreasing order (the cost model); `budget` stays the upper bound."""
     depth = first_probs.shape[0]
     confidences, drafts = first_probs.max(-1)
     reach = torch.cat([confidences.new_ones(1), torch.cumprod(confidences, 0)[:-1]])  # P(first i accepted)
@@ -52,7 +54,10 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_f
             add(path, score)
 
     # keep the most probable nodes; a child is never more probable than its parent, so this keeps ancestors
-    keep = sorted(scores, key=lambda p: (-min(scores[p[:j]] for j in range(1, len(p) + 1)), len(p)))[: budget - 1]
+    effective = {p: min(scores[p[:j]] for j in range(1, len(p) + 1)) for p in scores}
+    keep = sorted(scores, key=lambda p: (-effective[p], len(p)))[: budget - 1]
+    if choose_count is not None:
+        keep = keep[: choose_count([effective[p] for p in keep]) - 1]
     keep.sort(key=len)
     index = {(): 0}
     tokens, parents, node_conf = [root_token], [-1], [1.0]

@@ -20,13 +20,15 @@ class DualDiffusionDrafterConfig(PreTrainedConfig):
         max_depth (`int`, *optional*): deepest tree level verified (default: the first drafter's block_size - 1).
         tree_budget (`int`): most tree nodes (root included) sent to the target per step; nodes are kept by their
             estimated probability of being reached (product of confidences along the path).
+        branches_from_first_pass (`bool`): ablation without any second pass: branch alternatives and continuations
+            come from the first drafter's own block distributions (the paper's "+ K resampled branches").
     """
 
     model_type = "dual_diffusion_drafter"
     sub_configs = {"first_config": DiffusionDrafterConfig, "vp_config": DiffusionDrafterConfig}
 
     def __init__(self, first_config=None, vp_config=None, num_branches: int = 4, max_depth: int | None = None,
-                 tree_budget: int = 16, **kwargs):
+                 tree_budget: int = 16, branches_from_first_pass: bool = False, **kwargs):
         if isinstance(first_config, dict):
             first_config = DiffusionDrafterConfig(**first_config)
         if isinstance(vp_config, dict):
@@ -53,6 +55,7 @@ class DualDiffusionDrafterConfig(PreTrainedConfig):
         if tree_budget < 2:
             raise ValueError(f"tree_budget must be >= 2 (the root and one draft), got {tree_budget}")
         self.tree_budget = tree_budget
+        self.branches_from_first_pass = branches_from_first_pass
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -10,10 +10,12 @@ from hf_diffspec.prefix_tree import build_prefix_tree
 from helpers import tiny_drafter, tiny_target
 
 
-def dual_for(target, vp=True, seed=0, **tree):
+def dual_for(target, variant="vp", seed=0, **tree):
+    """variant: "vp" (a second drafter), "reuse" (the first drafter re-drafts), "resample" (no second pass)."""
     first = tiny_drafter(target, block_size=8, seed=seed)
-    second = tiny_drafter(target, block_size=8, seed=seed + 100) if vp else None
-    return hf_diffspec.DualDiffusionDrafter.from_drafters(first, second, **tree)
+    second = tiny_drafter(target, block_size=8, seed=seed + 100) if variant == "vp" else None
+    return hf_diffspec.DualDiffusionDrafter.from_drafters(first, second, branches_from_first_pass=variant == "resample",
+                                                          **tree)
 
 
 def record_trees(monkeypatch):
@@ -30,14 +32,14 @@ def record_trees(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("vp", [True, False])
+@pytest.mark.parametrize("variant", ["vp", "reuse", "resample"])
 @pytest.mark.parametrize("seed", range(3))
-def test_d2sd_greedy_is_identical_to_plain_generate(monkeypatch, kind, vp, seed):
+def test_d2sd_greedy_is_identical_to_plain_generate(monkeypatch, kind, variant, seed):
     target = tiny_target(kind, seed=seed)
     # sharpen the random target so that some drafts get accepted and trees get walked below the root
     with torch.no_grad():
         target.lm_head.weight.mul_(4)
-    dual = dual_for(target, vp=vp, seed=seed, num_branches=3, tree_budget=10, max_depth=6)
+    dual = dual_for(target, variant, seed=seed, num_branches=3, tree_budget=10, max_depth=6)
     ids = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(seed))
     kwargs = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.1)
     trees = record_trees(monkeypatch)

@@ -9,10 +9,13 @@ Like every runtime file that `custom_generate/` ships (see `hub.py`), it imports
 sibling modules, so it also runs from a Hub folder without hf_diffspec installed.
 """
 
+import time
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .cost_model import VerifyCost, best_node_count
 from .prefix_tree import build_prefix_tree
 from .tree import CandidateTree
 
@@ -133,6 +136,9 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         self.block_size = self.first.drafter.config.block_size
         self.max_length = max_length
         self.max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+        # with a measured cost profile the verified length follows the drafter's confidence step by step
+        self.verify_cost = VerifyCost.for_target(target)
+        self.draft_seconds: float | None = None
         # transformers' assisted loop merges this into the target forward: we only need these hidden states
         self.model_kwargs_overrides = {"output_hidden_states": feature_layers(drafter)}
 
@@ -150,7 +156,12 @@ class DiffusionCandidateGenerator(CandidateGenerator):
 
     def _depth_limit(self, root_position: int, max_depth: int) -> int:
         config = self.drafter.config
-        limit = config.max_depth if self.is_dual else (config.num_draft_tokens or self.block_size - 1)
+        if self.is_dual:
+            limit = config.max_depth
+        elif self.verify_cost is not None:
+            limit = self.block_size - 1  # the cost model decides how much of the block to verify
+        else:
+            limit = config.num_draft_tokens or self.block_size - 1
         max_depth = min(max_depth, limit, self.block_size - 1)
         if self.max_positions is not None:
             max_depth = min(max_depth, self.max_positions - 1 - root_position)
@@ -163,18 +174,35 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         device = self.first.drafter.device
         if max_depth <= 0:
             return CandidateTree.chain(root_token, torch.empty(0, dtype=torch.long, device=device))
+        start = time.perf_counter()
         hidden = self.first.draft_block(root_token, root_position, self.block_size)[:, 1 : 1 + max_depth]
         probs = self.first.drafter.compute_logits(hidden).float().softmax(-1)[0]
         if not self.is_dual:
             confidences, drafts = probs.max(-1)
+            if self.verify_cost is not None:
+                self._track_draft_time(start)
+                n = best_node_count(torch.cumprod(confidences, 0).tolist(), self.verify_cost, self.draft_seconds)
+                drafts, confidences = drafts[: n - 1], confidences[: n - 1]
             return CandidateTree.chain(root_token, drafts, confidences=confidences)
 
         def branch_probs(prefixes):
+            if self.drafter.config.branches_from_first_pass:
+                return probs[None].expand(len(prefixes), -1, -1)
             branch_hidden = self.second.draft_branches(root_token, prefixes, root_position, self.block_size)
             return self.second.drafter.compute_logits(branch_hidden[:, 1 : 1 + max_depth]).float().softmax(-1)
 
+        def choose_count(reach_probs):
+            if self.verify_cost is None:
+                return len(reach_probs) + 1
+            self._track_draft_time(start)
+            return best_node_count(reach_probs, self.verify_cost, self.draft_seconds)
+
         config = self.drafter.config
-        return build_prefix_tree(root_token, probs, branch_probs, config.num_branches, config.tree_budget)
+        return build_prefix_tree(root_token, probs, branch_probs, config.num_branches, config.tree_budget, choose_count)
+
+    def _track_draft_time(self, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        self.draft_seconds = elapsed if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * elapsed
 
     # ----- transformers' CandidateGenerator API (stock assisted decoding, chains, batch 1) -----------------------
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
