@@ -185,11 +185,16 @@ class DiffusionCandidateGenerator(CandidateGenerator):
                 drafts, confidences = drafts[: n - 1], confidences[: n - 1]
             return CandidateTree.chain(root_token, drafts, confidences=confidences)
 
+        length = self.drafter.config.branch_length
+
         def branch_probs(prefixes):
+            """Per branch: distributions for `length` slots from its branch point on (slot i+1 for prefix i)."""
             if self.drafter.config.branches_from_first_pass:
-                return probs[None].expand(len(prefixes), -1, -1)
-            branch_hidden = self.second.draft_branches(root_token, prefixes, root_position, self.block_size)
-            return self.second.drafter.compute_logits(branch_hidden[:, 1 : 1 + max_depth]).float().softmax(-1)
+                return [probs[len(p) : len(p) + length] for p in prefixes]
+            hidden = self.second.draft_branches(root_token, prefixes, root_position, self.block_size)
+            rows = [hidden[r, 1 + len(p) : 1 + min(len(p) + length, max_depth)] for r, p in enumerate(prefixes)]
+            logits = self.second.drafter.compute_logits(torch.cat(rows)).float().softmax(-1)
+            return list(logits.split([len(r) for r in rows]))
 
         def choose_count(reach_probs):
             if self.verify_cost is None:

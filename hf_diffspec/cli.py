@@ -78,7 +78,8 @@ def build_method_drafters(methods: list[str], target, args) -> dict:
         raise SystemExit(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)}")
     drafters = {}
     first = load_drafter(args.drafter, target, args.target) if set(methods) - {"ar"} else None
-    tree = dict(num_branches=args.branches, tree_budget=args.tree_budget, max_depth=args.tree_depth)
+    tree = dict(num_branches=args.branches, tree_budget=args.tree_budget, max_depth=args.tree_depth,
+                branch_length=args.branch_length)
     for method in methods:
         if method == "dflash":
             drafters[method] = first
@@ -183,10 +184,13 @@ def evaluate_drafter(target, tok, drafter, prompts_per_domain: int, max_new_toke
 
 
 def cmd_push(args) -> None:
-    from .hub import files_to_upload, push
+    import tempfile
 
-    files = files_to_upload(args.folder)
+    from .hub import push, stage_for_upload
+
     if args.dry_run:
+        with tempfile.TemporaryDirectory() as staging:
+            files = stage_for_upload(args.folder, staging)
         print(f"would upload {len(files)} files from {args.folder} to {args.repo_id}:")
         print("\n".join(f"  {name}" for name in files))
         return
@@ -241,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--vp-drafter", default=None, help="VP drafter for d2sd (default: the shipped one)")
     bench.add_argument("--branches", type=int, default=4, help="D²SD: K prefix lengths re-drafted")
     bench.add_argument("--tree-budget", type=int, default=16, help="D²SD: most tree nodes verified per step")
-    bench.add_argument("--tree-depth", type=int, default=None, help="D²SD: deepest level (default block_size-1)")
+    bench.add_argument("--tree-depth", type=int, default=8, help="D²SD: deepest level of the tree")
+    bench.add_argument("--branch-length", type=int, default=4, help="D²SD: tokens per branch from its branch point")
     bench.add_argument("--domains", default="code,math,chat")
     bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
     bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')

@@ -94,13 +94,29 @@ def files_to_upload(folder) -> list[str]:
     )
 
 
+def stage_for_upload(folder, staging) -> list[str]:
+    """Copy a drafter folder to `staging` with this library's remote code written fresh (the repository's shipped
+    checkpoints keep only weights, config and card; their code is the library's); returns the files to upload."""
+    folder, staging = Path(folder), Path(staging)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: is it a drafter folder saved with save_pretrained?")
+    shutil.copytree(folder, staging, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("checkpoints", ".*", "__pycache__"))
+    refresh_code(staging)
+    return files_to_upload(staging)
+
+
 def push(folder, repo_id: str, private: bool = False, token: str | None = None, revision: str | None = None) -> str:
-    """Create `repo_id` on the Hub (if needed) and upload the drafter folder; returns the commit URL."""
+    """Create `repo_id` on the Hub (if needed) and upload the drafter folder with current remote code; returns the
+    commit URL."""
+    import tempfile
+
     from huggingface_hub import HfApi
 
-    files = files_to_upload(folder)
-    api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, allow_patterns=files,
-                               commit_message="Upload hf-diffspec drafter")
+    with tempfile.TemporaryDirectory() as staging:
+        files = stage_for_upload(folder, staging)
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(folder_path=staging, repo_id=repo_id, revision=revision, allow_patterns=files,
+                                   commit_message="Upload hf-diffspec drafter")
     return str(commit)

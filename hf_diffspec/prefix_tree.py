@@ -18,7 +18,8 @@ from .tree import CandidateTree
 def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_fn, num_branches: int,
                       budget: int, choose_count=None) -> CandidateTree:
     """`first_probs` (depth, vocab): the first drafter's distributions for slots 1..depth.
-    `branch_probs_fn(prefixes)` -> (K, depth, vocab): the second drafter's distributions for each prefix.
+    `branch_probs_fn(prefixes)` -> per prefix of length i, (slots, vocab): the second drafter's distributions for
+    slots i+1, i+2, ... (as many as it proposes).
     `choose_count(reach_probs) -> n`, optional: how many nodes (root included) to verify given the reach
     probabilities of the candidates in decreasing order (the cost model); `budget` stays the upper bound."""
     depth = first_probs.shape[0]
@@ -39,7 +40,7 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_f
 
     branch_probs = branch_probs_fn([drafts[:i] for i in picks])
     for row, i in enumerate(picks):
-        probs = branch_probs[row, i:]                      # VP distributions for slots i+1..depth
+        probs = branch_probs[row]                          # second drafter: slots i+1, i+2, ...
         first = probs[0].clone()
         first[main[i]] = 0                                 # the alternative to draft i+1
         alternative = int(first.argmax())

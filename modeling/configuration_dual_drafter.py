@@ -20,6 +20,8 @@ class DualDiffusionDrafterConfig(PreTrainedConfig):
         max_depth (`int`, *optional*): deepest tree level verified (default: the first drafter's block_size - 1).
         tree_budget (`int`): most tree nodes (root included) sent to the target per step; nodes are kept by their
             estimated probability of being reached (product of confidences along the path).
+        branch_length (`int`): tokens each branch proposes from its branch point on (deeper nodes are rarely worth
+            verifying, and each costs an LM-head row).
         branches_from_first_pass (`bool`): ablation without any second pass: branch alternatives and continuations
             come from the first drafter's own block distributions (the paper's "+ K resampled branches").
     """
@@ -28,7 +30,7 @@ class DualDiffusionDrafterConfig(PreTrainedConfig):
     sub_configs = {"first_config": DiffusionDrafterConfig, "vp_config": DiffusionDrafterConfig}
 
     def __init__(self, first_config=None, vp_config=None, num_branches: int = 4, max_depth: int | None = None,
-                 tree_budget: int = 16, branches_from_first_pass: bool = False, **kwargs):
+                 tree_budget: int = 16, branch_length: int = 4, branches_from_first_pass: bool = False, **kwargs):
         if isinstance(first_config, dict):
             first_config = DiffusionDrafterConfig(**first_config)
         if isinstance(vp_config, dict):
@@ -56,6 +58,9 @@ class DualDiffusionDrafterConfig(PreTrainedConfig):
             raise ValueError(f"tree_budget must be >= 2 (the root and one draft), got {tree_budget}")
         self.tree_budget = tree_budget
         self.branches_from_first_pass = branches_from_first_pass
+        if branch_length < 1:
+            raise ValueError(f"branch_length must be >= 1, got {branch_length}")
+        self.branch_length = branch_length
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -53,12 +53,12 @@ class DualDiffusionDrafter(PreTrainedModel):
     @classmethod
     def from_drafters(cls, first: DiffusionDrafter, vp: DiffusionDrafter | None = None, num_branches: int = 4,
                       max_depth: int | None = None, tree_budget: int = 16,
-                      branches_from_first_pass: bool = False) -> "DualDiffusionDrafter":
+                      branch_length: int = 4, branches_from_first_pass: bool = False) -> "DualDiffusionDrafter":
         """Combine trained drafters (keeping their weights and their binding to the target)."""
         config = DualDiffusionDrafterConfig(
             first_config=first.config.to_dict(), vp_config=vp.config.to_dict() if vp is not None else None,
             num_branches=num_branches, max_depth=max_depth, tree_budget=tree_budget,
-            branches_from_first_pass=branches_from_first_pass,
+            branch_length=branch_length, branches_from_first_pass=branches_from_first_pass,
         )
         dual = cls(config).to(device=first.device, dtype=first.dtype)
         dual.first.load_state_dict(first.state_dict())

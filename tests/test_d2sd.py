@@ -63,7 +63,8 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
         probs = torch.full((len(prefixes), 4, vocab), 0.01)
         probs[:, :, 7] = 0.5   # VP's favourite everywhere
         probs[:, :, 2] = 0.4
-        return probs / probs.sum(-1, keepdim=True)
+        probs = probs / probs.sum(-1, keepdim=True)
+        return [probs[row, len(p):] for row, p in enumerate(prefixes)]
 
     tree = build_prefix_tree(0, first, branch_probs, num_branches=1, budget=16)
     assert calls == [[[1]]]                       # one branch, re-drafted after the prefix [1]

@@ -12,7 +12,7 @@ import torch
 
 import hf_diffspec
 from hf_diffspec.cli import main
-from hf_diffspec.hub import CUSTOM_GENERATE_FILES, files_to_upload
+from hf_diffspec.hub import CUSTOM_GENERATE_FILES, files_to_upload, stage_for_upload
 from helpers import tiny_drafter, tiny_target
 
 RUNTIME = Path(hf_diffspec.__file__).resolve().parent
@@ -112,12 +112,18 @@ def test_push_uploads_a_complete_folder_only(saved, tmp_path, capsys):
     (drafter_dir / "custom_generate" / "generate.py").unlink()
     with pytest.raises(FileNotFoundError, match="custom_generate/generate.py"):
         files_to_upload(drafter_dir)
+    (drafter_dir / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        main(["push", str(drafter_dir), "--repo-id", "me/drafter", "--dry-run"])
 
 
-def test_shipped_drafter_folder_is_hub_ready():
-    shipped = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
-    files = files_to_upload(shipped)
-    assert "custom_generate/generate.py" in files
-    for name, module in CUSTOM_GENERATE_FILES.items():
-        assert (shipped / "custom_generate" / name).read_bytes() == (RUNTIME / module).read_bytes(), name
-    assert json.loads((shipped / "config.json").read_text())["auto_map"]["AutoModel"].startswith("modeling_")
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct-dflash", "smollm2-135m-instruct-d2sd-vp"])
+def test_shipped_drafters_stage_into_hub_ready_folders(name, tmp_path):
+    """The repository keeps weights, config and card; staging adds the library's current remote code."""
+    shipped = Path(__file__).resolve().parent.parent / "checkpoints" / name
+    assert not (shipped / "custom_generate").exists()  # a single source of truth for the code
+    files = stage_for_upload(shipped, tmp_path)
+    assert "custom_generate/generate.py" in files and "modeling_diffusion_drafter.py" in files
+    for file, module in CUSTOM_GENERATE_FILES.items():
+        assert (tmp_path / "custom_generate" / file).read_bytes() == (RUNTIME / module).read_bytes(), file
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModel"].startswith("modeling_")

@@ -57,3 +57,18 @@ def test_bench_cli_writes_json_with_honest_fields(tmp_path, real_target, capsys)
     assert 1.0 <= rows[("dflash", "code")]["tau"] < 1.5  # an untrained drafter earns (almost) nothing
     assert {"cpu", "torch"} <= set(payload["machine"]) and payload["config"]["max_new_tokens"] == 8
     assert "| dflash | code |" in capsys.readouterr().out
+
+
+def test_d2sd_greedy_identical_on_smollm2(real_target):
+    from hf_diffspec.cli import SHIPPED_VP_DRAFTERS
+
+    target, tok = real_target
+    first = drafter_for(target)
+    vp_path = SHIPPED_VP_DRAFTERS["smollm2-135m-instruct"]
+    vp = hf_diffspec.DiffusionDrafter.from_pretrained(vp_path, target=target) if (vp_path / "config.json").exists() \
+        else None
+    dual = hf_diffspec.DualDiffusionDrafter.from_drafters(first, vp, num_branches=4, max_depth=8, tree_budget=12)
+    inputs = chat_inputs(tok, "Explain what a binary search does.")
+    ref = target.generate(**inputs, max_new_tokens=40, do_sample=False)
+    out = target.generate(**inputs, assistant_model=dual, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out, ref)
