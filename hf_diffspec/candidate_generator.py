@@ -117,11 +117,13 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         drafter: a `DiffusionDrafter` or `DualDiffusionDrafter`; re-bound to `target` (after a check) if needed.
         target: the model being decoded; its embeddings and LM head are used for drafting.
         max_length: total length (prompt + new tokens) never to be exceeded.
+        sample_temperature: when set, drafts are drawn from softmax(drafter logits / temperature) and the tree carries
+            those distributions for rejection sampling; `None` drafts the argmax.
     """
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target: PreTrainedModel, max_length: int):
+    def __init__(self, drafter, target: PreTrainedModel, max_length: int, sample_temperature: float | None = None):
         if not is_diffusion_drafter(drafter):
             raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
         # binding checks that the drafter was built for this target; the target generating is the one to borrow from
@@ -135,6 +137,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             self.second = DrafterContext(drafter.vp) if drafter.vp is not None else self.first
         self.block_size = self.first.drafter.config.block_size
         self.max_length = max_length
+        self.sample_temperature = sample_temperature
         self.max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
         # with a measured cost profile the verified length follows the drafter's confidence step by step
         self.verify_cost = VerifyCost.for_target(target)
@@ -176,14 +179,18 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             return CandidateTree.chain(root_token, torch.empty(0, dtype=torch.long, device=device))
         start = time.perf_counter()
         hidden = self.first.draft_block(root_token, root_position, self.block_size)[:, 1 : 1 + max_depth]
-        probs = self.first.drafter.compute_logits(hidden).float().softmax(-1)[0]
+        sample = self.sample_temperature is not None
+        probs = self._distributions(self.first.drafter.compute_logits(hidden))[0]
         if not self.is_dual:
             confidences, drafts = probs.max(-1)
+            if sample:  # confidences stay the maxima: what is verified must not depend on the drawn values
+                drafts = torch.multinomial(probs, 1)[:, 0]
             if self.verify_cost is not None:
                 self._track_draft_time(start)
                 n = best_node_count(torch.cumprod(confidences, 0).tolist(), self.verify_cost, self.draft_seconds)
-                drafts, confidences = drafts[: n - 1], confidences[: n - 1]
-            return CandidateTree.chain(root_token, drafts, confidences=confidences)
+                drafts, confidences, probs = drafts[: n - 1], confidences[: n - 1], probs[: n - 1]
+            draft_probs = torch.cat([torch.zeros_like(probs[:1]), probs]) if sample else None
+            return CandidateTree.chain(root_token, drafts, confidences=confidences, draft_probs=draft_probs)
 
         length = self.drafter.config.branch_length
 
@@ -193,8 +200,8 @@ class DiffusionCandidateGenerator(CandidateGenerator):
                 return [probs[len(p) : len(p) + length] for p in prefixes]
             hidden = self.second.draft_branches(root_token, prefixes, root_position, self.block_size)
             rows = [hidden[r, 1 + len(p) : 1 + min(len(p) + length, max_depth)] for r, p in enumerate(prefixes)]
-            logits = self.second.drafter.compute_logits(torch.cat(rows)).float().softmax(-1)
-            return list(logits.split([len(r) for r in rows]))
+            branch = self._distributions(self.second.drafter.compute_logits(torch.cat(rows)))
+            return list(branch.split([len(r) for r in rows]))
 
         def choose_count(reach_probs):
             if self.verify_cost is None:
@@ -203,7 +210,15 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             return best_node_count(reach_probs, self.verify_cost, self.draft_seconds)
 
         config = self.drafter.config
-        return build_prefix_tree(root_token, probs, branch_probs, config.num_branches, config.tree_budget, choose_count)
+        return build_prefix_tree(root_token, probs, branch_probs, config.num_branches, config.tree_budget, choose_count,
+                                 sample=sample)
+
+    def _distributions(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft distributions: softmax of the drafter logits, at the sampling temperature when sampling."""
+        logits = logits.float()
+        if self.sample_temperature is not None:
+            logits = logits / max(self.sample_temperature, 1e-5)
+        return logits.softmax(-1)
 
     def _track_draft_time(self, start: float) -> None:
         elapsed = time.perf_counter() - start

@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .candidate_generator import DiffusionCandidateGenerator, feature_layers
 from .kv_cache import keep_accepted_path
-from .verification import choose_token
+from .verification import choose_token, choose_token_among_drafts
 
 
 @dataclass
@@ -68,11 +68,15 @@ class _Committer:
         self.streamer = streamer
         self.scores, self.raw_logits = [], []
 
-    def choose_and_commit(self, raw_logits: torch.Tensor) -> tuple[int, bool]:
-        """Pick the target's token from its raw logits (1, vocab) given the committed prefix; return (token, done)."""
+    def choose_and_commit(self, raw_logits: torch.Tensor, drafts=None) -> tuple[int, bool]:
+        """Pick the target's token from its raw logits (1, vocab) given the committed prefix; return (token, done).
+        `drafts`: [(token, q)] of the children drawn from known distributions, for rejection sampling."""
         raw = raw_logits.to(dtype=torch.float32, copy=True)
         scores = self.logits_processor(self.input_ids, raw.clone())
-        token = choose_token(scores, self.config.do_sample)
+        if self.config.do_sample and drafts:
+            token = choose_token_among_drafts(scores, drafts)
+        else:
+            token = choose_token(scores, self.config.do_sample)
         if self.config.output_scores:
             self.scores.append(scores)
         if self.config.output_logits:
@@ -82,6 +86,13 @@ class _Committer:
             self.streamer.put(token.cpu())
         done = bool(self.stopping_criteria(self.input_ids, scores).all())
         return int(token), done
+
+
+def _draft_temperature(generation_config) -> float | None:
+    """When sampling, drafts are drawn too (at the user's temperature) so that rejection sampling can use them."""
+    if not generation_config.do_sample:
+        return None
+    return float(generation_config.temperature or 1.0)
 
 
 def speculative_generate(
@@ -117,7 +128,8 @@ def speculative_generate(
     )
 
     stats = SpeculationStats()
-    drafting = DiffusionCandidateGenerator(drafter, model, generation_config.max_length)
+    drafting = DiffusionCandidateGenerator(drafter, model, generation_config.max_length,
+                                           sample_temperature=_draft_temperature(generation_config))
     layers = feature_layers(drafter)
     commit = _Committer(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
 
@@ -155,7 +167,10 @@ def speculative_generate(
 
         node, path = 0, [0]
         while True:
-            anchor, done = commit.choose_and_commit(out.logits[:, node])
+            drafts = None
+            if tree.draft_probs is not None:
+                drafts = [(token, tree.draft_probs[child]) for token, child in tree.children[node].items()]
+            anchor, done = commit.choose_and_commit(out.logits[:, node], drafts)
             child = tree.children[node].get(anchor)
             if done or child is None:
                 break

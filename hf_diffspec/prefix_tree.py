@@ -15,53 +15,63 @@ import torch
 from .tree import CandidateTree
 
 
+def draw(probs: torch.Tensor, sample: bool) -> int:
+    return int(torch.multinomial(probs, 1)) if sample else int(probs.argmax())
+
+
 def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_fn, num_branches: int,
-                      budget: int, choose_count=None) -> CandidateTree:
+                      budget: int, choose_count=None, sample: bool = False) -> CandidateTree:
     """`first_probs` (depth, vocab): the first drafter's distributions for slots 1..depth.
     `branch_probs_fn(prefixes)` -> per prefix of length i, (slots, vocab): the second drafter's distributions for
     slots i+1, i+2, ... (as many as it proposes).
     `choose_count(reach_probs) -> n`, optional: how many nodes (root included) to verify given the reach
-    probabilities of the candidates in decreasing order (the cost model); `budget` stays the upper bound."""
+    probabilities of the candidates in decreasing order (the cost model); `budget` stays the upper bound.
+    `sample`: draw every draft from its distribution instead of taking the argmax, and return those distributions
+    as the tree's `draft_probs` (for rejection sampling). Scores then use only distribution maxima, never the drawn
+    tokens, so which nodes are kept does not depend on their own values (required for losslessness)."""
     depth = first_probs.shape[0]
-    confidences, drafts = first_probs.max(-1)
+    confidences = first_probs.max(-1).values
+    drafts = torch.tensor([draw(row, sample) for row in first_probs], device=first_probs.device)
     reach = torch.cat([confidences.new_ones(1), torch.cumprod(confidences, 0)[:-1]])  # P(first i accepted)
     boundary = reach * (1 - confidences)                                                # r(i), i = 0..depth-1
     picks = sorted(torch.topk(boundary, min(num_branches, depth)).indices.tolist())
 
-    # candidate nodes as (score, depth, parent_key, token); a node's key is its token path from the root
+    # candidate nodes keyed by their token path from the root: reach score and the distribution they were drawn from
     scores: dict[tuple, float] = {}
+    sources: dict[tuple, torch.Tensor] = {}
 
-    def add(path: tuple, score: float) -> None:
-        scores[path] = max(scores.get(path, 0.0), score)
+    def add(path: tuple, score: float, source: torch.Tensor) -> None:
+        if score > scores.get(path, -1.0):
+            scores[path], sources[path] = score, source
 
     main = tuple(drafts.tolist())
     for k in range(depth):
-        add(main[: k + 1], float(reach[k] * confidences[k]))
+        add(main[: k + 1], float(reach[k] * confidences[k]), first_probs[k])
 
     branch_probs = branch_probs_fn([drafts[:i] for i in picks])
     for row, i in enumerate(picks):
         probs = branch_probs[row]                          # second drafter: slots i+1, i+2, ...
-        first = probs[0].clone()
-        first[main[i]] = 0                                 # the alternative to draft i+1
-        alternative = int(first.argmax())
-        rest = 1 - float(probs[0, main[i]])
-        score = float(boundary[i]) * float(first[alternative]) / max(rest, 1e-9)
-        path = main[:i] + (alternative,)
-        add(path, score)
+        alternative_probs = probs[0].clone()
+        alternative_probs[main[i]] = 0                     # the alternative to draft i+1: any token but that one
+        alternative_probs /= alternative_probs.sum().clamp(min=1e-12)
+        score = float(boundary[i]) * float(alternative_probs.max())
+        path = main[:i] + (draw(alternative_probs, sample),)
+        add(path, score, alternative_probs)
         for slot in range(1, probs.shape[0]):
-            confidence, token = probs[slot].max(-1)
-            score *= float(confidence)
-            path = path + (int(token),)
-            add(path, score)
+            score *= float(probs[slot].max())
+            path = path + (draw(probs[slot], sample),)
+            add(path, score, probs[slot])
 
     # keep the most probable nodes; a child is never more probable than its parent, so this keeps ancestors
     effective = {p: min(scores[p[:j]] for j in range(1, len(p) + 1)) for p in scores}
     keep = sorted(scores, key=lambda p: (-effective[p], len(p)))[: budget - 1]
     if choose_count is not None:
         keep = keep[: choose_count([effective[p] for p in keep]) - 1]
-    keep.sort(key=len)
+    # children in the order they were drawn (a branch's alternative after the main draft it excludes)
+    main_paths = {main[: k + 1] for k in range(depth)}
+    keep.sort(key=lambda p: (len(p), p not in main_paths))
     index = {(): 0}
-    tokens, parents, node_conf = [root_token], [-1], [1.0]
+    tokens, parents, node_conf, node_probs = [root_token], [-1], [1.0], [torch.zeros_like(first_probs[0])]
     for path in keep:
         if path[:-1] not in index:
             continue  # its parent was pruned (only possible with equal scores)
@@ -69,5 +79,7 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_f
         tokens.append(path[-1])
         parents.append(index[path[:-1]])
         node_conf.append(scores[path])
+        node_probs.append(sources[path])
     return CandidateTree(torch.tensor(tokens, device=first_probs.device), parents,
+                         draft_probs=torch.stack(node_probs) if sample else None,
                          confidences=torch.tensor(node_conf[1:]))

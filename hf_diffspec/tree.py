@@ -16,8 +16,8 @@ class CandidateTree:
     Attributes:
         tokens: (n,) token ids; tokens[0] is the root.
         parents: parent index of every node (-1 for the root); parents[i] < i.
-        draft_probs: optional (n, vocab) draft distributions q that the children of each node were drawn from
-            (row i is the distribution over node i's children); used by rejection sampling, `None` for greedy drafts.
+        draft_probs: optional (n, vocab): row i is the distribution q that node i's token was drawn from (row 0, the
+            root, is unused); used by rejection sampling, `None` for argmax drafts. Siblings are ordered as drawn.
         confidences: optional (n,) drafter confidence of each node's token.
     """
 

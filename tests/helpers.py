@@ -80,3 +80,22 @@ def install_oracle(monkeypatch, oracle: NoisyOracle):
         DiffusionCandidateGenerator, "propose",
         lambda self, root_token, root_position, max_depth: oracle(self, root_token, root_position, max_depth),
     )
+
+
+def two_sample_chi2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Chi-square statistic of two count vectors over the same categories (bins empty in both are dropped)."""
+    total = a + b
+    keep = total > 0
+    expected = total[keep] / 2
+    return float((((a[keep] - expected) ** 2 + (b[keep] - expected) ** 2) / expected).sum())
+
+
+def marginal_counts(target, ids, vocab, n, seed_offset, **kwargs) -> torch.Tensor:
+    """Counts of (2nd, last) generated tokens over n seeded runs: a (2, vocab) tensor."""
+    counts = torch.zeros(2, vocab)
+    for seed in range(n):
+        torch.manual_seed(seed_offset + seed)
+        out = target.generate(ids, **kwargs)
+        counts[0, out[0, ids.shape[1] + 1]] += 1
+        counts[1, out[0, -1]] += 1
+    return counts
