@@ -10,7 +10,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +29,6 @@ class MethodRun:
     verified: int = 0
     identical: int = 0
     prompts: int = 0
-    outputs: list = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,7 +97,6 @@ def run_benchmark(target, tokenizer, drafters: dict, prompts: list[dict], max_ne
         for method in methods:
             run = results[(method, prompt["domain"])]
             run.identical += int(torch.equal(outputs[method], outputs["ar"]))
-            run.outputs.append(tokenizer.decode(outputs[method][0, inputs["input_ids"].shape[1]:]))
     bar.close()
     return results
 

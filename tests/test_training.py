@@ -155,3 +155,39 @@ def test_resume_without_a_checkpoint_says_so(target_and_data, tokenizer, tmp_pat
                       resume=True, bf16=False)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train_drafter(target, tokenizer, "tiny", cfg)
+
+
+def test_block_loss_hook_sees_the_targets_distributions(target_and_data, tokenizer, tmp_path):
+    """Subclasses (reverse-KL distillation) get the target's logits at exactly the supervised slots."""
+    from transformers import TrainingArguments
+
+    from hf_diffspec.trainers.block_diffusion import BlockDiffusionTrainer
+
+    target, data = target_and_data
+    seen = {}
+
+    class Probe(BlockDiffusionTrainer):
+        def block_loss(self, logits, labels, weights, target_logits_fn):
+            target_logits = target_logits_fn()
+            seen["match"] = torch.equal(target_logits.argmax(-1), labels)
+            seen["shape"] = (target_logits.shape == logits.shape)
+            return super().block_loss(logits, labels, weights, target_logits_fn)
+
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True)
+    trainer = Probe(model=drafter, args=args, train_dataset=DrafterDataset(data), target=target,
+                    data_collator=BlockDiffusionCollator(pad_token_id=0, num_anchors=8, seed=0))
+    trainer.train()
+    assert seen == {"match": True, "shape": True}
+
+
+def test_init_from_target_layers_copies_matching_weights(target_and_data):
+    from hf_diffspec.trainers.pipeline import build_drafter
+
+    target, _ = target_and_data
+    cfg = TrainConfig(data=[], out="unused", num_layers=2, block_size=4, init_from_target_layers=True)
+    drafter = build_drafter(target, cfg)
+    source = target.model.layers[-1].self_attn.q_proj.weight
+    assert torch.equal(drafter.layers[1].self_attn.q_proj.weight, source.float())
+    assert torch.equal(drafter.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight.float())

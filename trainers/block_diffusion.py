@@ -151,9 +151,9 @@ class BlockDiffusionTrainer(Trainer):
         with torch.no_grad():
             out = self.target(input_ids, attention_mask=attention_mask, output_hidden_states=feature_layers(drafter))
             features = gather_features(out.hidden_states, drafter)
-            target_hidden = out.hidden_states  # kept for subclasses that need more than argmax labels
+            target_logits = out.logits  # kept for subclasses that need the target's distributions, not just labels
             labels_at = torch.zeros_like(input_ids)
-            labels_at[:, 1:] = out.logits[:, :-1].argmax(-1)  # what the target emits at each position
+            labels_at[:, 1:] = target_logits[:, :-1].argmax(-1)  # what the target emits at each position
             del out
 
         offsets = torch.arange(size, device=input_ids.device)
@@ -186,8 +186,7 @@ class BlockDiffusionTrainer(Trainer):
         def target_logits_fn():
             rows = torch.arange(batch, device=input_ids.device)[:, None, None].expand_as(slot_positions)[selected]
             # the target's distribution for the token at position p is its output at p - 1
-            with torch.no_grad():
-                return lm_head(target_hidden[-1][rows, slot_positions[selected] - 1])
+            return target_logits[rows, slot_positions[selected] - 1]
 
         loss = self.block_loss(logits, labels[selected], weights_all[selected], target_logits_fn)
         self._record_metrics(logits.detach(), labels, selected, prefix)
