@@ -191,3 +191,46 @@ def test_init_from_target_layers_copies_matching_weights(target_and_data):
     source = target.model.layers[-1].self_attn.q_proj.weight
     assert torch.equal(drafter.layers[1].self_attn.q_proj.weight, source.float())
     assert torch.equal(drafter.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight.float())
+
+
+def test_reverse_kl_is_exact_over_the_vocabulary():
+    from hf_diffspec.trainers.opd import reverse_kl
+
+    student, teacher = torch.randn(3, 11), torch.randn(3, 11)
+    ps, pt = student.softmax(-1), teacher.softmax(-1)
+    manual = (ps * (ps.log() - pt.log())).sum(-1)
+    assert torch.allclose(reverse_kl(student, teacher), manual, atol=1e-6)
+    assert torch.allclose(reverse_kl(teacher, teacher), torch.zeros(3), atol=1e-6)
+    t = 2.0
+    ps2, pt2 = (student / t).softmax(-1), (teacher / t).softmax(-1)
+    assert torch.allclose(reverse_kl(student, teacher, t), (ps2 * (ps2.log() - pt2.log())).sum(-1) * t * t, atol=1e-5)
+
+
+def test_on_policy_rounds_train_on_the_live_systems_trajectories(target_and_data, tokenizer, tmp_path):
+    from hf_diffspec.trainers.opd import run_opd
+
+    target, data = target_and_data
+    init = tmp_path / "init"
+    hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4).save_pretrained(init)
+    cfg = TrainConfig(data=[], out="unused", block_size=4, num_anchors=16, batch_size=2, epochs=2,
+                      learning_rate=3e-3, bf16=False, logging_steps=1)
+    prompts = [{**p, "domain": "chat"} for p in PROMPTS]
+    final = run_opd(target, tokenizer, "tiny", str(init), prompts, tmp_path / "opd", rounds=2, samples_per_round=3,
+                    max_new_tokens=12, train_config=cfg, command="test")
+    assert final == tmp_path / "opd" / "round-1" / "drafter"
+    history = json.loads((tmp_path / "opd" / "opd_history.json").read_text())
+    assert [h["round"] for h in history] == [0, 1] and history[1]["init"].endswith("round-0/drafter")
+    # round 0's data is what the speculative system produced from round 0's prompts: the target's greedy outputs
+    ds = DrafterDataset(tmp_path / "opd" / "round-0" / "data")
+    assert len(ds) == 3
+    prompt = ds[0]["input_ids"][: ds[0]["prompt_length"]][None]
+    assert torch.equal(ds[0]["input_ids"][None], target.generate(prompt, max_new_tokens=12, do_sample=False))
+    info = json.loads((final / "training_info.json").read_text())
+    assert info["config"]["kind"] == "opd" and info["steps"] > 0
+    before = hf_diffspec.DiffusionDrafter.from_pretrained(init, target=target).state_dict()
+    after = hf_diffspec.DiffusionDrafter.from_pretrained(final, target=target).state_dict()
+    assert not all(torch.equal(before[k], after[k]) for k in before)
+    # resuming skips finished rounds
+    again = run_opd(target, tokenizer, "tiny", str(init), prompts, tmp_path / "opd", rounds=2, samples_per_round=3,
+                    max_new_tokens=12, train_config=cfg, command="test")
+    assert again == final

@@ -46,8 +46,11 @@ class TrainConfig:
     bf16: bool = True
     init_from_target_layers: bool = False
     time_budget_minutes: float | None = None
-    kind: str = "kd"  # "kd": a first (DFlash) drafter; "vp": a D²SD variable-prefix drafter
+    kind: str = "kd"  # "kd": a first (DFlash) drafter; "vp": a D²SD variable-prefix drafter; "opd": reverse KL
     prefix_beta: float = 0.9
+    opd_alpha: float = 0.8
+    kl_clip: float = 0.01
+    kl_temperature: float = 1.0
     extra_config: dict = field(default_factory=dict)
 
 
@@ -104,6 +107,11 @@ def train_drafter(target, tokenizer, target_name: str, cfg: TrainConfig, command
     trainer_class, extra = BlockDiffusionTrainer, {}
     if cfg.kind == "vp":
         trainer_class, extra = VariablePrefixTrainer, {"prefix_beta": cfg.prefix_beta}
+    elif cfg.kind == "opd":
+        from .opd import ReverseKLTrainer
+
+        trainer_class = ReverseKLTrainer
+        extra = {"alpha": cfg.opd_alpha, "kl_clip": cfg.kl_clip, "temperature": cfg.kl_temperature}
     trainer = trainer_class(
         model=model, args=args, train_dataset=dataset, target=target, **extra,
         time_budget_s=cfg.time_budget_minutes * 60 if cfg.time_budget_minutes else None,
