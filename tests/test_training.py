@@ -234,3 +234,21 @@ def test_on_policy_rounds_train_on_the_live_systems_trajectories(target_and_data
     again = run_opd(target, tokenizer, "tiny", str(init), prompts, tmp_path / "opd", rounds=2, samples_per_round=3,
                     max_new_tokens=12, train_config=cfg, command="test")
     assert again == final
+
+
+def test_reverse_kl_loss_clips_each_positions_share():
+    from hf_diffspec.trainers.opd import ReverseKLTrainer, reverse_kl
+
+    trainer = ReverseKLTrainer.__new__(ReverseKLTrainer)  # the loss needs no model: just its parameters
+    trainer.alpha, trainer.kl_clip, trainer.temperature = 0.8, 0.01, 1.0
+    trainer._metrics = {"reverse_kl": []}
+    logits, teacher = torch.randn(4, 9, requires_grad=True), torch.randn(4, 9)
+    labels, weights = teacher.argmax(-1), torch.tensor([1.0, 0.8, 0.6, 0.5])
+    loss = trainer.block_loss(logits, labels, weights, lambda: teacher)
+    n = weights.sum()
+    ce = (weights * torch.nn.functional.cross_entropy(logits, labels, reduction="none")).sum() / n
+    kl = reverse_kl(logits, teacher)
+    expected = 0.8 * ce + 0.2 * (weights * torch.clamp(kl / n, max=0.01)).sum()
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0

@@ -23,7 +23,7 @@ from .data import ShardWriter, classify_domain
 class ReverseKLTrainer(BlockDiffusionTrainer):
     """AdaFlash's loss per block slot (anchor excluded, weights w_k = exp(-(k-1)/decay), N = sum of weights):
 
-        alpha * sum w CE(p_S, argmax p_T) / N  +  (1 - alpha) * min(sum w KL(p_S || p_T) / N, clip)
+        alpha * sum_i w_i CE_i / N  +  (1 - alpha) * sum_i w_i min(KL_i(p_S || p_T) / N, clip)
 
     with the reverse KL computed exactly over the vocabulary at temperature T (times T^2), p_T the target's own
     next-token distribution at that position of the trajectory.
@@ -38,9 +38,10 @@ class ReverseKLTrainer(BlockDiffusionTrainer):
     def block_loss(self, logits, labels, weights, target_logits_fn):
         ce = super().block_loss(logits, labels, weights, target_logits_fn)
         kl = reverse_kl(logits, target_logits_fn(), self.temperature)
-        rkl = (weights * kl).sum() / weights.sum().clamp(min=1e-6)
-        self._metrics["reverse_kl"].append(float(rkl.detach()))
-        return self.alpha * ce + (1 - self.alpha) * torch.clamp(rkl, max=self.kl_clip)
+        total = weights.sum().clamp(min=1e-6)
+        self._metrics["reverse_kl"].append(float((weights * kl).sum().detach() / total))
+        # the clip applies per position, to that position's share of the mean (AdaFlash's reference code)
+        return self.alpha * ce + (1 - self.alpha) * (weights * torch.clamp(kl / total, max=self.kl_clip)).sum()
 
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
