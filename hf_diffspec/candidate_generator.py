@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .cost_model import VerifyCost, best_node_count
-from .prefix_tree import build_prefix_tree
+from .prefix_tree import build_prefix_tree, plan_branches
 from .tree import CandidateTree
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
@@ -43,75 +43,88 @@ def gather_features(hidden_states, drafter) -> torch.Tensor:
 
 
 class DrafterContext:
-    """One drafter's view of the committed tokens: cached context K/V, which slots are padding, and the features of
-    tokens committed since its last forward."""
+    """One drafter's view of the committed tokens of every row: cached context K/V, which cached slots each row may
+    see (padding and other rows' accepted drafts are not its own), and features committed since its last forward."""
 
     def __init__(self, drafter):
         self.drafter = drafter
         self.cache = DynamicCache()
-        self.valid: torch.Tensor | None = None  # (ctx,) bool over cached slots
+        self.valid: torch.Tensor | None = None  # (rows, ctx) bool over cached slots
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # features, positions, valid
 
     @property
     def length(self) -> int:
-        cached = 0 if self.valid is None else self.valid.shape[0]
-        return cached + sum(p.shape[0] for _, p, _ in self.pending)
+        cached = 0 if self.valid is None else self.valid.shape[1]
+        return cached + sum(p.shape[1] for _, p, _ in self.pending)
 
-    def _take_pending(self):
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Drop finished rows: keep only `keep` (indices into the current rows)."""
+        self.cache.batch_select_indices(keep)
+        if self.valid is not None:
+            self.valid = self.valid[keep]
+        self.pending = [(f[keep], p[keep], v[keep]) for f, p, v in self.pending]
+
+    def _take_pending(self, rows: int):
         device = self.drafter.device
         if not self.pending:
-            return None, torch.empty(0, dtype=torch.long, device=device)
+            return None, torch.empty(rows, 0, dtype=torch.long, device=device)
         context = torch.cat([f for f, _, _ in self.pending], dim=1).to(device)
-        positions = torch.cat([p for _, p, _ in self.pending]).to(device)
-        new_valid = torch.cat([v for _, _, v in self.pending]).to(device)
+        positions = torch.cat([p for _, p, _ in self.pending], dim=1).to(device)
+        new_valid = torch.cat([v for _, _, v in self.pending], dim=1).to(device)
         self.pending = []
-        self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid])
+        self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)
         return context, positions
 
-    def _mask(self, block: int, rows: int = 1):
-        if bool(self.valid.all()):
+    def _mask(self, block: int, row_index: torch.Tensor | None = None):
+        valid = self.valid if row_index is None else self.valid[row_index]
+        if bool(valid.all()):
             return None
-        ones = torch.ones(block, dtype=torch.bool, device=self.valid.device)
-        return torch.cat([self.valid, ones])[None].expand(rows, -1)
+        return torch.cat([valid, valid.new_ones(valid.shape[0], block)], dim=1)
 
-    def draft_block(self, root_token: int, root_position: int, block_size: int) -> torch.Tensor:
-        """One forward over `[anchor, MASK...]` that also caches the pending context; returns (1, block, hidden)."""
-        device = self.drafter.device
-        context, context_positions = self._take_pending()
-        noise = self.drafter.block_embeds(torch.tensor([root_token], device=device), block_size)
+    def draft_block(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """One forward over `[anchor, MASK...]` per row that also caches the pending context; (rows, block, hidden)."""
+        context, context_positions = self._take_pending(root_tokens.shape[0])
+        noise = self.drafter.block_embeds(root_tokens, block_size)
+        block_positions = root_positions[:, None] + torch.arange(block_size, device=root_positions.device)
         out = self.drafter(
             noise_embeds=noise, context_hidden_states=context,
-            position_ids=torch.cat([context_positions, root_position + torch.arange(block_size, device=device)])[None],
+            position_ids=torch.cat([context_positions, block_positions], dim=1),
             attention_mask=self._mask(block_size), cache=self.cache,
         )
         # the block's K/V must not outlive this draft: only committed context stays cached
         self.cache.crop(-block_size)
         return out.last_hidden_state
 
-    def draft_branches(self, root_token: int, prefixes: list[torch.Tensor], root_position: int,
-                       block_size: int) -> torch.Tensor:
-        """Blocks `[anchor, prefix..., MASK...]`, one row per prefix, in one forward over the shared cached context;
-        returns (rows, block, hidden)."""
+    def draft_branches(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, row_index: torch.Tensor,
+                       prefixes: list[torch.Tensor], block_size: int) -> torch.Tensor:
+        """Blocks `[anchor, prefix..., MASK...]`, one per prefix (of row `row_index[i]`), in one forward over the
+        cached contexts of their rows; returns (len(prefixes), block, hidden)."""
         device = self.drafter.device
-        context, context_positions = self._take_pending()
+        context, context_positions = self._take_pending(root_tokens.shape[0])
         if context is not None:
-            self.drafter.prefill_context(context, context_positions[None], self.cache)
-        rows = len(prefixes)
-        tokens = torch.full((rows, block_size), root_token, dtype=torch.long, device=device)
-        is_mask = torch.ones((rows, block_size), dtype=torch.bool, device=device)
+            self.drafter.prefill_context(context, context_positions, self.cache)
+        branches = len(prefixes)
+        tokens = root_tokens[row_index][:, None].repeat(1, block_size)
+        is_mask = torch.ones((branches, block_size), dtype=torch.bool, device=device)
         is_mask[:, 0] = False
-        for row, prefix in enumerate(prefixes):
-            tokens[row, 1 : 1 + len(prefix)] = prefix
-            is_mask[row, 1 : 1 + len(prefix)] = False
-        noise = self.drafter.target_embed_tokens(torch.where(is_mask, root_token, tokens))
-        positions = (root_position + torch.arange(block_size, device=device))[None].expand(rows, -1)
-        out = self.drafter(noise_embeds=noise, position_ids=positions, attention_mask=self._mask(block_size, rows),
-                           cache=self.cache, mask_positions=is_mask, extend_cache=False)
+        for i, prefix in enumerate(prefixes):
+            tokens[i, 1 : 1 + len(prefix)] = prefix
+            is_mask[i, 1 : 1 + len(prefix)] = False
+        noise = self.drafter.target_embed_tokens(torch.where(is_mask, tokens[:, :1], tokens))
+        positions = root_positions[row_index][:, None] + torch.arange(block_size, device=device)
+        cache = self.cache
+        if root_tokens.shape[0] > 1:  # every branch reads its own row's context
+            cache = DynamicCache()
+            for i, layer in enumerate(self.cache.layers):
+                cache.update(layer.keys[row_index], layer.values[row_index], i)
+        out = self.drafter(noise_embeds=noise, position_ids=positions, attention_mask=self._mask(block_size, row_index),
+                           cache=cache, mask_positions=is_mask, extend_cache=False)
         return out.last_hidden_state
 
 
 class DiffusionCandidateGenerator(CandidateGenerator):
-    """Drafts with a block-diffusion drafter (or a D²SD dual drafter) conditioned on the target's hidden states.
+    """Drafts with a block-diffusion drafter (or a D²SD dual drafter) conditioned on the target's hidden states, for
+    every row of a batch in one drafter forward.
 
     Args:
         drafter: a `DiffusionDrafter` or `DualDiffusionDrafter`; re-bound to `target` (after a check) if needed.
@@ -119,11 +132,15 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         max_length: total length (prompt + new tokens) never to be exceeded.
         sample_temperature: when set, drafts are drawn from softmax(drafter logits / temperature) and the tree carries
             those distributions for rejection sampling; `None` drafts the argmax.
+        num_draft_tokens: verify exactly this many drafts per step (DFlash's fixed length). `None`: let the measured
+            cost model choose per step (with the drafter's length head when it has one), or, without a profile, the
+            drafter's configured `num_draft_tokens`.
     """
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target: PreTrainedModel, max_length: int, sample_temperature: float | None = None):
+    def __init__(self, drafter, target: PreTrainedModel, max_length: int, sample_temperature: float | None = None,
+                 num_draft_tokens: int | None = None):
         if not is_diffusion_drafter(drafter):
             raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
         # binding checks that the drafter was built for this target; the target generating is the one to borrow from
@@ -136,30 +153,47 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if self.is_dual:  # the VP drafter has weights of its own, hence its own cache; else branches share the first
             self.second = DrafterContext(drafter.vp) if drafter.vp is not None else self.first
         self.block_size = self.first.drafter.config.block_size
+        if num_draft_tokens is not None and not 1 <= num_draft_tokens:
+            raise ValueError(f"num_assistant_tokens must be >= 1, got {num_draft_tokens}")
+        self.num_draft_tokens = num_draft_tokens
         self.max_length = max_length
         self.sample_temperature = sample_temperature
         self.max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
         # with a measured cost profile the verified length follows the drafter's confidence step by step
-        self.verify_cost = VerifyCost.for_target(target)
+        self.verify_cost = VerifyCost.for_target(target) if num_draft_tokens is None else None
+        self.length_head = getattr(self.first.drafter, "length_head", None)
         self.draft_seconds: float | None = None
         # transformers' assisted loop merges this into the target forward: we only need these hidden states
         self.model_kwargs_overrides = {"output_hidden_states": feature_layers(drafter)}
 
     # ----- our loop -----------------------------------------------------------------------------------------------
     def add_context(self, hidden_states, index, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Queue the target features of newly committed tokens (`index` into the sequence dim of `hidden_states`).
+        """Queue the target features of newly committed tokens: `index` selects them on the sequence dim of
+        `hidden_states` (a slice, or (rows, n) indices per row); `positions` (rows, n) are their positions.
 
-        `valid` marks padding (False) among them, e.g. a left-padded prompt; padding stays masked in every draft.
+        `valid` (rows, n) marks slots a row must never see (False), e.g. left padding or the unused tail of a row
+        that accepted fewer tokens than another; they stay masked in every draft.
         """
-        features = gather_features(hidden_states, self.drafter)[:, index]
+        features = gather_features(hidden_states, self.drafter)
+        if isinstance(index, slice):
+            features = features[:, index]
+        else:
+            features = features[torch.arange(features.shape[0], device=index.device)[:, None], index]
         if valid is None:
-            valid = torch.ones(positions.shape[0], dtype=torch.bool, device=positions.device)
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         for context in {id(c): c for c in (self.first, self.second) if c is not None}.values():
             context.pending.append((features, positions, valid.bool()))
 
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Forget finished rows (`keep`: indices of the rows still decoding)."""
+        for context in {id(c): c for c in (self.first, self.second) if c is not None}.values():
+            context.select_rows(keep)
+
     def _depth_limit(self, root_position: int, max_depth: int) -> int:
         config = self.drafter.config
-        if self.is_dual:
+        if self.num_draft_tokens is not None:
+            limit = self.num_draft_tokens
+        elif self.is_dual:
             limit = config.max_depth
         elif self.verify_cost is not None:
             limit = self.block_size - 1  # the cost model decides how much of the block to verify
@@ -171,47 +205,80 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         return max_depth
 
     @torch.no_grad()
-    def propose(self, root_token: int, root_position: int, max_depth: int) -> CandidateTree:
-        """Draft after `root_token` (the anchor): a chain, or for a dual drafter a D²SD prefix tree."""
-        max_depth = self._depth_limit(root_position, max_depth)
+    def propose(self, root_tokens: list[int], root_positions: list[int], max_depths: list[int]) -> list[CandidateTree]:
+        """Draft after each row's anchor: a chain per row, or for a dual drafter a D²SD prefix tree per row."""
+        depths = [self._depth_limit(p, d) for p, d in zip(root_positions, max_depths)]
         device = self.first.drafter.device
-        if max_depth <= 0:
-            return CandidateTree.chain(root_token, torch.empty(0, dtype=torch.long, device=device))
+        longest = max(depths)
+        if longest <= 0:
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            return [CandidateTree.chain(root, empty) for root in root_tokens]
         start = time.perf_counter()
-        hidden = self.first.draft_block(root_token, root_position, self.block_size)[:, 1 : 1 + max_depth]
+        roots = torch.tensor(root_tokens, device=device)
+        positions = torch.tensor(root_positions, device=device)
+        block = self.first.draft_block(roots, positions, self.block_size)
+        draft_hidden = block[:, 1:]
+        logits = self.first.drafter.compute_logits(draft_hidden[:, :longest])
+        probs = self._distributions(logits)
+        if self.is_dual:
+            return self._prefix_trees(root_tokens, roots, positions, probs, depths, start)
+
+        confidences, drafts = probs.max(-1)
+        if self.sample_temperature is not None:  # confidences stay the maxima: what is verified must not depend on draws
+            drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
+        lengths = depths
+        if self.verify_cost is not None:
+            accept = confidences
+            if self.length_head is not None:
+                top = logits.float().softmax(-1).max(-1).values  # the head was trained on temperature-1 confidences
+                accept = self.length_head(draft_hidden, top).float().sigmoid()
+            reach = torch.cumprod(accept, dim=-1).tolist()
+            self._track_draft_time(start)
+            rows = len(root_tokens)
+            n = best_node_count([r[:d] for r, d in zip(reach, depths)], lambda n: self.verify_cost(n, rows),
+                                self.draft_seconds)
+            lengths = [min(d, n - 1) for d in depths]
+        trees = []
+        for row, k in enumerate(lengths):
+            draft_probs = None
+            if self.sample_temperature is not None:
+                draft_probs = torch.cat([torch.zeros_like(probs[row, :1]), probs[row, :k]])
+            trees.append(CandidateTree.chain(root_tokens[row], drafts[row, :k], confidences=confidences[row, :k],
+                                             draft_probs=draft_probs))
+        return trees
+
+    def _prefix_trees(self, root_tokens, roots, positions, probs, depths, start) -> list[CandidateTree]:
+        config = self.drafter.config
         sample = self.sample_temperature is not None
-        probs = self._distributions(self.first.drafter.compute_logits(hidden))[0]
-        if not self.is_dual:
-            confidences, drafts = probs.max(-1)
-            if sample:  # confidences stay the maxima: what is verified must not depend on the drawn values
-                drafts = torch.multinomial(probs, 1)[:, 0]
-            if self.verify_cost is not None:
-                self._track_draft_time(start)
-                n = best_node_count(torch.cumprod(confidences, 0).tolist(), self.verify_cost, self.draft_seconds)
-                drafts, confidences, probs = drafts[: n - 1], confidences[: n - 1], probs[: n - 1]
-            draft_probs = torch.cat([torch.zeros_like(probs[:1]), probs]) if sample else None
-            return CandidateTree.chain(root_token, drafts, confidences=confidences, draft_probs=draft_probs)
-
-        length = self.drafter.config.branch_length
-
-        def branch_probs(prefixes):
-            """Per branch: distributions for `length` slots from its branch point on (slot i+1 for prefix i)."""
-            if self.drafter.config.branches_from_first_pass:
-                return [probs[len(p) : len(p) + length] for p in prefixes]
-            hidden = self.second.draft_branches(root_token, prefixes, root_position, self.block_size)
-            rows = [hidden[r, 1 + len(p) : 1 + min(len(p) + length, max_depth)] for r, p in enumerate(prefixes)]
-            branch = self._distributions(self.second.drafter.compute_logits(torch.cat(rows)))
-            return list(branch.split([len(r) for r in rows]))
+        rows = len(root_tokens)
+        # a row with no room left (depth 0) plans no branches and verifies its root alone
+        plans = [plan_branches(probs[r, : depths[r]], config.num_branches, sample) if depths[r] > 0
+                 else (probs.new_zeros(0, dtype=torch.long), []) for r in range(rows)]
+        length = config.branch_length
+        if config.branches_from_first_pass:
+            branch_probs = [[probs[r, i : i + length] for i in picks] for r, (_, picks) in enumerate(plans)]
+        else:  # one batched pass of the second drafter over every branch of every row
+            row_index = torch.tensor([r for r, (_, picks) in enumerate(plans) for _ in picks], device=roots.device)
+            prefixes = [drafts[:i] for drafts, picks in plans for i in picks]
+            hidden = self.second.draft_branches(roots, positions, row_index, prefixes, self.block_size)
+            spans = [hidden[b, 1 + len(p) : 1 + min(len(p) + length, depths[int(row_index[b])])]
+                     for b, p in enumerate(prefixes)]
+            flat = self._distributions(self.second.drafter.compute_logits(torch.cat(spans))).split([len(s) for s in spans])
+            branch_probs, offset = [], 0
+            for _, picks in plans:
+                branch_probs.append(list(flat[offset : offset + len(picks)]))
+                offset += len(picks)
 
         def choose_count(reach_probs):
             if self.verify_cost is None:
                 return len(reach_probs) + 1
             self._track_draft_time(start)
-            return best_node_count(reach_probs, self.verify_cost, self.draft_seconds)
+            # the other rows are assumed to verify as many slots: the batch's forward is a rectangle
+            return best_node_count([reach_probs], lambda n: self.verify_cost(n, rows), self.draft_seconds)
 
-        config = self.drafter.config
-        return build_prefix_tree(root_token, probs, branch_probs, config.num_branches, config.tree_budget, choose_count,
-                                 sample=sample)
+        return [build_prefix_tree(root_tokens[r], probs[r, : depths[r]], plans[r][0], plans[r][1], branch_probs[r],
+                                  config.tree_budget, choose_count, sample=sample) if depths[r] > 0
+                else CandidateTree.chain(root_tokens[r], plans[r][0]) for r in range(rows)]
 
     def _distributions(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions: softmax of the drafter logits, at the sampling temperature when sampling."""
@@ -235,9 +302,9 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         n_new = committed - 1 - self.first.length
         self.add_context(
             model_outputs.hidden_states, slice(0, n_new),
-            torch.arange(committed - 1 - n_new, committed - 1, device=input_ids.device),
+            torch.arange(committed - 1 - n_new, committed - 1, device=input_ids.device)[None],
         )
-        tree = self.propose(int(input_ids[0, -1]), committed - 1, self.max_length - committed - 1)
+        tree = self.propose([int(input_ids[0, -1])], [committed - 1], [self.max_length - committed - 1])[0]
         if len(tree) == 1:
             return input_ids, None
         return torch.cat([input_ids, tree.tokens[None, 1:].to(input_ids.device)], dim=1), None

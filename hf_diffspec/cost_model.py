@@ -1,18 +1,22 @@
-"""A measured cost model: how long one target forward takes to verify n tokens on this machine, and which candidate
-nodes are worth verifying.
+"""A measured cost model: how long one target forward takes to verify a batch of candidates on this machine, and how
+many candidate tokens are worth verifying.
 
-Speculation pays per step (1 + expected accepted drafts) / (T_draft + T_verify(n)). Each candidate node carries an
-estimate of the probability that verification reaches it (products of drafter confidences); the expected number of
-accepted drafts when verifying the n most probable nodes is the sum of their probabilities. `best_node_count` picks
-the n that maximises expected tokens per second, so the verified length follows the drafter's confidence step by step
-and the machine's real cost curve, instead of a fixed length or a hand-set concurrency gate.
+Speculation pays per step (committed tokens) / (T_draft + T_verify). Each candidate node carries an estimate of the
+probability that verification reaches it (products of drafter confidences, or the length head's acceptance
+probabilities); the expected number of tokens a row commits when it verifies its n most probable nodes is 1 + the sum
+of their probabilities. A batch verifies a rectangle (rows x n slots, shorter rows padded), so one step costs
+T_verify(rows, n) whatever each row needs: `best_node_count` picks the n that maximises the batch's expected tokens
+per second. At batch 1 with a flat cost curve it verifies long drafts; when verification becomes compute-bound (many
+rows, or a slow target) it verifies only the confident heads of the drafts. No hand-set concurrency gate.
 
-`hf-diffspec profile` measures T_verify(n) once per (target, device, dtype, threads) and caches it as JSON; without a
-profile, drafts are verified at the drafter's configured length.
+`hf-diffspec profile` measures T_verify(rows, n) once per (target, device, dtype, threads) and caches it as JSON;
+without a profile (or with one in an older format), drafts are verified at the drafter's configured length and a
+warning says how to measure one.
 """
 
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -20,7 +24,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+logger = logging.getLogger(__name__)
+
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+PROFILE_BATCHES = (1, 2, 4, 8, 16)
+PROFILE_FORMAT = 2  # 1: batch-1 costs only (no longer read)
 
 
 def profile_key(target) -> str:
@@ -40,75 +48,111 @@ def profile_dir() -> Path:
     return Path(root) / "profiles"
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
-def measure_verify_cost(target, sizes=PROFILE_SIZES, context_length: int = 256, repeats: int = 7) -> dict[int, float]:
-    """Median seconds of a target forward over n new tokens on top of a cached context of `context_length`."""
+def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, context_length: int = 256,
+                        repeats: int = 5) -> dict[int, dict[int, float]]:
+    """Median seconds of a target forward over `rows` x n new tokens on top of a cached context of `context_length`
+    per row: {rows: {n: seconds}}."""
     device = target.device
     vocab = target.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, context_length), device=device)
-    cache = DynamicCache()
-    target(ids, cache=cache)
-    times = {n: [] for n in sizes}
-    for _ in range(repeats + 1):  # the first round warms up
-        for n in sizes:
-            new = torch.randint(0, vocab, (1, n), device=device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            target(new, cache=cache, position_ids=torch.arange(context_length, context_length + n, device=device)[None])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[n].append(time.perf_counter() - start)
-            cache.crop(-n)
-    return {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
+    costs = {}
+    for rows in batches:
+        cache = DynamicCache()
+        target(torch.randint(0, vocab, (rows, context_length), device=device), cache=cache)
+        times = {n: [] for n in sizes}
+        for _ in range(repeats + 1):  # the first round warms up
+            for n in sizes:
+                new = torch.randint(0, vocab, (rows, n), device=device)
+                positions = torch.arange(context_length, context_length + n, device=device)[None].expand(rows, -1)
+                _sync(device)
+                start = time.perf_counter()
+                target(new, cache=cache, position_ids=positions)
+                _sync(device)
+                times[n].append(time.perf_counter() - start)
+                cache.crop(-n)
+        costs[rows] = {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
+    return costs
 
 
-def save_profile(target, costs: dict[int, float]) -> Path:
+def save_profile(target, costs: dict[int, dict[int, float]]) -> Path:
     path = profile_dir() / f"{profile_key(target)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"key": profile_key(target), "model_type": target.config.get_text_config().model_type,
-               "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads(),
-               "verify_seconds": {str(n): t for n, t in costs.items()}}
+    payload = {"format": PROFILE_FORMAT, "key": profile_key(target),
+               "model_type": target.config.get_text_config().model_type, "device": str(target.device),
+               "dtype": str(target.dtype), "threads": torch.get_num_threads(),
+               "verify_seconds": {str(b): {str(n): t for n, t in row.items()} for b, row in costs.items()}}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=2))
     os.replace(tmp, path)
     return path
 
 
-class VerifyCost:
-    """T_verify(n) interpolated from a measured profile."""
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through `points`, flat below the first, linear extrapolation beyond the last."""
+    xs = sorted(points)
+    if x <= xs[0] or len(xs) == 1:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    last, before = xs[-1], xs[-2]
+    return points[last] + (points[last] - points[before]) * (x - last) / (last - before)
 
-    def __init__(self, costs: dict[int, float]):
-        self.sizes = sorted(costs)
+
+class VerifyCost:
+    """T_verify(n, rows): seconds of one target forward over `rows` x n tokens, interpolated from a measured profile
+    {rows: {n: seconds}} (linear in n, then linear in rows)."""
+
+    def __init__(self, costs: dict[int, dict[int, float]]):
         self.costs = costs
 
     @classmethod
-    def for_target(cls, target) -> "VerifyCost | None":
+    def for_target(cls, target, warn: bool = True) -> "VerifyCost | None":
         """The cached profile for this target/device/dtype/threads, or None (run `hf-diffspec profile`)."""
         path = profile_dir() / f"{profile_key(target)}.json"
         if not path.is_file():
+            if warn:
+                _warn_once(f"no verify-cost profile for this target on {target.device} in {target.dtype} "
+                           f"({torch.get_num_threads()} threads): drafts are verified at a fixed length. Run "
+                           "`hf-diffspec profile --target ... --dtype ...` once to let the cost model choose lengths.")
             return None
         data = json.loads(path.read_text())
-        return cls({int(n): float(t) for n, t in data["verify_seconds"].items()})
+        if data.get("format") != PROFILE_FORMAT:
+            _warn_once(f"the verify-cost profile {path} is in an older format (no batch sizes); drafts are verified at "
+                       "a fixed length until it is re-measured with `hf-diffspec profile`.")
+            return None
+        return cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()})
 
-    def __call__(self, n: int) -> float:
-        sizes = self.sizes
-        if n <= sizes[0]:
-            return self.costs[sizes[0]]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if n <= hi:
-                return self.costs[lo] + (self.costs[hi] - self.costs[lo]) * (n - lo) / (hi - lo)
-        last, before = sizes[-1], sizes[-2]  # extrapolate linearly beyond the profile
-        return self.costs[last] + (self.costs[last] - self.costs[before]) * (n - last) / (last - before)
+    def __call__(self, n: int, rows: int = 1) -> float:
+        return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
 
 
-def best_node_count(reach_probs: list[float], verify_cost: VerifyCost, draft_seconds: float) -> int:
-    """How many of the candidate nodes (sorted by reach probability, ancestors first) to verify, root included:
-    argmax over n of (1 + sum of the first n-1 reach probabilities) / (draft_seconds + T_verify(n))."""
-    best_n, best_rate, expected = 1, 1.0 / (draft_seconds + verify_cost(1)), 1.0
-    for i, p in enumerate(reach_probs, start=2):
-        expected += p
-        rate = expected / (draft_seconds + verify_cost(i))
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def best_node_count(reach_rows: list[list[float]], verify_seconds, draft_seconds: float) -> int:
+    """How many slots (root included) every row verifies: argmax over n of
+    sum over rows of (1 + the first n-1 reach probabilities of the row) / (draft_seconds + verify_seconds(n)).
+
+    `reach_rows`: per row, the reach probabilities of its candidates in decreasing order (ancestors first); a row with
+    fewer candidates simply stops contributing. `verify_seconds(n)`: the cost of the batch's forward at n slots."""
+    longest = max((len(r) for r in reach_rows), default=0)
+    expected = float(len(reach_rows))
+    best_n, best_rate = 1, expected / (draft_seconds + verify_seconds(1))
+    for i in range(longest):
+        expected += sum(r[i] for r in reach_rows if i < len(r))
+        rate = expected / (draft_seconds + verify_seconds(i + 2))
         if rate > best_rate:
-            best_n, best_rate = i, rate
+            best_n, best_rate = i + 2, rate
     return best_n

@@ -1,20 +1,24 @@
-"""Keep only the accepted path of a verified tree in the target's KV cache."""
+"""Keep only the accepted paths of verified trees in the target's KV cache."""
 
 import torch
 
 
-def keep_accepted_path(cache, past_length: int, path: list[int], num_nodes: int) -> None:
-    """After a tree forward appended `num_nodes` entries behind `past_length`, keep only the nodes of `path`.
+def keep_accepted_paths(cache, past_length: int, paths: list[list[int]], num_slots: int) -> None:
+    """After a tree forward appended `num_slots` entries per row behind `past_length`, keep each row's `path`.
 
-    A chain's accepted path is a prefix and only needs a crop; a tree's path is moved in place first, so RoPE stays
-    right: a node at depth d was written at position past + d, exactly its position on the linear path.
+    Row r's accepted nodes move to slots past_length + 0..len(path)-1 and the cache is cropped to the longest path;
+    a shorter row's extra slots hold copies that its validity mask must exclude. RoPE stays right: a node at depth d
+    was written at position root + d, exactly its position on the linear path. Chains that accepted a prefix only
+    need the crop.
     """
-    if list(path) != list(range(len(path))):
-        src = torch.tensor(path, device=cache.layers[0].keys.device) + past_length
-        dst = torch.arange(len(path), device=src.device) + past_length
+    kept = max(len(p) for p in paths)
+    if any(list(p) != list(range(len(p))) for p in paths):
+        device = cache.layers[0].keys.device
+        index = torch.tensor([p + [p[-1]] * (kept - len(p)) for p in paths], device=device) + past_length
         for layer in cache.layers:
-            layer.keys[..., dst, :] = layer.keys[..., src, :]
-            layer.values[..., dst, :] = layer.values[..., src, :]
-    dropped = num_nodes - len(path)
-    if dropped:
-        cache.crop(-dropped)
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                gathered = tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3]))
+                tensor[:, :, past_length : past_length + kept] = gathered
+    if num_slots > kept:
+        cache.crop(-(num_slots - kept))

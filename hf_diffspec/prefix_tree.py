@@ -19,11 +19,23 @@ def draw(probs: torch.Tensor, sample: bool) -> int:
     return int(torch.multinomial(probs, 1)) if sample else int(probs.argmax())
 
 
-def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_fn, num_branches: int,
-                      budget: int, choose_count=None, sample: bool = False) -> CandidateTree:
-    """`first_probs` (depth, vocab): the first drafter's distributions for slots 1..depth.
-    `branch_probs_fn(prefixes)` -> per prefix of length i, (slots, vocab): the second drafter's distributions for
-    slots i+1, i+2, ... (as many as it proposes).
+def plan_branches(first_probs: torch.Tensor, num_branches: int, sample: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The first drafter's drafts (drawn when `sample`) and the prefix lengths i to re-draft: the `num_branches`
+    largest r(i), ascending. `first_probs` (depth, vocab): its distributions for slots 1..depth."""
+    depth = first_probs.shape[0]
+    confidences = first_probs.max(-1).values
+    drafts = torch.tensor([draw(row, sample) for row in first_probs], device=first_probs.device)
+    reach = torch.cat([confidences.new_ones(1), torch.cumprod(confidences, 0)[:-1]])  # P(first i accepted)
+    boundary = reach * (1 - confidences)                                                # r(i), i = 0..depth-1
+    return drafts, sorted(torch.topk(boundary, min(num_branches, depth)).indices.tolist())
+
+
+def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.Tensor, picks: list[int],
+                      branch_probs: list[torch.Tensor], budget: int, choose_count=None,
+                      sample: bool = False) -> CandidateTree:
+    """The deduplicated, pruned tree of the main chain `drafts` and the branches re-drafted at prefix lengths `picks`
+    (from `plan_branches`). `branch_probs[j]` (slots, vocab): the second drafter's distributions for slots
+    picks[j]+1, picks[j]+2, ... (as many as it proposes).
     `choose_count(reach_probs) -> n`, optional: how many nodes (root included) to verify given the reach
     probabilities of the candidates in decreasing order (the cost model); `budget` stays the upper bound.
     `sample`: draw every draft from its distribution instead of taking the argmax, and return those distributions
@@ -31,10 +43,8 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_f
     tokens, so which nodes are kept does not depend on their own values (required for losslessness)."""
     depth = first_probs.shape[0]
     confidences = first_probs.max(-1).values
-    drafts = torch.tensor([draw(row, sample) for row in first_probs], device=first_probs.device)
-    reach = torch.cat([confidences.new_ones(1), torch.cumprod(confidences, 0)[:-1]])  # P(first i accepted)
-    boundary = reach * (1 - confidences)                                                # r(i), i = 0..depth-1
-    picks = sorted(torch.topk(boundary, min(num_branches, depth)).indices.tolist())
+    reach = torch.cat([confidences.new_ones(1), torch.cumprod(confidences, 0)[:-1]])
+    boundary = reach * (1 - confidences)
 
     # candidate nodes keyed by their token path from the root: reach score and the distribution they were drawn from
     scores: dict[tuple, float] = {}
@@ -48,7 +58,6 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, branch_probs_f
     for k in range(depth):
         add(main[: k + 1], float(reach[k] * confidences[k]), first_probs[k])
 
-    branch_probs = branch_probs_fn([drafts[:i] for i in picks])
     for row, i in enumerate(picks):
         probs = branch_probs[row]                          # second drafter: slots i+1, i+2, ...
         alternative_probs = probs[0].clone()

@@ -75,19 +75,30 @@ class CandidateTree:
             allowed[i] |= allowed[p]
         return allowed.to(device)
 
-    def attention_mask(self, past_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive 4D mask (1, 1, n, past + n) in `dtype`: 0 where a node may attend, dtype-min elsewhere.
 
-        `past_valid` is a (past,) bool mask of the cached positions a node may see (False for padding). Additive float,
-        never bool: eager attention adds the mask, so a bool mask would be silently wrong there.
-        """
-        device = past_valid.device
-        allowed = torch.cat(
-            [past_valid[None].expand(len(self), -1), self.ancestor_matrix(device)], dim=1
-        )
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+def verify_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions: list[int], dtype: torch.dtype):
+    """Target inputs to verify one tree per row in one forward: `(tokens, attention_mask, position_ids)`.
 
-    def position_ids(self, start: int, device=None) -> torch.Tensor:
-        """(1, n) positions: the root sits at `start`, a node at depth d at `start + d`."""
-        return (start + torch.tensor(self.depths, device=device))[None]
+    tokens (rows, n) and position_ids (rows, n), with n the largest tree: a node at depth d sits at its row's root
+    position + d; shorter rows are padded with slots that see only themselves (their outputs are ignored).
+    attention_mask (rows, 1, n, past + n) is additive float in `dtype` (0 = attend, dtype min = blocked), never bool:
+    eager attention adds the mask, so a bool mask would be silently wrong there. `past_valid` (rows, past) marks
+    which cached slots each row may see (False: padding, or slots of drafts another row accepted).
+    """
+    rows, past = past_valid.shape
+    n = max(len(t) for t in trees)
+    device = past_valid.device
+    tokens = torch.empty(rows, n, dtype=torch.long, device=device)
+    positions = torch.empty(rows, n, dtype=torch.long, device=device)
+    allowed = torch.zeros(rows, n, past + n, dtype=torch.bool, device=device)
+    allowed[:, :, past:] = torch.eye(n, dtype=torch.bool, device=device)
+    for row, (tree, root) in enumerate(zip(trees, root_positions)):
+        size = len(tree)
+        tokens[row, :size] = tree.tokens.to(device)
+        tokens[row, size:] = tokens[row, 0]
+        positions[row, :size] = root + torch.tensor(tree.depths, device=device)
+        positions[row, size:] = root
+        allowed[row, :size, :past] = past_valid[row]
+        allowed[row, :size, past : past + size] = tree.ancestor_matrix(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return tokens, mask[:, None], positions

@@ -47,6 +47,11 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         num_draft_tokens (`int`, *optional*): how many of the block's block_size-1 drafts are sent to the target for
             verification (default: all). Verifying costs more per token than it drafts, so on slow hardware fewer is
             often faster; chosen by measurement for shipped drafters.
+        length_head (`bool`): the drafter carries an acceptance (length) head: for every draft slot of a block it
+            predicts the probability that the target accepts that draft given it accepted the ones before (AdaFlash's
+            adaptive length head, per position). At inference those probabilities feed the cost model that sizes
+            what the target verifies. Trained alone with the drafter frozen (`hf-diffspec train length-head`).
+        length_head_size (`int`): width of the head's MLP.
     """
 
     model_type = "diffusion_drafter"
@@ -74,6 +79,8 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         target_name_or_path: str | None = None,
         draft_role: str = "first",
         num_draft_tokens: int | None = None,
+        length_head: bool = False,
+        length_head_size: int = 256,
         **kwargs,
     ):
         if block_size < 2:
@@ -112,6 +119,8 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         if num_draft_tokens is not None and not 1 <= num_draft_tokens <= block_size - 1:
             raise ValueError(f"num_draft_tokens must be between 1 and block_size-1={block_size - 1}, got {num_draft_tokens}")
         self.num_draft_tokens = num_draft_tokens
+        self.length_head = bool(length_head)
+        self.length_head_size = length_head_size
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -104,7 +104,7 @@ class DiffusionDrafterAttention(nn.Module):
         k = apply_rope(k, cos, sin)
         if cache is not None and extend_cache:
             k, v = cache.update(k, v, self.layer_idx)
-        elif cache is not None:  # read-only: one cached context shared by every row (e.g. D²SD branches)
+        elif cache is not None:  # read-only: a cached context per row, or one shared by every row (D²SD branches)
             layer = cache.layers[self.layer_idx]
             k = torch.cat([layer.keys.expand(batch, -1, -1, -1), k], dim=2)
             v = torch.cat([layer.values.expand(batch, -1, -1, -1), v], dim=2)
@@ -140,6 +140,34 @@ class DiffusionDrafterDecoderLayer(nn.Module):
             self.input_layernorm(hidden_states), context, cos, sin, attention_mask, cache, extend_cache
         )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DiffusionDrafterLengthHead(nn.Module):
+    """Per draft slot k of a block: the logit of P(the target accepts draft k | it accepted drafts 1..k-1).
+
+    Input per slot: [x_k ; mean of the block's draft slots ; log confidence_k], with x the drafter's final hidden
+    states (detached: the head never changes the drafts) and confidence_k the drafter's top probability at slot k.
+    A residual MLP as in AdaFlash's length head, but per position: the products of its probabilities are the reach
+    probabilities the cost model needs to size each verification.
+    """
+
+    def __init__(self, config: DiffusionDrafterConfig):
+        super().__init__()
+        size = config.length_head_size
+        self.proj = nn.Linear(2 * config.hidden_size + 1, size)
+        self.mid = nn.Linear(size, size)
+        self.out = nn.Linear(size, 1)
+
+    def forward(self, draft_hidden: torch.Tensor, confidences: torch.Tensor) -> torch.Tensor:
+        """draft_hidden (batch, block-1, hidden): every draft slot of the block; confidences (batch, k), k <= block-1:
+        the top draft probability of slots 1..k -> acceptance logits (batch, k) of those slots."""
+        pooled = draft_hidden.detach().to(self.proj.weight.dtype).mean(1, keepdim=True)
+        x = draft_hidden[:, : confidences.shape[1]].detach().to(self.proj.weight.dtype)
+        pooled = pooled.expand_as(x)
+        log_conf = confidences.detach().clamp(min=1e-6).log().to(x.dtype)[..., None]
+        h = F.silu(self.proj(torch.cat([x, pooled, log_conf], dim=-1)))
+        h = h + F.silu(self.mid(h))
+        return self.out(h).squeeze(-1)
 
 
 class DiffusionDrafterPreTrainedModel(PreTrainedModel):
@@ -204,6 +232,7 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         )
         self.norm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DiffusionDrafterRotaryEmbedding(config)
+        self.length_head = DiffusionDrafterLengthHead(config) if config.length_head else None
         # A drafter-owned MASK embedding keeps the target's vocabulary untouched.
         self.mask_embedding = (
             nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
@@ -268,6 +297,13 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             ) from error
         # a drafter with randomly initialised parts would draft garbage silently: refuse incomplete checkpoints
         broken = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+        missing_head = [k for k in broken.get("missing_keys", []) if k.startswith("length_head.")]
+        if missing_head:
+            raise OSError(
+                f"the drafter config at {pretrained_model_name_or_path} asks for a length head (length_head=True) but "
+                f"the checkpoint has no weights for it ({missing_head}). Train one with `hf-diffspec train length-head "
+                f"--init {pretrained_model_name_or_path}`, or load with length_head=False to draft without it."
+            )
         if broken:
             raise OSError(
                 f"the drafter checkpoint at {pretrained_model_name_or_path} is incomplete or corrupt: {broken}. "
@@ -360,6 +396,15 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             k, v = layer.self_attn.project_context(context, cos, sin)
             cache.update(k, v, i)
 
+    def add_length_head(self) -> "DiffusionDrafter":
+        """Attach a freshly initialised length head (config.length_head becomes True); no-op if there is one."""
+        if self.length_head is None:
+            self.config.length_head = True
+            head = DiffusionDrafterLengthHead(self.config).to(device=self.device, dtype=self.dtype)
+            head.apply(self._init_weights)
+            self.length_head = head
+        return self
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft logits through the borrowed (frozen) target LM head."""
         lm_head = self.target_lm_head
@@ -421,4 +466,4 @@ def check_target_compatible(config: DiffusionDrafterConfig, target: PreTrainedMo
         )
 
 
-__all__ = ["DiffusionDrafter", "DiffusionDrafterPreTrainedModel", "drafter_config_for_target", "check_target_compatible"]
+__all__ = ["DiffusionDrafter", "DiffusionDrafterLengthHead", "DiffusionDrafterPreTrainedModel", "drafter_config_for_target", "check_target_compatible"]

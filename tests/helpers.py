@@ -42,19 +42,28 @@ def tiny_drafter(target, block_size: int = 4, seed: int = 0, **kw):
 
 class NoisyOracle:
     """A `propose` replacement: the reference continuation with each token corrupted with probability `noise`,
-    plus, when `branches` > 0, up to that many wrong siblings per depth (a real tree)."""
+    plus, when `branches` > 0, up to that many wrong siblings per depth (a real tree).
 
-    def __init__(self, reference: torch.Tensor, vocab_size: int, noise: float = 0.3, branches: int = 0, seed: int = 0):
-        self.reference = reference[0].tolist()
+    `reference`: a (1, length) tensor, or one 1-D sequence per row of a batch (each row's own prompt + plain
+    continuation, without padding: a row's root position indexes it directly)."""
+
+    def __init__(self, reference, vocab_size: int, noise: float = 0.3, branches: int = 0, seed: int = 0):
+        rows = reference if isinstance(reference, list) else list(reference)
+        self.references = [torch.as_tensor(r).tolist() for r in rows]
         self.vocab_size = vocab_size
         self.noise = noise
         self.branches = branches
         self.rng = random.Random(seed)
         self.trees: list[CandidateTree] = []
+        self.active = list(range(len(self.references)))
 
-    def __call__(self, generator: DiffusionCandidateGenerator, root_token: int, root_position: int, max_depth: int):
+    def propose(self, generator, root_tokens, root_positions, max_depths):
+        return [self.tree(generator, self.references[row], root, position, depth)
+                for row, root, position, depth in zip(self.active, root_tokens, root_positions, max_depths)]
+
+    def tree(self, generator, reference, root_token: int, root_position: int, max_depth: int) -> CandidateTree:
         max_depth = min(max_depth, generator.block_size - 1)
-        truth = self.reference[root_position + 1 : root_position + 1 + max_depth]
+        truth = reference[root_position + 1 : root_position + 1 + max_depth]
         tokens, parents = [root_token], [-1]
         parent = 0
         for tok in truth:
@@ -76,10 +85,21 @@ class NoisyOracle:
 
 
 def install_oracle(monkeypatch, oracle: NoisyOracle):
-    monkeypatch.setattr(
-        DiffusionCandidateGenerator, "propose",
-        lambda self, root_token, root_position, max_depth: oracle(self, root_token, root_position, max_depth),
-    )
+    """Route every `DiffusionCandidateGenerator.propose` to `oracle`, tracking which rows are still decoding."""
+    init, select_rows = DiffusionCandidateGenerator.__init__, DiffusionCandidateGenerator.select_rows
+
+    def fresh(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        oracle.active = list(range(len(oracle.references)))
+
+    def select(self, keep):
+        select_rows(self, keep)
+        oracle.active = [oracle.active[i] for i in keep.tolist()]
+
+    monkeypatch.setattr(DiffusionCandidateGenerator, "__init__", fresh)
+    monkeypatch.setattr(DiffusionCandidateGenerator, "select_rows", select)
+    monkeypatch.setattr(DiffusionCandidateGenerator, "propose",
+                        lambda self, *args: oracle.propose(self, *args))
 
 
 def two_sample_chi2(a: torch.Tensor, b: torch.Tensor) -> float:

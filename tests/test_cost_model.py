@@ -1,5 +1,8 @@
 """The measured cost model: profiles, interpolation, choosing how much to verify, and losslessness with it on."""
 
+import json
+import logging
+
 import pytest
 import torch
 
@@ -10,34 +13,51 @@ from helpers import tiny_drafter, tiny_target
 
 
 def test_interpolation_and_extrapolation():
-    cost = VerifyCost({1: 1.0, 4: 1.3, 8: 2.1})
+    cost = VerifyCost({1: {1: 1.0, 4: 1.3, 8: 2.1}, 4: {1: 2.0, 4: 3.0, 8: 5.0}})
     assert cost(1) == 1.0 and cost(0) == 1.0
     assert cost(2) == pytest.approx(1.1) and cost(6) == pytest.approx(1.7)
     assert cost(12) == pytest.approx(2.9)
+    assert cost(4, rows=4) == 3.0 and cost(4, rows=2) == pytest.approx(1.3 + (3.0 - 1.3) / 3)
+    assert cost(1, rows=8) == pytest.approx(2.0 + (2.0 - 1.0) / 3 * 4)  # beyond the profile: linear in rows
 
 
 def test_verify_more_only_when_it_pays():
-    flat = VerifyCost({1: 1.0, 16: 1.0})       # verifying is free: take every node with any chance
-    steep = VerifyCost({1: 1.0, 2: 2.0, 16: 16.0})  # each token costs a full forward: never worth it
+    flat = VerifyCost({1: {1: 1.0, 16: 1.0}})           # verifying is free: take every node with any chance
+    steep = VerifyCost({1: {1: 1.0, 2: 2.0, 16: 16.0}})  # each token costs a full forward: never worth it
     probs = [0.9, 0.8, 0.5, 0.1, 0.01]
-    assert best_node_count(probs, flat, 0.1) == 6
-    assert best_node_count(probs, steep, 0.1) == 1
-    moderate = VerifyCost({1: 1.0, 3: 1.05, 6: 1.5})
-    assert best_node_count(probs, moderate, 0.2) == 4  # confident nodes in, long shots out
-    assert best_node_count([0.0, 0.0], moderate, 0.2) == 1
+    assert best_node_count([probs], flat, 0.1) == 6
+    assert best_node_count([probs], steep, 0.1) == 1
+    moderate = VerifyCost({1: {1: 1.0, 3: 1.05, 6: 1.5}})
+    assert best_node_count([probs], moderate, 0.2) == 4  # confident nodes in, long shots out
+    assert best_node_count([[0.0, 0.0]], moderate, 0.2) == 1
 
 
-def test_profile_is_keyed_by_device_dtype_and_threads(tmp_path, monkeypatch):
+def test_a_compute_bound_batch_verifies_shorter_drafts():
+    """The same drafts: at batch 1 (flat costs) the whole chain is worth verifying; 16 rows make each extra slot cost
+    16 tokens, so only the confident heads are verified."""
+    cost = VerifyCost({1: {1: 1.0, 8: 1.05}, 16: {1: 2.0, 2: 3.0, 8: 9.0}})
+    probs = [0.9, 0.7, 0.5, 0.35, 0.25]
+    assert best_node_count([probs], lambda n: cost(n, 1), 0.1) == 6
+    # rates per slot count n = 1..4: 7.6, 9.8, 10.1, 9.7 rows-tokens/s: two drafts per row
+    assert best_node_count([probs] * 16, lambda n: cost(n, 16), 0.1) == 3
+
+
+def test_profile_is_keyed_by_device_dtype_and_threads(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     target = tiny_target("llama")
     assert VerifyCost.for_target(target) is None
-    costs = measure_verify_cost(target, sizes=(1, 2, 4), context_length=16, repeats=2)
-    assert set(costs) == {1, 2, 4} and all(t > 0 for t in costs.values())
-    save_profile(target, costs)
+    costs = measure_verify_cost(target, sizes=(1, 2, 4), batches=(1, 3), context_length=16, repeats=2)
+    assert set(costs) == {1, 3} and set(costs[3]) == {1, 2, 4} and all(t > 0 for t in costs[1].values())
+    path = save_profile(target, costs)
     assert VerifyCost.for_target(target).costs == costs
     key = profile_key(target)
     assert profile_key(target.to(torch.bfloat16)) != key  # another dtype is another profile: measured anew
     assert VerifyCost.for_target(target) is None
+    target.to(torch.float32)
+    path.write_text(json.dumps({"key": key, "verify_seconds": {"1": 0.1, "4": 0.2}}))  # the batch-1 format
+    with caplog.at_level(logging.WARNING):
+        assert VerifyCost.for_target(target) is None
+    assert "older format" in caplog.text
 
 
 @pytest.mark.parametrize("dual", [False, True])
@@ -46,7 +66,7 @@ def test_cost_model_lengths_stay_lossless(tmp_path, monkeypatch, dual):
     target = tiny_target("qwen3", seed=6)
     with torch.no_grad():
         target.lm_head.weight.mul_(4)
-    save_profile(target, {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.2, 16: 1.6})
+    save_profile(target, {1: {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.2, 16: 1.6}})
     drafter = tiny_drafter(target, block_size=8)
     if dual:
         drafter = hf_diffspec.DualDiffusionDrafter.from_drafters(drafter, None, num_branches=3)
@@ -54,9 +74,9 @@ def test_cost_model_lengths_stay_lossless(tmp_path, monkeypatch, dual):
     original = DiffusionCandidateGenerator.propose
 
     def recording(self, *args, **kwargs):
-        tree = original(self, *args, **kwargs)
-        sizes.append(len(tree))
-        return tree
+        trees = original(self, *args, **kwargs)
+        sizes.extend(len(t) for t in trees)
+        return trees
 
     monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording)
     ids = torch.randint(2, 128, (1, 9))

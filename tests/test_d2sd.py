@@ -6,7 +6,7 @@ from transformers import AutoModel
 
 import hf_diffspec
 from hf_diffspec.candidate_generator import DiffusionCandidateGenerator
-from hf_diffspec.prefix_tree import build_prefix_tree
+from hf_diffspec.prefix_tree import build_prefix_tree, plan_branches
 from helpers import marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
 
 
@@ -23,9 +23,9 @@ def record_trees(monkeypatch):
     original = DiffusionCandidateGenerator.propose
 
     def recording(self, *args, **kwargs):
-        tree = original(self, *args, **kwargs)
-        trees.append(tree)
-        return tree
+        proposed = original(self, *args, **kwargs)
+        trees.extend(proposed)
+        return proposed
 
     monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording)
     return trees
@@ -56,24 +56,22 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
     for slot, (token, conf) in enumerate([(1, 0.9), (2, 0.3), (3, 0.9), (4, 0.9)]):
         first[slot] = (1 - conf) / (vocab - 1)
         first[slot, token] = conf
-    calls = []
-
     def branch_probs(prefixes):
-        calls.append([p.tolist() for p in prefixes])
         probs = torch.full((len(prefixes), 4, vocab), 0.01)
         probs[:, :, 7] = 0.5   # VP's favourite everywhere
         probs[:, :, 2] = 0.4
         probs = probs / probs.sum(-1, keepdim=True)
         return [probs[row, len(p):] for row, p in enumerate(prefixes)]
 
-    tree = build_prefix_tree(0, first, branch_probs, num_branches=1, budget=16)
-    assert calls == [[[1]]]                       # one branch, re-drafted after the prefix [1]
+    drafts, picks = plan_branches(first, num_branches=1)
+    assert drafts.tolist() == [1, 2, 3, 4] and picks == [1]   # one branch, re-drafted after the prefix [1]
+    tree = build_prefix_tree(0, first, drafts, picks, branch_probs([drafts[:i] for i in picks]), budget=16)
     node = 0
     for token in [1, 2, 3, 4]:                      # the main chain is kept whole
         node = tree.children[node][token]
     after_prefix = tree.children[tree.children[0][1]]
     assert set(after_prefix) == {2, 7}              # main draft 2 and the VP's alternative (never the same token)
-    small = build_prefix_tree(0, first, branch_probs, num_branches=1, budget=4)
+    small = build_prefix_tree(0, first, drafts, picks, branch_probs([drafts[:i] for i in picks]), budget=4)
     assert len(small) == 4 and all(p < i for i, p in enumerate(small.parents) if i)
 
 
@@ -131,8 +129,6 @@ def test_bad_d2sd_configurations_are_refused():
     with pytest.raises(ValueError, match="vocab_size"):
         hf_diffspec.DualDiffusionDrafter.from_drafters(first, tiny_drafter(other_target, block_size=4), num_branches=2)
     dual = hf_diffspec.DualDiffusionDrafter.from_drafters(first, None, num_branches=2)
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(torch.randint(2, 128, (2, 6)), assistant_model=dual, max_new_tokens=4)
     with pytest.raises(ValueError, match="chains only"):
         hf_diffspec.assisted_generate_with_stock_loop(target, dual, inputs=torch.randint(2, 128, (1, 6)),
                                                       max_new_tokens=4)

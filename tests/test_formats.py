@@ -97,10 +97,9 @@ def record_our_drafts(monkeypatch):
     original = DiffusionCandidateGenerator.propose
 
     def recording(self, *args, **kwargs):
-        tree = original(self, *args, **kwargs)
-        if len(tree) > 1:
-            drafts.append(tree.tokens[1:].tolist())
-        return tree
+        trees = original(self, *args, **kwargs)
+        drafts.extend(t.tokens[1:].tolist() for t in trees if len(t) > 1)
+        return trees
 
     monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording)
     return drafts

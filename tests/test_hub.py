@@ -59,7 +59,8 @@ NO_HF_DIFFSPEC = textwrap.dedent('''
     tree_module = next(m for name, m in sys.modules.items() if name.endswith("custom_generate.tree"))
     truth, rng, trees = ref[0].tolist(), random.Random(0), []
 
-    def oracle(self, root_token, root_position, max_depth):
+    def oracle(self, root_tokens, root_positions, max_depths):
+        (root_token,), (root_position,), (max_depth,) = root_tokens, root_positions, max_depths
         tokens, parents, parent = [root_token], [-1], 0
         for tok in truth[root_position + 1 : root_position + 1 + min(max_depth, 7)]:
             wrong = (tok + 1 + rng.randrange(100)) % 128
@@ -68,7 +69,7 @@ NO_HF_DIFFSPEC = textwrap.dedent('''
             parent = len(tokens) - 1
         tree = tree_module.CandidateTree(torch.tensor(tokens), parents)
         trees.append(tree)
-        return tree
+        return [tree]
 
     gen_module.DiffusionCandidateGenerator.propose = oracle
     out = target.generate(ids, assistant_model=drafter, custom_generate=drafter_dir, trust_remote_code=True, **kwargs)

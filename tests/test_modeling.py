@@ -9,9 +9,9 @@ from transformers import AutoConfig, AutoModel, DynamicCache
 
 import hf_diffspec
 from hf_diffspec.candidate_generator import DiffusionCandidateGenerator, gather_features
-from hf_diffspec.kv_cache import keep_accepted_path
+from hf_diffspec.kv_cache import keep_accepted_paths
 from hf_diffspec.modeling import default_target_layer_ids
-from hf_diffspec.tree import CandidateTree
+from hf_diffspec.tree import CandidateTree, verify_inputs
 from helpers import tiny_drafter, tiny_target
 
 
@@ -19,8 +19,8 @@ def draft_once(drafter, target, ids):
     """Prefill the target, then one chain proposal from the drafter."""
     out = target(ids, output_hidden_states=[i + 1 for i in drafter.config.target_layer_ids])
     gen = DiffusionCandidateGenerator(drafter, target, max_length=1000)
-    gen.add_context(out.hidden_states, slice(None), torch.arange(ids.shape[1]))
-    return gen.propose(int(ids[0, -1]), ids.shape[1], max_depth=100)
+    gen.add_context(out.hidden_states, slice(None), torch.arange(ids.shape[1])[None])
+    return gen.propose([int(ids[0, -1])], [ids.shape[1]], [100])[0]
 
 
 def test_default_target_layer_ids_follow_dflash():
@@ -112,13 +112,18 @@ def test_tree_structure_mask_and_positions():
     tree = CandidateTree(torch.tensor([5, 6, 7, 8, 9]), [-1, 0, 0, 1, 3])
     assert tree.depths == [0, 1, 1, 2, 3] and tree.children[0] == {6: 1, 7: 2}
     assert tree.path_to(4) == [0, 1, 3, 4] and not tree.is_chain
-    mask = tree.attention_mask(torch.tensor([True, False, True]), torch.float32)
-    assert mask.shape == (1, 1, 5, 8)
-    allowed = mask[0, 0] == 0
-    assert allowed[:, 0].all() and not allowed[:, 1].any()
-    assert allowed[4, 3:].tolist() == [True, True, False, True, True]
-    assert allowed[2, 3:].tolist() == [True, False, True, False, False]
-    assert tree.position_ids(10).tolist() == [[10, 11, 11, 12, 13]]
+    short = CandidateTree.chain(3, torch.tensor([4, 2]))
+    past_valid = torch.tensor([[True, False, True], [False, True, True]])
+    tokens, mask, positions = verify_inputs([tree, short], past_valid, [10, 4], torch.float32)
+    assert tokens.tolist() == [[5, 6, 7, 8, 9], [3, 4, 2, 3, 3]]         # the short row is padded with its root
+    assert positions.tolist() == [[10, 11, 11, 12, 13], [4, 5, 6, 4, 4]]
+    assert mask.shape == (2, 1, 5, 8)
+    allowed = mask[:, 0] == 0
+    assert allowed[0, :, 0].all() and not allowed[0, :, 1].any()
+    assert allowed[0, 4, 3:].tolist() == [True, True, False, True, True]
+    assert allowed[0, 2, 3:].tolist() == [True, False, True, False, False]
+    assert allowed[1, 2].tolist() == [False, True, True, True, True, True, False, False]
+    assert allowed[1, 3].tolist() == [False] * 6 + [True, False]       # padding slots see only themselves
     with pytest.raises(ValueError, match="two children"):
         CandidateTree(torch.tensor([5, 6, 6]), [-1, 0, 0])
 
@@ -126,24 +131,33 @@ def test_tree_structure_mask_and_positions():
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_forward_and_compaction_equal_plain_forwards(kind, attn):
+    """Two rows, different trees and accepted paths (one not a prefix): every node's logits, and the next step after
+    keeping each row's path, equal plain causal forwards of that row alone."""
     target = tiny_target(kind, attn=attn)
-    prefix = torch.randint(2, 128, (1, 9))
+    prefix = torch.randint(2, 128, (2, 9))
     cache = DynamicCache()
     target(prefix, cache=cache)
-    tree = CandidateTree(torch.tensor([10, 11, 12, 13, 14, 15]), [-1, 0, 0, 1, 3, 2])
-    out = target(tree.tokens[None], attention_mask=tree.attention_mask(torch.ones(9, dtype=torch.bool), torch.float32),
-                 position_ids=tree.position_ids(9), cache=cache)
-    for node in range(len(tree)):  # every node's logits equal a plain causal forward of its root path
-        path_tokens = tree.tokens[tree.path_to(node)]
-        ref = target(torch.cat([prefix, path_tokens[None]], dim=1)).logits[0, -1]
-        assert torch.allclose(out.logits[0, node], ref, atol=1e-5)
-    path = tree.path_to(4)  # a non-prefix path: 0 -> 1 -> 3 -> 4
-    keep_accepted_path(cache, 9, path, len(tree))
-    assert cache.get_seq_length() == 9 + len(path)
-    nxt = torch.tensor([[20]])
-    step = target(nxt, cache=cache).logits[0, -1]
-    ref = target(torch.cat([prefix, tree.tokens[path][None], nxt], dim=1)).logits[0, -1]
-    assert torch.allclose(step, ref, atol=1e-5)
+    trees = [CandidateTree(torch.tensor([10, 11, 12, 13, 14, 15]), [-1, 0, 0, 1, 3, 2]),
+             CandidateTree.chain(30, torch.tensor([31, 32]))]
+    tokens, mask, positions = verify_inputs(trees, torch.ones(2, 9, dtype=torch.bool), [9, 9], torch.float32)
+    out = target(tokens, attention_mask=mask, position_ids=positions, cache=cache)
+    for row, tree in enumerate(trees):
+        for node in range(len(tree)):  # every node's logits equal a plain causal forward of its root path
+            path_tokens = tree.tokens[tree.path_to(node)]
+            ref = target(torch.cat([prefix[row : row + 1], path_tokens[None]], dim=1)).logits[0, -1]
+            assert torch.allclose(out.logits[row, node], ref, atol=1e-5)
+    paths = [trees[0].path_to(4), [0]]  # a non-prefix path 0 -> 1 -> 3 -> 4; the chain accepts only its root
+    keep_accepted_paths(cache, 9, paths, tokens.shape[1])
+    assert cache.get_seq_length() == 9 + 4
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1, 10:] = False  # the second row kept one slot; the rest of its column is not its own
+    nxt = torch.tensor([[20], [21]])
+    step_mask = torch.zeros(2, 1, 1, 14).masked_fill(~torch.cat([valid, torch.ones(2, 1, dtype=torch.bool)], 1)[:, None, None], torch.finfo(torch.float32).min)
+    step = target(nxt, attention_mask=step_mask, position_ids=torch.tensor([[13], [10]]), cache=cache).logits[:, -1]
+    for row in range(2):
+        kept = trees[row].tokens[paths[row]]
+        ref = target(torch.cat([prefix[row], kept, nxt[row]])[None]).logits[0, -1]
+        assert torch.allclose(step[row], ref, atol=1e-5)
 
 
 def test_features_are_the_selected_hidden_states():

@@ -1,0 +1,140 @@
+"""Batched speculative decoding: left-padded prompts of mixed lengths, ragged acceptance, rows finishing at different
+times. Every row must equal that prompt generated alone by plain `generate` (fp32)."""
+
+import pytest
+import torch
+
+import hf_diffspec
+from helpers import NoisyOracle, install_oracle, marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
+
+PAD = 0
+
+
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), PAD)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, longest - len(p) :] = p
+        mask[row, longest - len(p) :] = 1
+    return ids, mask
+
+
+def mixed_prompts(seed: int, lengths=(3, 14, 7, 1, 10)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 128, (n,), generator=g) for n in lengths]
+
+
+def rows_alone(target, prompts, **kwargs) -> list[list[int]]:
+    return [target.generate(p[None], **kwargs)[0].tolist() for p in prompts]
+
+
+def strip(row: torch.Tensor, prompt_length: int, padded_length: int, pad: int | None) -> list[int]:
+    """A batched output row without its left padding and, when `pad` is given, without its right padding."""
+    tokens = row[padded_length - prompt_length :].tolist()
+    while pad is not None and len(tokens) > prompt_length and tokens[-1] == pad:
+        tokens.pop()
+    return tokens
+
+
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("qwen3", "eager")])
+@pytest.mark.parametrize("seed", range(2))
+def test_each_row_equals_plain_greedy_alone_with_a_random_drafter(kind, attn, seed):
+    target = tiny_target(kind, seed=seed, attn=attn)
+    drafter = tiny_drafter(target, block_size=4, seed=seed)
+    prompts = mixed_prompts(seed)
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+    alone = rows_alone(target, prompts, max_new_tokens=20, do_sample=False)
+    assert [strip(out[r], len(p), ids.shape[1], None) for r, p in enumerate(prompts)] == alone
+    assert drafter.last_generation_stats.new_tokens == 20 * len(prompts)
+
+
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
+@pytest.mark.parametrize("branches", [0, 2])
+@pytest.mark.parametrize("seed", range(2))
+def test_ragged_acceptance_and_rows_finishing_early(monkeypatch, kind, attn, branches, seed):
+    """An oracle that is right most of the time makes rows accept different numbers of tokens per step (chains and
+    trees); an EOS that some rows emit makes them finish at different times."""
+    target = tiny_target(kind, seed=seed, attn=attn)
+    drafter = tiny_drafter(target, block_size=8)
+    prompts = mixed_prompts(seed + 5)
+    free = rows_alone(target, prompts, max_new_tokens=30, do_sample=False)
+    eos = free[0][len(prompts[0]) + 6]  # row 0 stops after 7 tokens; other rows only if they emit it too
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
+                  repetition_penalty=1.2 if seed else 1.0)
+    alone = rows_alone(target, prompts, **kwargs)
+    assert len({len(a) for a in alone}) > 1, "rows should finish at different times"
+    oracle = NoisyOracle([torch.tensor(f) for f in rows_alone(target, prompts, **{**kwargs, "eos_token_id": None})],
+                         vocab_size=128, noise=0.2, branches=branches, seed=seed)
+    install_oracle(monkeypatch, oracle)
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    got = [out[r, ids.shape[1] - len(p) :].tolist()[: len(alone[r])] for r, p in enumerate(prompts)]
+    assert got == alone
+    for r, a in enumerate(alone):  # what follows a finished row is padding, as plain generate pads it
+        assert set(out[r, ids.shape[1] - len(prompts[r]) + len(a) :].tolist()) <= {PAD}
+    stats = drafter.last_generation_stats
+    assert stats.tau > 1.5 and len(set(stats.committed_per_step)) > 1, "acceptance should be high and ragged"
+    assert stats.verified_slots >= stats.verified_tokens
+    if branches:
+        assert any(not t.is_chain for t in oracle.trees)
+
+
+@pytest.mark.parametrize("variant", ["vp", "resample"])
+def test_d2sd_trees_in_a_batch(monkeypatch, variant):
+    target = tiny_target("qwen3", seed=4)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+    first = tiny_drafter(target, block_size=8, seed=1)
+    second = tiny_drafter(target, block_size=8, seed=2) if variant == "vp" else None
+    dual = hf_diffspec.DualDiffusionDrafter.from_drafters(first, second, num_branches=3, tree_budget=10,
+                                                          branches_from_first_pass=variant == "resample")
+    prompts = mixed_prompts(7, lengths=(5, 9, 2))
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=dual, max_new_tokens=24, do_sample=False)
+    alone = rows_alone(target, prompts, max_new_tokens=24, do_sample=False)
+    assert [strip(out[r], len(p), ids.shape[1], None) for r, p in enumerate(prompts)] == alone
+
+
+def test_batched_sampling_is_exactly_the_targets_distribution(monkeypatch):
+    """Each row of a batched sampled generation is distributed as that prompt sampled alone (chi-square on the
+    marginals of its 2nd and last new tokens), with drafts drawn and verified by rejection sampling."""
+    vocab = 16
+    target = tiny_target("llama", seed=12, vocab_size=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)]
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=5, do_sample=True, temperature=0.9, top_k=0)
+    n = 300
+    spec = torch.zeros(len(prompts), 2, vocab)
+    for seed in range(n):
+        torch.manual_seed(seed)
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+        for r in range(len(prompts)):
+            spec[r, 0, out[r, ids.shape[1] + 1]] += 1
+            spec[r, 1, out[r, -1]] += 1
+    for r, p in enumerate(prompts):
+        plain = marginal_counts(target, p[None], vocab, n, 50_000, **kwargs)
+        for slot in range(2):
+            assert two_sample_chi2(plain[slot], spec[r, slot]) < 40  # 0.999 quantile of chi2(15) ~ 37.7
+
+
+def test_bad_batches_get_clear_errors():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded(mixed_prompts(0, lengths=(4, 6)))
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        target.generate(ids.flip(1), attention_mask=mask.flip(1), assistant_model=drafter, max_new_tokens=4)
+    empty = mask.clone()
+    empty[0] = 0
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\] are empty"):
+        target.generate(ids, attention_mask=empty, assistant_model=drafter, max_new_tokens=4)
+    with pytest.raises(ValueError, match="output_scores"):
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, output_scores=True,
+                        return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
+                        num_assistant_tokens_schedule="heuristic")
