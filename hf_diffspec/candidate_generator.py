@@ -153,8 +153,6 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if self.is_dual:  # the VP drafter has weights of its own, hence its own cache; else branches share the first
             self.second = DrafterContext(drafter.vp) if drafter.vp is not None else self.first
         self.block_size = self.first.drafter.config.block_size
-        if num_draft_tokens is not None and not 1 <= num_draft_tokens:
-            raise ValueError(f"num_assistant_tokens must be >= 1, got {num_draft_tokens}")
         self.num_draft_tokens = num_draft_tokens
         self.max_length = max_length
         self.sample_temperature = sample_temperature

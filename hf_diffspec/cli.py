@@ -238,16 +238,19 @@ def cmd_export(args) -> None:
 
 def cmd_profile(args) -> None:
     from . import load_target
-    from .cost_model import measure_verify_cost, save_profile
+    from .cost_model import PROFILE_SIZES, measure_verify_cost, save_profile
 
     target, _ = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
-    costs = measure_verify_cost(target, context_length=args.context_length, repeats=args.repeats)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    costs = measure_verify_cost(target, batches=batches, context_length=args.context_length, repeats=args.repeats)
     path = save_profile(target, costs)
-    base = costs[1]
-    print("| tokens verified | ms | x one token |\n|---|---|---|")
-    for n, seconds in costs.items():
-        print(f"| {n} | {seconds * 1000:.1f} | {seconds / base:.2f} |")
-    print(f"saved {path}; generate() now chooses verify lengths and tree sizes from it for this target/device/dtype")
+    print("ms per target forward, rows x tokens per row (cached context of "
+          f"{args.context_length} tokens per row)\n")
+    print("| rows \\ tokens | " + " | ".join(str(n) for n in PROFILE_SIZES) + " |")
+    print("|---" * (len(PROFILE_SIZES) + 1) + "|")
+    for rows, row in costs.items():
+        print(f"| {rows} | " + " | ".join(f"{row[n] * 1000:.0f}" for n in PROFILE_SIZES) + " |")
+    print(f"\nsaved {path}; generate() now sizes drafts and trees from it for this target/device/dtype")
 
 
 def _add_training_arguments(p: argparse.ArgumentParser, kind: str) -> None:
@@ -264,7 +267,9 @@ def _add_training_arguments(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--temperature", type=float, default=1.0)
     else:
         p.add_argument("--data", nargs="+", required=True, help="one or more data directories")
-        p.add_argument("--init", default=None, help="start from this drafter checkpoint")
+        p.add_argument("--init", default=None, required=kind == "length-head",
+                       help="start from this drafter checkpoint" if kind != "length-head" else
+                       "the drafter whose length head to train (frozen; a head is added if it has none)")
     p.add_argument("--out", required=True)
     p.add_argument("--lora", action="store_true", help="LoRA fine-tuning of --init through peft")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -276,7 +281,7 @@ def _add_training_arguments(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-4 if kind == "opd" else 6e-4)
+    p.add_argument("--lr", type=float, default={"opd": 3e-4, "length-head": 1e-3}.get(kind, 6e-4))
     p.add_argument("--logging-steps", type=int, default=10)
     p.add_argument("--save-steps", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
@@ -347,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_sub = train.add_subparsers(dest="train_command", required=True)
     for kind, helptext in [("kd", "block-diffusion distillation of a first drafter (DFlash recipe)"),
                            ("vp", "a D²SD variable-prefix drafter (prefix prior beta^l), usually --init FIRST"),
-                           ("opd", "AdaFlash on-policy rounds with the reverse-KL loss, from --init DRAFTER")]:
+                           ("opd", "AdaFlash on-policy rounds with the reverse-KL loss, from --init DRAFTER"),
+                           ("length-head", "the acceptance (length) head of --init DRAFTER, the drafter frozen")]:
         trainp = train_sub.add_parser(kind, help=helptext)
         _add_training_arguments(trainp, kind)
         trainp.set_defaults(func=cmd_train if kind != "opd" else cmd_train_opd, kind=kind)
@@ -357,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     profile.add_argument("--device", default=None)
     profile.add_argument("--context-length", type=int, default=256)
-    profile.add_argument("--repeats", type=int, default=7)
+    profile.add_argument("--repeats", type=int, default=5)
+    profile.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows per forward to measure")
     profile.set_defaults(func=cmd_profile)
 
     push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")

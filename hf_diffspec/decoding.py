@@ -122,19 +122,6 @@ def _draft_temperature(generation_config) -> float | None:
     return float(generation_config.temperature or 1.0)
 
 
-def _fixed_draft_length(generation_config) -> int | None:
-    """`num_assistant_tokens` fixes how many drafts are verified per step (transformers' knob for assisted decoding);
-    unset, the cost model decides."""
-    schedule = generation_config.num_assistant_tokens_schedule
-    if schedule not in (None, "constant"):
-        raise ValueError(
-            f"num_assistant_tokens_schedule={schedule!r} is for transformers' autoregressive assistants; a diffusion "
-            "drafter sizes its drafts with the measured cost model (leave it unset) or verifies a fixed "
-            "num_assistant_tokens (schedule 'constant')."
-        )
-    return generation_config.num_assistant_tokens
-
-
 def _check_batch(input_ids, attention_mask, generation_config, streamer, logits_processor) -> torch.Tensor:
     """Validate a batch for speculative decoding; return its (rows, length) bool mask of real prompt tokens."""
     rows = input_ids.shape[0]
@@ -183,9 +170,11 @@ def speculative_generate(
     generation_config,
     drafter=None,
     streamer=None,
+    num_draft_tokens: int | None = None,
     **model_kwargs,
 ):
-    """Speculative decoding with a diffusion drafter; called by `generate()` as a `custom_generate` callable."""
+    """Speculative decoding with a diffusion drafter; called by `generate()` as a `custom_generate` callable.
+    `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the cost model decide."""
     start_time = time.perf_counter()
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_positions is not None and input_ids.shape[1] >= max_positions:
@@ -204,7 +193,7 @@ def speculative_generate(
     stats = SpeculationStats()
     drafting = DiffusionCandidateGenerator(drafter, model, generation_config.max_length,
                                            sample_temperature=_draft_temperature(generation_config),
-                                           num_draft_tokens=_fixed_draft_length(generation_config))
+                                           num_draft_tokens=num_draft_tokens)
     layers = feature_layers(drafter)
     committers = [_RowCommitter(input_ids[r : r + 1], _row_processors(logits_processor, r, rows), stopping_criteria,
                                 generation_config, streamer) for r in range(rows)]

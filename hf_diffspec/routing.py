@@ -30,15 +30,33 @@ def run_speculative(model, args, kwargs, drafter, streamer, generate_fn):
         if value not in (None, allowed):
             raise ValueError(f"speculative decoding with a DiffusionDrafter does not support {what} ({name}={value})")
     _move_stop_strings_into_criteria(config, kwargs)
+    num_draft_tokens = _fixed_draft_length(config, kwargs)
 
     # generate already streamed the prompt; the loop streams every committed token
     def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         return speculative_generate(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
-            drafter=drafter, streamer=streamer, **model_kwargs,
+            drafter=drafter, streamer=streamer, num_draft_tokens=num_draft_tokens, **model_kwargs,
         )
 
     return generate_fn(model, *args, streamer=streamer, custom_generate=loop, **kwargs)
+
+
+def _fixed_draft_length(config, kwargs) -> int | None:
+    """`num_assistant_tokens`, transformers' knob for assisted decoding, fixes how many drafts are verified per step
+    when the user sets it; unset, the measured cost model decides. Read here, before generate fills in its defaults
+    (20, "constant"), which would be indistinguishable from a user's choice."""
+    schedule = kwargs.get("num_assistant_tokens_schedule", config.num_assistant_tokens_schedule)
+    if schedule not in (None, "constant"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule={schedule!r} is for transformers' autoregressive assistants; a diffusion "
+            "drafter sizes its drafts with the measured cost model (leave it unset) or verifies a fixed "
+            "num_assistant_tokens (schedule 'constant')."
+        )
+    value = kwargs.get("num_assistant_tokens", config.num_assistant_tokens)
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"num_assistant_tokens must be a positive integer, got {value!r}")
+    return value
 
 
 def _move_stop_strings_into_criteria(config, kwargs) -> None:

@@ -5,8 +5,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import hf_diffspec
+from hf_diffspec.cost_model import save_profile
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, block_attention_mask
 from hf_diffspec.trainers.data import DrafterDataset, ShardWriter, write_generated_data
 from hf_diffspec.trainers.pipeline import TrainConfig, train_drafter
@@ -252,3 +254,44 @@ def test_reverse_kl_loss_clips_each_positions_share():
     assert torch.allclose(loss, expected)
     loss.backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_length_head_trains_alone_on_the_drafters_own_acceptance(target_and_data, tokenizer, tmp_path, monkeypatch):
+    target, data = target_and_data
+    kd = TrainConfig(data=[str(data)], out=str(tmp_path / "kd"), num_layers=1, block_size=4, num_anchors=32,
+                     batch_size=4, max_steps=40, learning_rate=3e-3, logging_steps=40, bf16=False, save_steps=1000)
+    drafter_dir = train_drafter(target, tokenizer, "tiny", kd, command="test")
+    cfg = TrainConfig(**{**kd.__dict__, "out": str(tmp_path / "head"), "init": str(drafter_dir),
+                         "kind": "length-head", "max_steps": 60, "logging_steps": 10})
+    out = train_drafter(target, tokenizer, "tiny", cfg, command="test")
+    before = hf_diffspec.DiffusionDrafter.from_pretrained(drafter_dir, target=target)
+    after = hf_diffspec.DiffusionDrafter.from_pretrained(out, target=target)
+    assert after.config.length_head and after.length_head is not None
+    trained = after.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in before.state_dict().items())  # only the head changed
+    curve = json.loads((out / "training_info.json").read_text())["loss_curve"]
+    assert curve["last_loss"] < curve["first_loss"]
+    # the checkpoint drafts losslessly and the head sizes the drafts when a cost profile exists
+    calls = []
+    after.length_head.register_forward_hook(lambda *a: calls.append(1))
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path / "cache"))
+    save_profile(target, {1: {1: 1.0, 2: 1.0, 3: 1.1}})
+    prompt = DrafterDataset(data)[0]["input_ids"][:5][None]
+    assert torch.equal(target.generate(prompt, assistant_model=after, max_new_tokens=12, do_sample=False),
+                       target.generate(prompt, max_new_tokens=12, do_sample=False))
+    assert calls, "the length head should feed the cost model"
+
+
+def test_a_checkpoint_missing_its_length_head_says_so(tmp_path):
+    target = tiny_target("llama")
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4).add_length_head()
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
+    assert torch.equal(loaded.length_head.out.weight, drafter.length_head.out.weight)
+    weights = load_file(tmp_path / "d" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("length_head.")}, tmp_path / "d" / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(OSError, match="length head"):
+        hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
+    plain = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "d", target=target, length_head=False)
+    assert plain.length_head is None

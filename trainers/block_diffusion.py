@@ -15,6 +15,7 @@ import math
 import random
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,19 @@ LOGITS_CHUNK = 8192
 def default_loss_decay(block_size: int) -> float:
     """DFlash: 7 for blocks of 16, 5 for 10, 4 for 8; in between, about 0.45 x block size."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, round(0.45 * block_size, 1)))
+
+
+@dataclass
+class BlockForward:
+    """What one drafter forward over all blocks of a batch gives the losses: hidden states (B, n, size, H); the
+    target's token at each slot (B, n, size); the slots to learn; prefix lengths; slot positions; target logits."""
+
+    hidden: torch.Tensor
+    labels: torch.Tensor
+    selected: torch.Tensor
+    prefix: torch.Tensor
+    slot_positions: torch.Tensor
+    target_logits: torch.Tensor
 
 
 class BlockDiffusionCollator:
@@ -141,7 +155,8 @@ class BlockDiffusionTrainer(Trainer):
         return (weights * ce).sum() / weights.sum().clamp(min=1e-6)
 
     # ----- the shared machinery ------------------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def block_forward(self, model, inputs) -> "BlockForward":
+        """One drafter forward over every block of the batch (the DFlash mask), with the target's labels."""
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         anchors, anchor_mask, loss_mask = inputs["anchors"], inputs["anchor_mask"], inputs["loss_mask"]
         batch, seq = input_ids.shape
@@ -175,21 +190,27 @@ class BlockDiffusionTrainer(Trainer):
         # slots to learn: after the prefix, inside the sequence, on response tokens, of real anchors
         slot_loss_mask = loss_mask.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
         selected = (~is_real) & in_range & slot_loss_mask & anchor_mask[:, :, None]
+        labels = labels_at.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
+        return BlockForward(hidden, labels, selected, prefix, slot_positions, target_logits)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        blocks = self.block_forward(model, inputs)
+        hidden, selected, prefix, slot_positions = blocks.hidden, blocks.selected, blocks.prefix, blocks.slot_positions
+        offsets = torch.arange(self.block_size, device=hidden.device)
         k_after_prefix = (offsets[None, None, :] - prefix[:, :, None]).clamp(min=1).float()
         weights_all = torch.exp(-(k_after_prefix - 1) / self.loss_decay)
-        labels = labels_at.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
 
         lm_head = self.target.get_output_embeddings()
         logits = torch.cat([lm_head(c.to(lm_head.weight.dtype)) for c in hidden[selected].split(LOGITS_CHUNK)]) if selected.any() \
             else hidden.new_zeros((0, lm_head.out_features))
 
         def target_logits_fn():
-            rows = torch.arange(batch, device=input_ids.device)[:, None, None].expand_as(slot_positions)[selected]
+            rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None, None].expand_as(slot_positions)[selected]
             # the target's distribution for the token at position p is its output at p - 1
-            return target_logits[rows, slot_positions[selected] - 1]
+            return blocks.target_logits[rows, slot_positions[selected] - 1]
 
-        loss = self.block_loss(logits, labels[selected], weights_all[selected], target_logits_fn)
-        self._record_metrics(logits.detach(), labels, selected, prefix)
+        loss = self.block_loss(logits, blocks.labels[selected], weights_all[selected], target_logits_fn)
+        self._record_metrics(logits.detach(), blocks.labels, selected, prefix)
         return (loss, {"hidden": hidden}) if return_outputs else loss
 
     @torch.no_grad()
@@ -210,6 +231,57 @@ class BlockDiffusionTrainer(Trainer):
                 logs[key] = round(sum(values) / len(values), 4)
         self._metrics.clear()
         super().log(logs, *args, **kwargs)
+
+
+class LengthHeadTrainer(BlockDiffusionTrainer):
+    """Trains the drafter's length (acceptance) head with everything else frozen.
+
+    Labels come from the drafter's own argmax drafts against the target: in each block, draft k is accepted when it
+    equals the target's token at that position (its argmax given the true prefix, i.e. the trajectory when the data
+    are the target's own generations). The head is trained, with binary cross-entropy, on every slot whose earlier
+    drafts were all accepted: it learns P(accept k | accepted 1..k-1), whose running products are the reach
+    probabilities the cost model uses. Logged next to it: the same loss for the drafter's raw confidence as the
+    prediction (the baseline the head must beat).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        drafter = self.drafter
+        if drafter.length_head is None:
+            raise ValueError("the drafter has no length head: call drafter.add_length_head() before training it")
+        drafter.requires_grad_(False)
+        drafter.length_head.requires_grad_(True)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with torch.no_grad():
+            blocks = self.block_forward(model, inputs)
+            draft_hidden = blocks.hidden[:, :, 1:].flatten(0, 1)                      # (blocks, size-1, H)
+            ok = blocks.selected[:, :, 1:].flatten(0, 1)
+            labels = blocks.labels[:, :, 1:].flatten(0, 1)
+            lm_head = self.target.get_output_embeddings()
+            drafts, confidences = [], []
+            for chunk in draft_hidden.split(max(1, LOGITS_CHUNK // draft_hidden.shape[1])):
+                probs = lm_head(chunk.to(lm_head.weight.dtype)).float().softmax(-1)
+                top = probs.max(-1)
+                confidences.append(top.values)
+                drafts.append(top.indices)
+            drafts, confidences = torch.cat(drafts), torch.cat(confidences)
+            accepted = (drafts == labels) & ok
+            # slot k is a training example when the block reached it: every earlier draft accepted, k itself valid
+            reached = torch.cumprod(torch.cat([torch.ones_like(accepted[:, :1]), accepted[:, :-1]], 1).long(), 1).bool()
+            use = reached & ok
+        head = self.drafter.length_head
+        logits = head(draft_hidden, confidences)
+        target = accepted[use].float()
+        if not use.any():
+            return logits.sum() * 0.0
+        loss = F.binary_cross_entropy_with_logits(logits[use].float(), target)
+        with torch.no_grad():
+            baseline = F.binary_cross_entropy(confidences[use].clamp(1e-6, 1 - 1e-6), target)
+            self._metrics["confidence_bce"].append(float(baseline))
+            self._metrics["acceptance_rate"].append(float(target.mean()))
+            self._metrics["predicted_rate"].append(float(logits[use].float().sigmoid().mean()))
+        return (loss, {"logits": logits}) if return_outputs else loss
 
 
 class VariablePrefixTrainer(BlockDiffusionTrainer):

@@ -14,7 +14,13 @@ from transformers import TrainingArguments, set_seed
 
 from hf_diffspec.modeling import DiffusionDrafter
 
-from .block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer, VariablePrefixTrainer, loss_curve_summary
+from .block_diffusion import (
+    BlockDiffusionCollator,
+    BlockDiffusionTrainer,
+    LengthHeadTrainer,
+    VariablePrefixTrainer,
+    loss_curve_summary,
+)
 from .data import DrafterDataset
 from .model_card import write_model_card
 
@@ -46,7 +52,9 @@ class TrainConfig:
     bf16: bool = True
     init_from_target_layers: bool = False
     time_budget_minutes: float | None = None
-    kind: str = "kd"  # "kd": a first (DFlash) drafter; "vp": a D²SD variable-prefix drafter; "opd": reverse KL
+    # "kd": a first (DFlash) drafter; "vp": a D²SD variable-prefix drafter; "opd": reverse KL; "length-head": the
+    # acceptance head of an existing drafter, everything else frozen
+    kind: str = "kd"
     prefix_beta: float = 0.9
     opd_alpha: float = 0.8
     kl_clip: float = 0.01
@@ -65,6 +73,10 @@ def build_drafter(target, cfg: TrainConfig) -> DiffusionDrafter:
         if cfg.init_from_target_layers:
             copy_target_layers(drafter, target)
     drafter.config.draft_role = "variable_prefix" if cfg.kind == "vp" else "first"
+    if cfg.kind == "length-head":
+        if not cfg.init:
+            raise ValueError("train length-head adds a head to an existing drafter: pass --init DRAFTER")
+        drafter.add_length_head()
     return drafter
 
 
@@ -92,6 +104,8 @@ def train_drafter(target, tokenizer, target_name: str, cfg: TrainConfig, command
 
         if not cfg.init:
             raise ValueError("--lora fine-tunes an existing drafter: pass --init DRAFTER")
+        if cfg.kind == "length-head":
+            raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
         model = get_peft_model(drafter, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
                                                    target_modules=LORA_TARGETS, lora_dropout=0.0))
     use_gpu = torch.cuda.is_available()
@@ -107,6 +121,8 @@ def train_drafter(target, tokenizer, target_name: str, cfg: TrainConfig, command
     trainer_class, extra = BlockDiffusionTrainer, {}
     if cfg.kind == "vp":
         trainer_class, extra = VariablePrefixTrainer, {"prefix_beta": cfg.prefix_beta}
+    elif cfg.kind == "length-head":
+        trainer_class = LengthHeadTrainer
     elif cfg.kind == "opd":
         from .opd import ReverseKLTrainer
 
