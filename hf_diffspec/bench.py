@@ -1,16 +1,18 @@
 """`hf-diffspec bench`: speed of speculative decoding against plain `generate`, measured as ratios within one run.
 
-Methods run interleaved prompt by prompt (the order rotates), after one warm-up call per method that is not counted,
-so that drift of the machine affects all methods alike. Per method and domain it reports tau (tokens committed per
-target forward, bonus included), tokens/s, the speedup over `ar` from the same run, and whether the outputs equal
-`ar`'s token for token.
+Methods run interleaved batch by batch (the order rotates), after one warm-up call per method that is not counted,
+so that drift of the machine affects all methods alike. At batch size B the prompts are taken B at a time (cycling
+to fill the last batch), left-padded, and every method decodes the same batches. Per method (and domain at batch 1)
+it reports tau (tokens committed per row per target forward, bonus included), throughput (new tokens over the whole
+batch per second, each row counted up to its EOS), the ratio to `ar` at the same batch size from the same run, and
+whether each row equals `ar`'s row token for token.
 """
 
 import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,14 +21,24 @@ from tqdm.auto import tqdm
 
 
 @dataclass
+class Method:
+    """What one benchmarked method runs: a drafter (None: plain `generate`) and extra `generate` arguments."""
+
+    drafter: object | None = None
+    generate_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
 class MethodRun:
-    """Totals of one method on one domain."""
+    """Totals of one method on one (batch size, domain)."""
 
     new_tokens: int = 0
     seconds: float = 0.0
     committed: int = 0
     steps: int = 0
     verified: int = 0
+    slots: int = 0
+    forwards: int = 0
     identical: int = 0
     prompts: int = 0
 
@@ -39,12 +51,27 @@ class MethodRun:
         return self.committed / self.steps if self.steps else 1.0
 
 
-def _generate(target, drafter, inputs, max_new_tokens):
-    """Plain greedy generate when `drafter` is None, else speculative; returns (ids, stats or None)."""
-    if drafter is None:
-        return target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False), None
-    out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
-    return out, drafter.last_generation_stats
+def _generate(target, method: Method, inputs, max_new_tokens):
+    """Greedy generate with the method's drafter (plain when None); returns (ids, stats or None)."""
+    kwargs = dict(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **method.generate_kwargs)
+    if method.drafter is None:
+        return target.generate(**kwargs), None
+    out = target.generate(**kwargs, assistant_model=method.drafter)
+    return out, method.drafter.last_generation_stats
+
+
+def _rows_up_to_eos(out: torch.Tensor, prompt_length: int, eos_ids: set[int]) -> list[list[int]]:
+    """Each row's new tokens up to and including its first EOS (what follows is padding)."""
+    rows = []
+    for row in out[:, prompt_length:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def _eos_ids(target) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
 
 
 def machine_description() -> dict:
@@ -65,77 +92,101 @@ def machine_description() -> dict:
     }
 
 
-def run_benchmark(target, tokenizer, drafters: dict, prompts: list[dict], max_new_tokens: int,
-                  progress: bool = True) -> dict[tuple[str, str], MethodRun]:
-    """Run every method (name -> drafter, None for plain `ar`) on every prompt (chat-templated `text`),
-    interleaved; return totals per (method, domain)."""
-    drafters = {"ar": None, **drafters}  # speedups are ratios to ar measured in the same run
-    methods = list(drafters)
-    encoded = [tokenizer(p["text"], return_tensors="pt", add_special_tokens=False).to(target.device) for p in prompts]
-    for method in methods:  # warm-up, not counted
-        _generate(target, drafters[method], encoded[0], min(8, max_new_tokens))
+def _encode_batches(tokenizer, prompts: list[dict], batch_size: int, device) -> list[tuple[str, dict]]:
+    """(domain, left-padded inputs) per batch; domain is "mixed" when a batch spans several."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        batches = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = [prompts[(start + j) % len(prompts)] for j in range(batch_size)]
+            domains = {p["domain"] for p in chunk}
+            inputs = tokenizer([p["text"] for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            batches.append((domains.pop() if len(domains) == 1 else "mixed", inputs.to(device)))
+        return batches
+    finally:
+        tokenizer.padding_side = side
 
-    results: dict[tuple[str, str], MethodRun] = {}
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress)
-    for i, (prompt, inputs) in enumerate(zip(prompts, encoded)):
-        order = methods[i % len(methods):] + methods[: i % len(methods)]
+
+def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new_tokens: int,
+                  batch_size: int = 1, progress: bool = True) -> dict[tuple[str, int, str], MethodRun]:
+    """Run every method (name -> `Method`, or a drafter) plus plain `ar` on every batch of prompts (chat-templated
+    `text`), interleaved; return totals per (method, batch size, domain)."""
+    methods = {"ar": Method(), **{k: m if isinstance(m, Method) else Method(m) for k, m in methods.items()}}
+    names = list(methods)
+    batches = _encode_batches(tokenizer, prompts, batch_size, target.device)
+    eos = _eos_ids(target)
+    for name in names:  # warm-up, not counted
+        _generate(target, methods[name], batches[0][1], min(8, max_new_tokens))
+
+    results: dict[tuple[str, int, str], MethodRun] = {}
+    bar = tqdm(total=len(batches) * len(names), desc=f"bench batch {batch_size}", disable=not progress)
+    for i, (domain, inputs) in enumerate(batches):
+        order = names[i % len(names):] + names[: i % len(names)]
         outputs = {}
-        for method in order:
+        prompt_length = inputs["input_ids"].shape[1]
+        for name in order:
             start = time.perf_counter()
-            out, stats = _generate(target, drafters[method], inputs, max_new_tokens)
+            out, stats = _generate(target, methods[name], inputs, max_new_tokens)
             elapsed = time.perf_counter() - start
-            outputs[method] = out
-            run = results.setdefault((method, prompt["domain"]), MethodRun())
-            run.prompts += 1
+            outputs[name] = _rows_up_to_eos(out, prompt_length, eos)
+            run = results.setdefault((name, batch_size, domain), MethodRun())
+            run.prompts += len(outputs[name])
             run.seconds += elapsed
-            run.new_tokens += out.shape[1] - inputs["input_ids"].shape[1]
+            run.new_tokens += sum(len(r) for r in outputs[name])
             if stats is not None:
                 run.committed += sum(stats.committed_per_step)
                 run.steps += len(stats.committed_per_step)
                 run.verified += stats.verified_tokens
+                run.slots += stats.verified_slots
+                run.forwards += stats.target_forwards - 1  # the prefill verifies nothing
             bar.update(1)
-        for method in methods:
-            run = results[(method, prompt["domain"])]
-            run.identical += int(torch.equal(outputs[method], outputs["ar"]))
+        for name in names:
+            run = results[(name, batch_size, domain)]
+            run.identical += sum(a == b for a, b in zip(outputs[name], outputs["ar"]))
     bar.close()
     return results
 
 
-def summarize(results: dict[tuple[str, str], MethodRun]) -> list[dict]:
-    """Rows per (method, domain) plus an `all` row per method, speedups as ratios to `ar`."""
+def summarize(results: dict[tuple[str, int, str], MethodRun]) -> list[dict]:
+    """Rows per (method, batch size, domain) plus an `all` row per method and batch size; ratios are to `ar` at the
+    same batch size."""
     rows = []
-    methods = list(dict.fromkeys(m for m, _ in results))
-    domains = list(dict.fromkeys(d for _, d in results))
-    for method in methods:
-        for domain in [*domains, "all"]:
-            picked = [r for (m, d), r in results.items() if m == method and (domain == "all" or d == domain)]
-            base = [r for (m, d), r in results.items() if m == "ar" and (domain == "all" or d == domain)]
-            total = MethodRun(
-                new_tokens=sum(r.new_tokens for r in picked), seconds=sum(r.seconds for r in picked),
-                committed=sum(r.committed for r in picked), steps=sum(r.steps for r in picked),
-                verified=sum(r.verified for r in picked),
-                identical=sum(r.identical for r in picked), prompts=sum(r.prompts for r in picked),
-            )
-            ar_rate = sum(r.new_tokens for r in base) / max(sum(r.seconds for r in base), 1e-9)
-            rows.append({
-                "method": method, "domain": domain, "prompts": total.prompts, "tau": round(total.tau, 3),
-                "tokens_per_s": round(total.tokens_per_s, 2),
-                "speedup_vs_ar": round(total.tokens_per_s / ar_rate, 3) if ar_rate else None,
-                "identical_to_ar": total.identical == total.prompts,
-                "identical_fraction": round(total.identical / max(total.prompts, 1), 3),
-                "nodes_per_step": round(total.verified / total.steps, 2) if total.steps else 1.0,
-                "new_tokens": total.new_tokens, "seconds": round(total.seconds, 2),
-            })
+    methods = list(dict.fromkeys(m for m, _, _ in results))
+    for batch in sorted({b for _, b, _ in results}):
+        domains = list(dict.fromkeys(d for _, b, d in results if b == batch))
+        for method in methods:
+            for domain in [*domains, "all"] if len(domains) > 1 else domains:
+                def pick(name):
+                    return [r for (m, b, d), r in results.items()
+                            if m == name and b == batch and (domain == "all" or d == domain)]
+                picked, base = pick(method), pick("ar")
+                total = MethodRun(**{f: sum(getattr(r, f) for r in picked) for f in MethodRun.__dataclass_fields__})
+                ar_rate = sum(r.new_tokens for r in base) / max(sum(r.seconds for r in base), 1e-9)
+                rows.append({
+                    "method": method, "batch_size": batch, "domain": domain if len(domains) > 1 else "all",
+                    "prompts": total.prompts, "tau": round(total.tau, 3),
+                    "tokens_per_s": round(total.tokens_per_s, 2),
+                    "speedup_vs_ar": round(total.tokens_per_s / ar_rate, 3) if ar_rate else None,
+                    "identical_to_ar": total.identical == total.prompts,
+                    "identical_fraction": round(total.identical / max(total.prompts, 1), 3),
+                    "nodes_per_step": round(total.verified / total.steps, 2) if total.steps else 1.0,
+                    "slots_per_forward": round(total.slots / total.forwards, 1) if total.forwards else float(batch),
+                    "new_tokens": total.new_tokens, "seconds": round(total.seconds, 2),
+                })
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method | domain | prompts | tau | tokens verified/step | tokens/s | speedup vs ar | identical to ar |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | domain | rows | tau | tokens verified/row/step | slots/forward | tokens/s | "
+             "vs ar (same batch) | identical to ar |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['domain']} | {r['prompts']} | {r['tau']:.2f} | {r['nodes_per_step']:.1f} | "
-            f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {r['identical_fraction'] * 100:.0f}% |"
+            f"| {r['method']} | {r['batch_size']} | {r['domain']} | {r['prompts']} | {r['tau']:.2f} | "
+            f"{r['nodes_per_step']:.1f} | {r['slots_per_forward']:.0f} | {r['tokens_per_s']:.1f} | "
+            f"{r['speedup_vs_ar']:.2f}x | {r['identical_fraction'] * 100:.0f}% |"
         )
     return "\n".join(lines)
 
@@ -149,6 +200,7 @@ def write_json(path: str, rows: list[dict], config: dict) -> None:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Several batch sizes: throughput vs batch size per method. One batch size: speedup vs ar per domain."""
     try:
         import matplotlib
 
@@ -156,16 +208,28 @@ def plot(rows: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise RuntimeError("--plot needs matplotlib: pip install 'hf-diffspec[plot]'") from error
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
-    domains = [d for d in dict.fromkeys(r["domain"] for r in rows)]
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(domains), 3.2))
-    width = 0.8 / len(methods)
-    for k, method in enumerate(methods):
-        values = [next(r["speedup_vs_ar"] for r in rows if r["method"] == method and r["domain"] == d) for d in domains]
-        ax.bar([i + k * width for i in range(len(domains))], values, width, label=method)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(domains))], domains)
-    ax.set_ylabel("speedup vs plain generate")
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    batches = sorted({r["batch_size"] for r in rows})
+    if len(batches) > 1:
+        fig, ax = plt.subplots(figsize=(5.2, 3.6))
+        for method in methods:
+            points = [(r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == method and r["domain"] == "all"]
+            ax.plot(*zip(*points), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch size (rows decoded together)")
+        ax.set_ylabel("throughput (new tokens/s, whole batch)")
+    else:
+        domains = list(dict.fromkeys(r["domain"] for r in rows))
+        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(domains), 3.2))
+        width = 0.8 / len(methods)
+        for k, method in enumerate(methods):
+            values = [next(r["speedup_vs_ar"] for r in rows if r["method"] == method and r["domain"] == d)
+                      for d in domains]
+            ax.bar([i + k * width for i in range(len(domains))], values, width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(domains))], domains)
+        ax.set_ylabel("speedup vs plain generate")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -14,13 +14,13 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-dflash"}
 SHIPPED_VP_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-d2sd-vp"}
-SPECULATIVE_METHODS = ("dflash", "d2sd", "d2sd-reuse", "d2sd-resample")
+SPECULATIVE_METHODS = ("dflash", "dflash-adaptive", "adaflash", "d2sd", "d2sd-reuse", "d2sd-resample")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 log = logging.getLogger("hf_diffspec")
 
 
-def load_drafter(spec: str | None, target, target_name: str, block_size: int = 16, seed: int = 0):
+def load_drafter(spec: str | None, target, target_name: str, block_size: int = 16, seed: int = 0, **config_overrides):
     """`random` -> a fresh drafter; a path -> that checkpoint; None -> the shipped drafter for `target_name`."""
     from . import DiffusionDrafter
 
@@ -37,7 +37,7 @@ def load_drafter(spec: str | None, target, target_name: str, block_size: int = 1
         spec = str(shipped)
     if not Path(spec).is_dir():
         raise SystemExit(f"--drafter {spec!r} is neither 'random' nor a drafter checkpoint directory")
-    return DiffusionDrafter.from_pretrained(spec, target=target)
+    return DiffusionDrafter.from_pretrained(spec, target=target, **config_overrides)
 
 
 def cmd_demo(args) -> None:
@@ -68,31 +68,51 @@ def cmd_demo(args) -> None:
 
 
 def build_method_drafters(methods: list[str], target, args) -> dict:
-    """method name -> drafter: `dflash` the first drafter, `d2sd` first + VP drafter, `d2sd-reuse` the first drafter
-    re-drafting its own branches (the paper's DFlash -> DFlash ablation), `d2sd-resample` branches taken from the
-    first pass's own distributions (no second pass)."""
+    """method name -> `bench.Method`:
+    - `dflash`: the first drafter verifying a fixed number of drafts per step (`--dflash-length`, default the
+      drafter's `num_draft_tokens`, else its whole block), as DFlash does;
+    - `dflash-adaptive`: the same drafter, lengths chosen per step by the measured cost model from its confidences;
+    - `adaflash`: the same drafter, lengths chosen by the cost model from its length head's acceptance predictions;
+    - `d2sd` first + VP drafter, `d2sd-reuse` the first drafter re-drafting its own branches (the paper's
+      DFlash -> DFlash ablation), `d2sd-resample` branches taken from the first pass's own distributions."""
     from . import DiffusionDrafter, DualDiffusionDrafter
+    from .bench import Method
+    from .cost_model import VerifyCost
 
     unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS)]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)}")
-    drafters = {}
     first = load_drafter(args.drafter, target, args.target) if set(methods) - {"ar"} else None
+    if {"dflash-adaptive", "adaflash"} & set(methods) and VerifyCost.for_target(target) is None:
+        raise SystemExit("dflash-adaptive and adaflash size drafts with the measured cost model: run "
+                         f"`hf-diffspec profile --target {args.target} --dtype {args.dtype}` first")
     tree = dict(num_branches=args.branches, tree_budget=args.tree_budget, max_depth=args.tree_depth,
                 branch_length=args.branch_length)
+    drafters = {}
     for method in methods:
         if method == "dflash":
-            drafters[method] = first
+            length = args.dflash_length or first.config.num_draft_tokens or first.config.block_size - 1
+            drafters[method] = Method(first, {"num_assistant_tokens": length})
+        elif method in ("dflash-adaptive", "adaflash"):
+            with_head = method == "adaflash"
+            if with_head and first.length_head is None:
+                raise SystemExit("adaflash needs a drafter with a trained length head: train one with `hf-diffspec "
+                                 "train length-head --init DRAFTER ...` and pass it as --drafter")
+            drafter = first
+            if not with_head and first.length_head is not None:  # the same weights, the head left out
+                drafter = load_drafter(args.drafter, target, args.target, length_head=False)
+            drafters[method] = Method(drafter)
         elif method == "d2sd-reuse":
-            drafters[method] = DualDiffusionDrafter.from_drafters(first, None, **tree)
+            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, **tree))
         elif method == "d2sd-resample":
-            drafters[method] = DualDiffusionDrafter.from_drafters(first, None, branches_from_first_pass=True, **tree)
+            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, branches_from_first_pass=True,
+                                                                         **tree))
         elif method == "d2sd":
             vp_path = args.vp_drafter or SHIPPED_VP_DRAFTERS.get(args.target)
             if vp_path is None or not (Path(vp_path) / "config.json").exists():
                 raise SystemExit("method d2sd needs a VP drafter: pass --vp-drafter PATH (or use d2sd-reuse)")
             vp = DiffusionDrafter.from_pretrained(vp_path, target=target)
-            drafters[method] = DualDiffusionDrafter.from_drafters(first, vp, **tree)
+            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, vp, **tree))
     return drafters
 
 
@@ -110,8 +130,14 @@ def cmd_bench(args) -> None:
     else:
         domains = [d.strip() for d in args.domains.split(",") if d.strip()]
         prompts = load_prompts(domains, n_per_domain=args.prompts, tokenizer=tok)
-    results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens)
-    rows = summarize(results)
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise SystemExit(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
+    rows = []
+    for batch_size in batch_sizes:
+        results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens, batch_size=batch_size)
+        rows += summarize(results)
     print(markdown_table(rows))
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["drafter"] = args.drafter or str(SHIPPED_DRAFTERS.get(args.target))
@@ -322,10 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
     bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16")
+    bench.add_argument("--dflash-length", type=int, default=None,
+                       help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="write results as JSON here")
-    bench.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    bench.add_argument("--plot", default=None,
+                       help="write a PNG here: throughput vs batch size, or speedup per domain at one batch size")
     bench.set_defaults(func=cmd_bench)
 
     data = sub.add_parser("data", help="build drafter training data")
@@ -358,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_training_arguments(trainp, kind)
         trainp.set_defaults(func=cmd_train if kind != "opd" else cmd_train_opd, kind=kind)
 
-    profile = sub.add_parser("profile", help="measure the target's verify cost T(n) once; used to size drafts")
+    profile = sub.add_parser("profile",
+                             help="measure the target's verify cost T(rows, n) once; used to size drafts and trees")
     profile.add_argument("--target", default=DEFAULT_TARGET)
     profile.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     profile.add_argument("--device", default=None)
