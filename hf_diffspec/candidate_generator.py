@@ -207,43 +207,46 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         """Draft after each row's anchor: a chain per row, or for a dual drafter a D²SD prefix tree per row."""
         depths = [self._depth_limit(p, d) for p, d in zip(root_positions, max_depths)]
         device = self.first.drafter.device
-        longest = max(depths)
-        if longest <= 0:
-            empty = torch.empty(0, dtype=torch.long, device=device)
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        if max(depths) <= 0:
             return [CandidateTree.chain(root, empty) for root in root_tokens]
         start = time.perf_counter()
         roots = torch.tensor(root_tokens, device=device)
         positions = torch.tensor(root_positions, device=device)
         block = self.first.draft_block(roots, positions, self.block_size)
         draft_hidden = block[:, 1:]
-        logits = self.first.drafter.compute_logits(draft_hidden[:, :longest])
-        probs = self._distributions(logits)
+        if self.verify_cost is not None and self.length_head is not None and not self.is_dual:
+            # the head sizes the drafts from hidden states: only the slots to verify go through the LM head
+            self._track_draft_time(start)
+            reach = torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1).tolist()
+            depths = self._best_lengths(reach, depths)
+            if max(depths) == 0:
+                return [CandidateTree.chain(root, empty) for root in root_tokens]
+        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(depths)]))
         if self.is_dual:
             return self._prefix_trees(root_tokens, roots, positions, probs, depths, start)
 
         confidences, drafts = probs.max(-1)
         if self.sample_temperature is not None:  # confidences stay the maxima: what is verified must not depend on draws
             drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
-        lengths = depths
-        if self.verify_cost is not None:
-            accept = confidences
-            if self.length_head is not None:
-                top = logits.float().softmax(-1).max(-1).values  # the head was trained on temperature-1 confidences
-                accept = self.length_head(draft_hidden, top).float().sigmoid()
-            reach = torch.cumprod(accept, dim=-1).tolist()
+        if self.verify_cost is not None and self.length_head is None:
             self._track_draft_time(start)
-            rows = len(root_tokens)
-            n = best_node_count([r[:d] for r, d in zip(reach, depths)], lambda n: self.verify_cost(n, rows),
-                                self.draft_seconds)
-            lengths = [min(d, n - 1) for d in depths]
+            depths = self._best_lengths(torch.cumprod(confidences, dim=-1).tolist(), depths)
         trees = []
-        for row, k in enumerate(lengths):
+        for row, k in enumerate(depths):
             draft_probs = None
             if self.sample_temperature is not None:
                 draft_probs = torch.cat([torch.zeros_like(probs[row, :1]), probs[row, :k]])
             trees.append(CandidateTree.chain(root_tokens[row], drafts[row, :k], confidences=confidences[row, :k],
                                              draft_probs=draft_probs))
         return trees
+
+    def _best_lengths(self, reach: list[list[float]], depths: list[int]) -> list[int]:
+        """Drafts per row to verify: the cost model's best common slot count for the batch, within each row's limit."""
+        rows = len(depths)
+        n = best_node_count([r[:d] for r, d in zip(reach, depths)], lambda n: self.verify_cost(n, rows),
+                            self.draft_seconds)
+        return [min(d, n - 1) for d in depths]
 
     def _prefix_trees(self, root_tokens, roots, positions, probs, depths, start) -> list[CandidateTree]:
         config = self.drafter.config

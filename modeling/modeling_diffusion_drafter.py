@@ -145,27 +145,25 @@ class DiffusionDrafterDecoderLayer(nn.Module):
 class DiffusionDrafterLengthHead(nn.Module):
     """Per draft slot k of a block: the logit of P(the target accepts draft k | it accepted drafts 1..k-1).
 
-    Input per slot: [x_k ; mean of the block's draft slots ; log confidence_k], with x the drafter's final hidden
-    states (detached: the head never changes the drafts) and confidence_k the drafter's top probability at slot k.
-    A residual MLP as in AdaFlash's length head, but per position: the products of its probabilities are the reach
-    probabilities the cost model needs to size each verification.
+    Input per slot: [x_k ; mean of the block's draft slots], with x the drafter's final hidden states, detached (the
+    head never changes the drafts). A residual MLP as in AdaFlash's length head, but per position: the running
+    products of its probabilities are the reach probabilities the cost model needs to size each verification. It
+    reads hidden states only, so the verify length is decided before any draft goes through the LM head, and only
+    the slots that will be verified do.
     """
 
     def __init__(self, config: DiffusionDrafterConfig):
         super().__init__()
         size = config.length_head_size
-        self.proj = nn.Linear(2 * config.hidden_size + 1, size)
+        self.proj = nn.Linear(2 * config.hidden_size, size)
         self.mid = nn.Linear(size, size)
         self.out = nn.Linear(size, 1)
 
-    def forward(self, draft_hidden: torch.Tensor, confidences: torch.Tensor) -> torch.Tensor:
-        """draft_hidden (batch, block-1, hidden): every draft slot of the block; confidences (batch, k), k <= block-1:
-        the top draft probability of slots 1..k -> acceptance logits (batch, k) of those slots."""
-        pooled = draft_hidden.detach().to(self.proj.weight.dtype).mean(1, keepdim=True)
-        x = draft_hidden[:, : confidences.shape[1]].detach().to(self.proj.weight.dtype)
-        pooled = pooled.expand_as(x)
-        log_conf = confidences.detach().clamp(min=1e-6).log().to(x.dtype)[..., None]
-        h = F.silu(self.proj(torch.cat([x, pooled, log_conf], dim=-1)))
+    def forward(self, draft_hidden: torch.Tensor) -> torch.Tensor:
+        """draft_hidden (batch, block-1, hidden), every draft slot of the block -> acceptance logits (batch, block-1)."""
+        x = draft_hidden.detach().to(self.proj.weight.dtype)
+        pooled = x.mean(1, keepdim=True).expand_as(x)
+        h = F.silu(self.proj(torch.cat([x, pooled], dim=-1)))
         h = h + F.silu(self.mid(h))
         return self.out(h).squeeze(-1)
 

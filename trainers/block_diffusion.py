@@ -261,8 +261,7 @@ class LengthHeadTrainer(BlockDiffusionTrainer):
             lm_head = self.target.get_output_embeddings()
             drafts, confidences = [], []
             for chunk in draft_hidden.split(max(1, LOGITS_CHUNK // draft_hidden.shape[1])):
-                probs = lm_head(chunk.to(lm_head.weight.dtype)).float().softmax(-1)
-                top = probs.max(-1)
+                top = lm_head(chunk.to(lm_head.weight.dtype)).float().softmax(-1).max(-1)
                 confidences.append(top.values)
                 drafts.append(top.indices)
             drafts, confidences = torch.cat(drafts), torch.cat(confidences)
@@ -270,13 +269,12 @@ class LengthHeadTrainer(BlockDiffusionTrainer):
             # slot k is a training example when the block reached it: every earlier draft accepted, k itself valid
             reached = torch.cumprod(torch.cat([torch.ones_like(accepted[:, :1]), accepted[:, :-1]], 1).long(), 1).bool()
             use = reached & ok
-        head = self.drafter.length_head
-        logits = head(draft_hidden, confidences)
-        target = accepted[use].float()
+        logits = self.drafter.length_head(draft_hidden)
         if not use.any():
             return logits.sum() * 0.0
+        target = accepted[use].float()
         loss = F.binary_cross_entropy_with_logits(logits[use].float(), target)
-        with torch.no_grad():
+        with torch.no_grad():  # the baseline: the drafter's own confidence as the acceptance probability
             baseline = F.binary_cross_entropy(confidences[use].clamp(1e-6, 1 - 1e-6), target)
             self._metrics["confidence_bce"].append(float(baseline))
             self._metrics["acceptance_rate"].append(float(target.mean()))
