@@ -156,9 +156,9 @@ def summarize(results: dict[tuple[str, int, str], MethodRun]) -> list[dict]:
     rows = []
     methods = list(dict.fromkeys(m for m, _, _ in results))
     for batch in sorted({b for _, b, _ in results}):
-        domains = list(dict.fromkeys(d for _, b, d in results if b == batch))
+        domains = [d for d in dict.fromkeys(d for _, b, d in results if b == batch) if d != "mixed"]
         for method in methods:
-            for domain in [*domains, "all"] if len(domains) > 1 else domains:
+            for domain in [*domains, "all"]:
                 def pick(name):
                     return [r for (m, b, d), r in results.items()
                             if m == name and b == batch and (domain == "all" or d == domain)]
@@ -166,7 +166,7 @@ def summarize(results: dict[tuple[str, int, str], MethodRun]) -> list[dict]:
                 total = MethodRun(**{f: sum(getattr(r, f) for r in picked) for f in MethodRun.__dataclass_fields__})
                 ar_rate = sum(r.new_tokens for r in base) / max(sum(r.seconds for r in base), 1e-9)
                 rows.append({
-                    "method": method, "batch_size": batch, "domain": domain if len(domains) > 1 else "all",
+                    "method": method, "batch_size": batch, "domain": domain,
                     "prompts": total.prompts, "tau": round(total.tau, 3),
                     "tokens_per_s": round(total.tokens_per_s, 2),
                     "speedup_vs_ar": round(total.tokens_per_s / ar_rate, 3) if ar_rate else None,

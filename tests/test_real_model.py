@@ -47,28 +47,43 @@ def test_stop_strings_and_eos_on_smollm2(real_target):
 
 def test_bench_cli_writes_json_with_honest_fields(tmp_path, real_target, capsys):
     out = tmp_path / "bench.json"
-    main(["bench", "--drafter", "random", "--domains", "code", "--prompts", "1", "--max-new-tokens", "8",
-          "--dtype", "fp32", "--json", str(out)])
+    main(["bench", "--drafter", "random", "--domains", "code", "--prompts", "2", "--max-new-tokens", "8",
+          "--dtype", "fp32", "--batch-sizes", "1,2", "--json", str(out)])
     payload = json.loads(out.read_text())
-    rows = {(r["method"], r["domain"]): r for r in payload["results"]}
-    assert set(rows) == {("ar", "code"), ("ar", "all"), ("dflash", "code"), ("dflash", "all")}
-    assert rows[("ar", "code")]["speedup_vs_ar"] == 1.0
-    assert rows[("dflash", "code")]["identical_to_ar"] is True  # fp32: lossless means identical
-    assert 1.0 <= rows[("dflash", "code")]["tau"] < 1.5  # an untrained drafter earns (almost) nothing
+    rows = {(r["method"], r["batch_size"], r["domain"]): r for r in payload["results"]}
+    assert set(rows) == {(m, b, d) for m in ("ar", "dflash") for b, d in [(1, "code"), (1, "all"), (2, "code"),
+                                                                          (2, "all")]}
+    assert rows[("ar", 1, "code")]["speedup_vs_ar"] == 1.0 and rows[("ar", 2, "all")]["speedup_vs_ar"] == 1.0
+    for batch in (1, 2):  # fp32: lossless means identical, row by row, at every batch size
+        assert rows[("dflash", batch, "code")]["identical_to_ar"] is True
+        assert 1.0 <= rows[("dflash", batch, "code")]["tau"] < 1.5  # an untrained drafter earns (almost) nothing
+    assert rows[("dflash", 2, "all")]["prompts"] == 2
     assert {"cpu", "torch"} <= set(payload["machine"]) and payload["config"]["max_new_tokens"] == 8
-    assert "| dflash | code |" in capsys.readouterr().out
+    assert "| dflash | 2 | code |" in capsys.readouterr().out
 
 
-def test_d2sd_greedy_identical_on_smollm2(real_target):
-    from hf_diffspec.cli import SHIPPED_VP_DRAFTERS
-
+def test_batched_rows_equal_each_prompt_alone_on_smollm2(real_target):
+    """Left-padded chat prompts of very different lengths, the shipped drafter, fp32: every row of the batch is the
+    prompt's own plain greedy output, and rows end (EOS) at different times."""
     target, tok = real_target
-    first = drafter_for(target)
-    vp_path = SHIPPED_VP_DRAFTERS["smollm2-135m-instruct"]
-    vp = hf_diffspec.DiffusionDrafter.from_pretrained(vp_path, target=target) if (vp_path / "config.json").exists() \
-        else None
-    dual = hf_diffspec.DualDiffusionDrafter.from_drafters(first, vp, num_branches=4, max_depth=8, tree_budget=12)
-    inputs = chat_inputs(tok, "Explain what a binary search does.")
-    ref = target.generate(**inputs, max_new_tokens=40, do_sample=False)
-    out = target.generate(**inputs, assistant_model=dual, max_new_tokens=40, do_sample=False)
-    assert torch.equal(out, ref)
+    drafter = drafter_for(target)
+    texts = ["Hi!", "Write a Python function that checks whether a number is prime, with a docstring.",
+             "What is 7 times 8? Answer with the number only."]
+    templated = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                 for t in texts]
+    tok.padding_side = "left"
+    try:
+        batch = tok(templated, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tok.padding_side = "right"
+    out = target.generate(**batch, assistant_model=drafter, max_new_tokens=40, do_sample=False)
+    width = batch["input_ids"].shape[1]
+    lengths = []
+    for row, text in enumerate(templated):
+        alone = tok(text, return_tensors="pt", add_special_tokens=False)
+        ref = target.generate(**alone, max_new_tokens=40, do_sample=False)[0, alone["input_ids"].shape[1]:].tolist()
+        got = out[row, width:].tolist()
+        assert got[: len(ref)] == ref
+        assert all(t == tok.pad_token_id for t in got[len(ref):])
+        lengths.append(len(ref))
+    assert len(set(lengths)) > 1
