@@ -14,7 +14,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-dflash"}
 SHIPPED_VP_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-d2sd-vp"}
-SPECULATIVE_METHODS = ("dflash", "dflash-adaptive", "adaflash", "d2sd", "d2sd-reuse", "d2sd-resample")
+SPECULATIVE_METHODS = ("dflash", "dflash-block", "dflash-adaptive", "adaflash", "d2sd", "d2sd-reuse", "d2sd-resample")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 log = logging.getLogger("hf_diffspec")
@@ -70,7 +70,8 @@ def cmd_demo(args) -> None:
 def build_method_drafters(methods: list[str], target, args) -> dict:
     """method name -> `bench.Method`:
     - `dflash`: the first drafter verifying a fixed number of drafts per step (`--dflash-length`, default the
-      drafter's `num_draft_tokens`, else its whole block), as DFlash does;
+      drafter's `num_draft_tokens`, else its whole block);
+    - `dflash-block`: the same drafter verifying its whole block every step, DFlash's own fixed length;
     - `dflash-adaptive`: the same drafter, lengths chosen per step by the measured cost model from its confidences;
     - `adaflash`: the same drafter, lengths chosen by the cost model from its length head's acceptance predictions;
     - `d2sd` first + VP drafter, `d2sd-reuse` the first drafter re-drafting its own branches (the paper's
@@ -93,6 +94,8 @@ def build_method_drafters(methods: list[str], target, args) -> dict:
         if method == "dflash":
             length = args.dflash_length or first.config.num_draft_tokens or first.config.block_size - 1
             drafters[method] = Method(first, {"num_assistant_tokens": length})
+        elif method == "dflash-block":
+            drafters[method] = Method(first, {"num_assistant_tokens": first.config.block_size - 1})
         elif method in ("dflash-adaptive", "adaflash"):
             with_head = method == "adaflash"
             if with_head and first.length_head is None:
