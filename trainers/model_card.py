@@ -39,6 +39,13 @@ def write_model_card(path: Path, drafter, info: dict) -> None:
     if curve:
         lines.append(f"- loss {curve.get('first_loss')} -> {curve.get('last_loss')} (min {curve.get('min_loss')}); "
                      f"training-batch tau at the end {curve.get('last_train_tau')}")
+    head = info.get("length_head") or {}
+    if head:
+        lines += [
+            f"- length head (drafter frozen): binary cross-entropy {head['head_bce']} on the drafter's own acceptance "
+            f"(raw confidence as the predictor: {head['confidence_bce']}); mean predicted acceptance "
+            f"{head['predicted_acceptance']} vs observed {head['observed_acceptance']} (last logged training batches)",
+        ]
     lines += ["", "Command:", "", "```bash", str(info.get("command")), "```", ""]
     evaluation = info.get("evaluation")
     if evaluation:

@@ -149,10 +149,23 @@ def train_drafter(target, tokenizer, target_name: str, cfg: TrainConfig, command
         "loss_curve": loss_curve_summary(trainer.state.log_history), "config": cfg.__dict__,
         "command": command or " ".join(sys.argv),
     }
+    if cfg.kind == "length-head":
+        info["length_head"] = length_head_summary(trainer.state.log_history)
     if evaluate is not None:
         info["evaluation"] = evaluate(drafter)
     save_drafter(drafter, out, info)
     return out
+
+
+def length_head_summary(history: list[dict]) -> dict:
+    """The head's binary cross-entropy at the end of training, next to the drafter's raw confidence used as the
+    acceptance probability (the baseline it competes with), and its calibration (mean predicted vs observed)."""
+    logs = [h for h in history if "confidence_bce" in h][-3:]  # the last logged points, averaged
+    if not logs:
+        return {}
+    mean = lambda key: round(sum(h[key] for h in logs) / len(logs), 4)  # noqa: E731
+    return {"head_bce": mean("loss"), "confidence_bce": mean("confidence_bce"),
+            "predicted_acceptance": mean("predicted_rate"), "observed_acceptance": mean("acceptance_rate")}
 
 
 def _last_checkpoint(out: Path) -> str | None:
