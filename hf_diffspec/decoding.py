@@ -242,17 +242,7 @@ def speculative_generate(
 
         paths = []
         for i, (row, tree) in enumerate(zip(active, trees)):
-            committer, node, path = committers[row], 0, [0]
-            while True:
-                drafts = None
-                if tree.draft_probs is not None:
-                    drafts = [(token, tree.draft_probs[child]) for token, child in tree.children[node].items()]
-                anchors[i] = committer.choose_and_commit(out.logits[i : i + 1, node], drafts)
-                child = tree.children[node].get(anchors[i])
-                if committer.done or child is None:
-                    break
-                node = child
-                path.append(node)
+            path, anchors[i] = _walk(tree, committers[row], out.logits[i])
             paths.append(path)
             stats.committed_per_step.append(len(path))
         keep_accepted_paths(cache, cache_valid.shape[1], paths, tokens.shape[1])
@@ -284,6 +274,23 @@ def speculative_generate(
         cache=cache if generation_config.use_cache else None,
         speculation_stats=stats,
     )
+
+
+def _walk(tree, committer: _RowCommitter, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Descend `tree` with the target's choices (logits (nodes, vocab) of one row), committing each chosen token,
+    until the choice is not a child or the row is done; return the accepted nodes (root first) and the last token
+    committed, which is the next anchor."""
+    node, path = 0, [0]
+    while True:
+        drafts = None
+        if tree.draft_probs is not None:
+            drafts = [(token, tree.draft_probs[child]) for token, child in tree.children[node].items()]
+        token = committer.choose_and_commit(logits[node : node + 1], drafts)
+        child = tree.children[node].get(token)
+        if committer.done or child is None:
+            return path, token
+        node = child
+        path.append(node)
 
 
 def _stack_rows(rows: list[torch.Tensor], generation_config) -> torch.Tensor:
