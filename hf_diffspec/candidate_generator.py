@@ -270,10 +270,12 @@ class DiffusionCandidateGenerator(CandidateGenerator):
                 branch_probs.append(list(flat[offset : offset + len(picks)]))
                 offset += len(picks)
 
+        if self.verify_cost is not None:
+            self._track_draft_time(start)  # drafting is done: both passes, every row
+
         def choose_count(reach_probs):
             if self.verify_cost is None:
                 return len(reach_probs) + 1
-            self._track_draft_time(start)
             # the other rows are assumed to verify as many slots: the batch's forward is a rectangle
             return best_node_count([reach_probs], lambda n: self.verify_cost(n, rows), self.draft_seconds)
 

@@ -112,14 +112,13 @@ class VerifyCost:
         self.costs = costs
 
     @classmethod
-    def for_target(cls, target, warn: bool = True) -> "VerifyCost | None":
+    def for_target(cls, target) -> "VerifyCost | None":
         """The cached profile for this target/device/dtype/threads, or None (run `hf-diffspec profile`)."""
         path = profile_dir() / f"{profile_key(target)}.json"
         if not path.is_file():
-            if warn:
-                _warn_once(f"no verify-cost profile for this target on {target.device} in {target.dtype} "
-                           f"({torch.get_num_threads()} threads): drafts are verified at a fixed length. Run "
-                           "`hf-diffspec profile --target ... --dtype ...` once to let the cost model choose lengths.")
+            _warn_once(f"no verify-cost profile for this target on {target.device} in {target.dtype} "
+                       f"({torch.get_num_threads()} threads): drafts are verified at a fixed length. Run "
+                       "`hf-diffspec profile --target ... --dtype ...` once to let the cost model choose lengths.")
             return None
         data = json.loads(path.read_text())
         if data.get("format") != PROFILE_FORMAT:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .candidate_generator import DiffusionCandidateGenerator, feature_layers
@@ -147,7 +147,7 @@ def _check_batch(input_ids, attention_mask, generation_config, streamer, logits_
             )
         if streamer is not None:
             raise ValueError("streaming needs batch size 1 (as in transformers); generate the rows one at a time")
-        if any(type(p).__name__ == "PrefixConstrainedLogitsProcessor" for p in logits_processor):
+        if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor):
             raise ValueError("prefix_allowed_tokens_fn needs each row's batch index; use batch size 1 with it")
     return valid
 
