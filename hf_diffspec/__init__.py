@@ -10,9 +10,9 @@ the speculative loop (see `hf_diffspec.generation`).
 """
 
 from .modeling import DiffusionDrafter, DiffusionDrafterConfig, DualDiffusionDrafter, DualDiffusionDrafterConfig
-from .tree import CandidateTree
-from .candidate_generator import DiffusionCandidateGenerator
-from .decoding import SpeculationStats, SpeculativeDecoderOnlyOutput, speculative_generate
+from .runtime.tree import CandidateTree
+from .runtime.drafting import DiffusionCandidateGenerator
+from .runtime.decoding import SpeculationStats, SpeculativeDecoderOnlyOutput, speculative_generate
 from . import generation  # noqa: F401  (installs the generate dispatcher)
 from .generation import assisted_generate_with_stock_loop
 

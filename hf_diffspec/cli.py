@@ -78,7 +78,7 @@ def build_method_drafters(methods: list[str], target, args) -> dict:
       DFlash -> DFlash ablation), `d2sd-resample` branches taken from the first pass's own distributions."""
     from . import DiffusionDrafter, DualDiffusionDrafter
     from .bench import Method
-    from .cost_model import VerifyCost
+    from .runtime.cost_model import VerifyCost
 
     unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS)]
     if unknown:
@@ -267,7 +267,7 @@ def cmd_export(args) -> None:
 
 def cmd_profile(args) -> None:
     from . import load_target
-    from .cost_model import PROFILE_SIZES, measure_verify_cost, save_profile
+    from .runtime.cost_model import PROFILE_SIZES, measure_verify_cost, save_profile
 
     target, _ = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -4,7 +4,7 @@ This is the only module that touches transformers' generation machinery beyond i
 
 Why this design (transformers 5.24 offers no registry for assistant types):
 - `GenerationMixin.generate` is wrapped once, at `import hf_diffspec`. The wrapper looks at `assistant_model` only:
-  a diffusion drafter is routed to our loop (`routing.run_speculative`), anything else (including no assistant, or
+  a diffusion drafter is routed to our loop (`runtime.generate.run_speculative`), anything else (including no assistant, or
   an explicit `speculation_type="dflash"`) calls the original `generate` unchanged, so transformers' own assisted
   generation, prompt lookup, DFlash path, etc. behave exactly as before.
 - Our loop is passed to the original `generate` as a `custom_generate` callable, a public API: generate still does
@@ -23,8 +23,8 @@ import types
 
 from transformers import GenerationMixin
 
-from .candidate_generator import is_diffusion_drafter
-from .routing import run_speculative
+from .runtime.drafting import is_diffusion_drafter
+from .runtime.generate import run_speculative
 
 
 def _dispatching_generate(self, *args, assistant_model=None, streamer=None, **kwargs):
@@ -49,7 +49,7 @@ def assisted_generate_with_stock_loop(target, drafter, **generate_kwargs):
 
     Useful to compare against transformers' reference verification; our loop is what `generate` uses by default.
     """
-    from .candidate_generator import DiffusionCandidateGenerator
+    from .runtime.drafting import DiffusionCandidateGenerator
 
     if drafter.config.model_type != "diffusion_drafter":
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")

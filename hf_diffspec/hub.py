@@ -5,30 +5,28 @@ A saved drafter folder works with plain transformers (no hf_diffspec installed):
     drafter = AutoModel.from_pretrained(dir, trust_remote_code=True)
     target.generate(**inputs, assistant_model=drafter, custom_generate=dir, trust_remote_code=True)
 
-`custom_generate/` is not a hand-kept copy: `write_custom_generate` copies the library's own runtime modules at save
-time (`routing.py` becomes `generate.py`), and a test checks that a saved folder matches the library.
+`custom_generate/` is not a hand-kept copy: `write_custom_generate` copies the library's runtime package
+(`hf_diffspec/runtime/`, entry point `generate.py`) as a folder at save time, and a test checks that a saved folder
+matches the library.
 """
 
 import json
 import shutil
 from pathlib import Path
 
-# runtime modules shipped in custom_generate/: name in the folder -> module of hf_diffspec
-CUSTOM_GENERATE_FILES = {
-    "generate.py": "routing.py",
-    "decoding.py": "decoding.py",
-    "candidate_generator.py": "candidate_generator.py",
-    "tree.py": "tree.py",
-    "prefix_tree.py": "prefix_tree.py",
-    "cost_model.py": "cost_model.py",
-    "kv_cache.py": "kv_cache.py",
-    "verification.py": "verification.py",
-}
+# the runtime package travels whole as custom_generate/ (entry point: generate.py)
+RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
+
+
+def runtime_files() -> list[str]:
+    """The runtime's source files, as they are named inside custom_generate/."""
+    return sorted(p.name for p in RUNTIME_DIR.glob("*.py"))
+
+
 REQUIREMENTS = "transformers>=5.24\ntorch\n"
 REQUIRED_FILES = ["config.json", "configuration_diffusion_drafter.py", "modeling_diffusion_drafter.py", "README.md",
-                  *[f"custom_generate/{name}" for name in CUSTOM_GENERATE_FILES]]
+                  *[f"custom_generate/{name}" for name in runtime_files()]]
 
-_RUNTIME = Path(__file__).resolve().parent
 _SINGLE = ["configuration_diffusion_drafter.py", "modeling_diffusion_drafter.py"]
 _MODELING_FILES = {
     "diffusion_drafter": _SINGLE,
@@ -37,11 +35,9 @@ _MODELING_FILES = {
 
 
 def write_custom_generate(save_directory) -> Path:
-    """Copy the decoding loop into `save_directory/custom_generate/` (flat files, single-dot relative imports)."""
+    """Copy the runtime package into `save_directory/custom_generate/` (single-dot relative imports only)."""
     folder = Path(save_directory) / "custom_generate"
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, module in CUSTOM_GENERATE_FILES.items():
-        shutil.copyfile(_RUNTIME / module, folder / name)
+    shutil.copytree(RUNTIME_DIR, folder, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (folder / "requirements.txt").write_text(REQUIREMENTS)
     return folder
 

@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_diffspec
-from hf_diffspec.candidate_generator import DiffusionCandidateGenerator
-from hf_diffspec.tree import CandidateTree
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from hf_diffspec.runtime.tree import CandidateTree
 
 
 def tiny_target(kind: str = "llama", seed: int = 0, vocab_size: int = 128, attn: str = "sdpa", layers: int = 4):

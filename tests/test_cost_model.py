@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import hf_diffspec
-from hf_diffspec.candidate_generator import DiffusionCandidateGenerator
-from hf_diffspec.cost_model import VerifyCost, best_node_count, measure_verify_cost, profile_key, save_profile
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from hf_diffspec.runtime.cost_model import VerifyCost, best_node_count, measure_verify_cost, profile_key, save_profile
 from helpers import tiny_drafter, tiny_target
 
 

@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModel
 
 import hf_diffspec
-from hf_diffspec.candidate_generator import DiffusionCandidateGenerator
-from hf_diffspec.prefix_tree import build_prefix_tree, plan_branches
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from hf_diffspec.runtime.prefix_tree import build_prefix_tree, plan_branches
 from helpers import marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
 
 

@@ -14,7 +14,7 @@ from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 from transformers.generation import candidate_generator as hf_candidates
 
 import hf_diffspec
-from hf_diffspec.candidate_generator import DiffusionCandidateGenerator
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.cli import main
 from helpers import tiny_drafter, tiny_target
 

@@ -12,10 +12,9 @@ import torch
 
 import hf_diffspec
 from hf_diffspec.cli import main
-from hf_diffspec.hub import CUSTOM_GENERATE_FILES, files_to_upload, stage_for_upload
+from hf_diffspec.hub import RUNTIME_DIR, files_to_upload, runtime_files, stage_for_upload
 from helpers import tiny_drafter, tiny_target
 
-RUNTIME = Path(hf_diffspec.__file__).resolve().parent
 
 # Runs in a fresh interpreter in which importing hf_diffspec is impossible.
 NO_HF_DIFFSPEC = textwrap.dedent('''
@@ -55,7 +54,7 @@ NO_HF_DIFFSPEC = textwrap.dedent('''
     assert stats.target_forwards < 24 + 1 and stats.drafted_tokens > 0
 
     # trees: replace the drafting policy of the loaded remote module by a noisy oracle with wrong siblings
-    gen_module = next(m for name, m in sys.modules.items() if name.endswith("custom_generate.candidate_generator"))
+    gen_module = next(m for name, m in sys.modules.items() if name.endswith("custom_generate.drafting"))
     tree_module = next(m for name, m in sys.modules.items() if name.endswith("custom_generate.tree"))
     truth, rng, trees = ref[0].tolist(), random.Random(0), []
 
@@ -90,8 +89,9 @@ def saved(tmp_path):
 
 def test_custom_generate_is_the_librarys_own_code(saved):
     _, drafter_dir = saved
-    for name, module in CUSTOM_GENERATE_FILES.items():
-        assert (drafter_dir / "custom_generate" / name).read_bytes() == (RUNTIME / module).read_bytes(), name
+    assert "generate.py" in runtime_files() and len(runtime_files()) > 3
+    for name in runtime_files():
+        assert (drafter_dir / "custom_generate" / name).read_bytes() == (RUNTIME_DIR / name).read_bytes(), name
 
 
 def test_saved_folder_runs_with_plain_transformers_and_no_hf_diffspec(saved, tmp_path):
@@ -125,6 +125,6 @@ def test_shipped_drafters_stage_into_hub_ready_folders(name, tmp_path):
     assert not (shipped / "custom_generate").exists()  # a single source of truth for the code
     files = stage_for_upload(shipped, tmp_path)
     assert "custom_generate/generate.py" in files and "modeling_diffusion_drafter.py" in files
-    for file, module in CUSTOM_GENERATE_FILES.items():
-        assert (tmp_path / "custom_generate" / file).read_bytes() == (RUNTIME / module).read_bytes(), file
+    for name in runtime_files():
+        assert (tmp_path / "custom_generate" / name).read_bytes() == (RUNTIME_DIR / name).read_bytes(), name
     assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModel"].startswith("modeling_")

@@ -8,10 +8,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, DynamicCache
 
 import hf_diffspec
-from hf_diffspec.candidate_generator import DiffusionCandidateGenerator, gather_features
-from hf_diffspec.kv_cache import keep_accepted_paths
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, gather_features
+from hf_diffspec.runtime.kv_cache import keep_accepted_paths
 from hf_diffspec.modeling import default_target_layer_ids
-from hf_diffspec.tree import CandidateTree, verify_inputs
+from hf_diffspec.runtime.tree import CandidateTree, verify_inputs
 from helpers import tiny_drafter, tiny_target
 
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_diffspec
-from hf_diffspec.cost_model import save_profile
+from hf_diffspec.runtime.cost_model import save_profile
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, block_attention_mask
 from hf_diffspec.trainers.data import DrafterDataset, ShardWriter, write_generated_data
 from hf_diffspec.trainers.pipeline import TrainConfig, train_drafter

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
-from hf_diffspec.candidate_generator import feature_layers, gather_features
+from hf_diffspec.runtime.drafting import feature_layers, gather_features
 
 LOGITS_CHUNK = 8192
 

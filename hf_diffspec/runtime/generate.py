@@ -11,7 +11,7 @@ the prompt) and then hands over. Two callers share it:
 
 from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
-from .candidate_generator import is_diffusion_drafter
+from .drafting import is_diffusion_drafter
 from .decoding import speculative_generate
 
 _UNSUPPORTED = {

@@ -24,7 +24,7 @@ import torch
 from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .candidate_generator import DiffusionCandidateGenerator, feature_layers
+from .drafting import DiffusionCandidateGenerator, feature_layers
 from .kv_cache import keep_accepted_paths
 from .tree import verify_inputs
 from .verification import choose_token, choose_token_among_drafts
