@@ -7,7 +7,7 @@ generate --source FILE`: the same seeded order `data relabel` uses, so `--skip` 
 import argparse
 import json
 
-from hf_diffspec.assets import eval_prompt_texts
+from hf_diffspec.prompts import eval_prompt_texts
 from hf_diffspec.trainers.data import classify_domain, sharegpt_exchanges
 
 parser = argparse.ArgumentParser()

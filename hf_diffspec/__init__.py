@@ -20,11 +20,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # assets pulls in pip/zip/hub helpers that decoding does not need: import on first use
+    # targets pulls in pip/zip/hub helpers that decoding does not need: import on first use
     if name == "load_target":
-        from .assets import load_target
+        from .targets import load_target
 
         return load_target
+    if name == "load_drafter":
+        from .drafters import load_drafter
+
+        return load_drafter
     raise AttributeError(f"module 'hf_diffspec' has no attribute {name!r}")
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "SpeculationStats",
     "SpeculativeDecoderOnlyOutput",
     "assisted_generate_with_stock_loop",
+    "load_drafter",
     "load_target",
     "speculative_generate",
 ]

@@ -6,6 +6,8 @@ to fill the last batch), left-padded, and every method decodes the same batches.
 it reports tau (tokens committed per row per target forward, bonus included), throughput (new tokens over the whole
 batch per second, each row counted up to its EOS), the ratio to `ar` at the same batch size from the same run, and
 whether each row equals `ar`'s row token for token.
+
+The methods (`build_method_drafters`, names in `SPECULATIVE_METHODS`) are one drafter run several ways, plus D²SD.
 """
 
 import json
@@ -18,6 +20,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .drafters import load_drafter, shipped_drafter
+from .runtime.files import atomic_write, pad_token_id
+
+SPECULATIVE_METHODS = ("dflash", "dflash-block", "dflash-adaptive", "adaflash", "d2sd", "d2sd-reuse", "d2sd-resample")
 
 
 @dataclass
@@ -26,6 +32,67 @@ class Method:
 
     drafter: object | None = None
     generate_kwargs: dict = field(default_factory=dict)
+
+
+def build_method_drafters(methods: list[str], target, target_name: str, drafter: str | None = None,
+                          vp_drafter: str | None = None, dflash_length: int | None = None, num_branches: int = 4,
+                          tree_budget: int = 16, max_depth: int = 8, branch_length: int = 4) -> dict[str, Method]:
+    """Method name -> `Method`, for `ar` and any of `SPECULATIVE_METHODS`:
+    - `dflash`: the first drafter verifying a fixed number of drafts per step (`dflash_length`, default the
+      drafter's `num_draft_tokens`, else its whole block);
+    - `dflash-block`: the same drafter verifying its whole block every step, DFlash's own fixed length;
+    - `dflash-adaptive`: the same drafter, lengths chosen per step by the measured cost model from its confidences;
+    - `adaflash`: the same drafter, lengths chosen by the cost model from its length head's acceptance predictions;
+    - `d2sd` first + VP drafter, `d2sd-reuse` the first drafter re-drafting its own branches (the paper's
+      DFlash -> DFlash ablation), `d2sd-resample` branches taken from the first pass's own distributions.
+
+    `drafter` and `vp_drafter` are what `load_drafter` takes (None: the drafters shipped for `target_name`); the
+    last four arguments shape D²SD trees.
+
+    Raises:
+        ValueError: an unknown method, or one whose requirement is missing (the message says how to provide it).
+        FileNotFoundError: a drafter that cannot be found.
+    """
+    from . import DiffusionDrafter, DualDiffusionDrafter
+    from .runtime.cost_model import VerifyCost
+
+    unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS)]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)}")
+    first = load_drafter(drafter, target, target_name) if set(methods) - {"ar"} else None
+    if {"dflash-adaptive", "adaflash"} & set(methods) and VerifyCost.for_target(target) is None:
+        dtype = str(target.dtype).replace("torch.", "")
+        raise ValueError("dflash-adaptive and adaflash size drafts with the measured cost model: run "
+                         f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first")
+    tree = dict(num_branches=num_branches, tree_budget=tree_budget, max_depth=max_depth, branch_length=branch_length)
+    drafters = {}
+    for method in methods:
+        if method == "dflash":
+            length = dflash_length or first.config.num_draft_tokens or first.config.block_size - 1
+            drafters[method] = Method(first, {"num_assistant_tokens": length})
+        elif method == "dflash-block":
+            drafters[method] = Method(first, {"num_assistant_tokens": first.config.block_size - 1})
+        elif method in ("dflash-adaptive", "adaflash"):
+            with_head = method == "adaflash"
+            if with_head and first.length_head is None:
+                raise ValueError("adaflash needs a drafter with a trained length head: train one with `hf-diffspec "
+                                 "train length-head --init DRAFTER ...` and pass it as --drafter")
+            chosen = first
+            if not with_head and first.length_head is not None:  # the same weights, the head left out
+                chosen = load_drafter(drafter, target, target_name, length_head=False)
+            drafters[method] = Method(chosen)
+        elif method == "d2sd-reuse":
+            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, **tree))
+        elif method == "d2sd-resample":
+            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, branches_from_first_pass=True,
+                                                                         **tree))
+        elif method == "d2sd":
+            vp_path = vp_drafter or shipped_drafter(target_name, variable_prefix=True)
+            if vp_path is None or not (Path(vp_path) / "config.json").exists():
+                raise ValueError("method d2sd needs a VP drafter: pass --vp-drafter PATH (or use d2sd-reuse)")
+            vp = DiffusionDrafter.from_pretrained(vp_path, target=target)
+            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, vp, **tree))
+    return drafters
 
 
 @dataclass
@@ -52,12 +119,12 @@ class MethodRun:
 
 
 def _generate(target, method: Method, inputs, max_new_tokens):
-    """Greedy generate with the method's drafter (plain when None); returns (ids, stats or None)."""
+    """Greedy generate with the method's drafter (plain when None); returns (ids, `SpeculationStats` or None)."""
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **method.generate_kwargs)
     if method.drafter is None:
         return target.generate(**kwargs), None
-    out = target.generate(**kwargs, assistant_model=method.drafter)
-    return out, method.drafter.last_generation_stats
+    out = target.generate(**kwargs, assistant_model=method.drafter, return_dict_in_generate=True)
+    return out.sequences, out.speculation_stats
 
 
 def _rows_up_to_eos(out: torch.Tensor, prompt_length: int, eos_ids: set[int]) -> list[list[int]]:
@@ -96,8 +163,8 @@ def _encode_batches(tokenizer, prompts: list[dict], batch_size: int, device) -> 
     """(domain, left-padded inputs) per batch; domain is "mixed" when a batch spans several."""
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = pad_token_id(tokenizer)
     try:
         batches = []
         for start in range(0, len(prompts), batch_size):
@@ -193,10 +260,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def write_json(path: str, rows: list[dict], config: dict) -> None:
     payload = {"results": rows, "machine": machine_description(), "config": config}
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)  # never leave a half-written file under the final name
+    atomic_write(path, json.dumps(payload, indent=2))
 
 
 def plot(rows: list[dict], path: str) -> None:

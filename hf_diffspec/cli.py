@@ -4,130 +4,46 @@ import argparse
 import json
 import logging
 import sys
-import time
-from pathlib import Path
 
 import torch
 
+from .bench import SPECULATIVE_METHODS
+
 DEFAULT_TARGET = "smollm2-135m-instruct"
-# Shipped drafters live in the repository's checkpoints/ folder (found through an editable install or a checkout).
-CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
-SHIPPED_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-dflash"}
-SHIPPED_VP_DRAFTERS = {DEFAULT_TARGET: CHECKPOINTS / "smollm2-135m-instruct-d2sd-vp"}
-SPECULATIVE_METHODS = ("dflash", "dflash-block", "dflash-adaptive", "adaflash", "d2sd", "d2sd-reuse", "d2sd-resample")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 log = logging.getLogger("hf_diffspec")
 
 
-def load_drafter(spec: str | None, target, target_name: str, block_size: int = 16, seed: int = 0, **config_overrides):
-    """`random` -> a fresh drafter; a path -> that checkpoint; None -> the shipped drafter for `target_name`."""
-    from . import DiffusionDrafter
-
-    if spec == "random":
-        torch.manual_seed(seed)
-        return DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size)
-    if spec is None:
-        shipped = SHIPPED_DRAFTERS.get(target_name)
-        if shipped is None or not (shipped / "config.json").exists():
-            raise SystemExit(
-                f"no shipped drafter for target {target_name!r}; pass --drafter PATH (a trained drafter) or "
-                "--drafter random (untrained, tau ~ 1)"
-            )
-        spec = str(shipped)
-    if not Path(spec).is_dir():
-        raise SystemExit(f"--drafter {spec!r} is neither 'random' nor a drafter checkpoint directory")
-    return DiffusionDrafter.from_pretrained(spec, target=target, **config_overrides)
-
-
 def cmd_demo(args) -> None:
     from . import load_target
+    from .demo import run_demo
+    from .drafters import load_drafter
 
     target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
-    drafter = load_drafter(args.drafter, target, args.target)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                   add_generation_prompt=True)
-    inputs = tok(text, return_tensors="pt", add_special_tokens=False)
-    n = inputs["input_ids"].shape[1]
-    target.generate(**inputs, max_new_tokens=4)  # warm-up
-    start = time.perf_counter()
-    plain = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-    t_plain = time.perf_counter() - start
-    start = time.perf_counter()
-    fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.max_new_tokens, do_sample=False)
-    t_fast = time.perf_counter() - start
-    stats = drafter.last_generation_stats
-    print(f"prompt: {args.prompt}\n")
-    print(tok.decode(fast[0, n:], skip_special_tokens=True).strip(), "\n")
-    rate_plain, rate_fast = (plain.shape[1] - n) / t_plain, (fast.shape[1] - n) / t_fast
-    print(f"plain generate:        {plain.shape[1] - n} tokens, {rate_plain:.1f} tokens/s")
-    print(f"speculative (drafter): {fast.shape[1] - n} tokens, {rate_fast:.1f} tokens/s, "
-          f"tau {stats.tau:.2f} tokens per target forward, {rate_fast / rate_plain:.2f}x")
-    print(f"identical to plain generate: {torch.equal(plain, fast)}"
-          + ("" if args.dtype.startswith("fp") else " (bf16 may flip near-ties; use --dtype fp32 for the exact check)"))
-
-
-def build_method_drafters(methods: list[str], target, args) -> dict:
-    """method name -> `bench.Method`:
-    - `dflash`: the first drafter verifying a fixed number of drafts per step (`--dflash-length`, default the
-      drafter's `num_draft_tokens`, else its whole block);
-    - `dflash-block`: the same drafter verifying its whole block every step, DFlash's own fixed length;
-    - `dflash-adaptive`: the same drafter, lengths chosen per step by the measured cost model from its confidences;
-    - `adaflash`: the same drafter, lengths chosen by the cost model from its length head's acceptance predictions;
-    - `d2sd` first + VP drafter, `d2sd-reuse` the first drafter re-drafting its own branches (the paper's
-      DFlash -> DFlash ablation), `d2sd-resample` branches taken from the first pass's own distributions."""
-    from . import DiffusionDrafter, DualDiffusionDrafter
-    from .bench import Method
-    from .runtime.cost_model import VerifyCost
-
-    unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS)]
-    if unknown:
-        raise SystemExit(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)}")
-    first = load_drafter(args.drafter, target, args.target) if set(methods) - {"ar"} else None
-    if {"dflash-adaptive", "adaflash"} & set(methods) and VerifyCost.for_target(target) is None:
-        raise SystemExit("dflash-adaptive and adaflash size drafts with the measured cost model: run "
-                         f"`hf-diffspec profile --target {args.target} --dtype {args.dtype}` first")
-    tree = dict(num_branches=args.branches, tree_budget=args.tree_budget, max_depth=args.tree_depth,
-                branch_length=args.branch_length)
-    drafters = {}
-    for method in methods:
-        if method == "dflash":
-            length = args.dflash_length or first.config.num_draft_tokens or first.config.block_size - 1
-            drafters[method] = Method(first, {"num_assistant_tokens": length})
-        elif method == "dflash-block":
-            drafters[method] = Method(first, {"num_assistant_tokens": first.config.block_size - 1})
-        elif method in ("dflash-adaptive", "adaflash"):
-            with_head = method == "adaflash"
-            if with_head and first.length_head is None:
-                raise SystemExit("adaflash needs a drafter with a trained length head: train one with `hf-diffspec "
-                                 "train length-head --init DRAFTER ...` and pass it as --drafter")
-            drafter = first
-            if not with_head and first.length_head is not None:  # the same weights, the head left out
-                drafter = load_drafter(args.drafter, target, args.target, length_head=False)
-            drafters[method] = Method(drafter)
-        elif method == "d2sd-reuse":
-            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, **tree))
-        elif method == "d2sd-resample":
-            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, branches_from_first_pass=True,
-                                                                         **tree))
-        elif method == "d2sd":
-            vp_path = args.vp_drafter or SHIPPED_VP_DRAFTERS.get(args.target)
-            if vp_path is None or not (Path(vp_path) / "config.json").exists():
-                raise SystemExit("method d2sd needs a VP drafter: pass --vp-drafter PATH (or use d2sd-reuse)")
-            vp = DiffusionDrafter.from_pretrained(vp_path, target=target)
-            drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, vp, **tree))
-    return drafters
+    try:
+        drafter = load_drafter(args.drafter, target, args.target)
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from None
+    print(run_demo(target, tok, drafter, args.prompt, args.max_new_tokens, runs=args.runs).report())
 
 
 def cmd_bench(args) -> None:
     from . import load_target
-    from .assets import load_prompts, load_prompts_file
-    from .bench import markdown_table, plot, run_benchmark, summarize, write_json
+    from .bench import build_method_drafters, markdown_table, plot, run_benchmark, summarize, write_json
+    from .drafters import shipped_drafter
+    from .prompts import load_prompts, load_prompts_file
 
     torch.manual_seed(args.seed)
     target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
     methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "ar"]
-    drafters = build_method_drafters(methods, target, args)
+    try:
+        drafters = build_method_drafters(
+            methods, target, args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
+            dflash_length=args.dflash_length, num_branches=args.branches, tree_budget=args.tree_budget,
+            max_depth=args.tree_depth, branch_length=args.branch_length)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(str(error)) from None
     if args.prompts_file:
         prompts = load_prompts_file(args.prompts_file, tokenizer=tok)
     else:
@@ -143,7 +59,7 @@ def cmd_bench(args) -> None:
         rows += summarize(results)
     print(markdown_table(rows))
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config["drafter"] = args.drafter or str(SHIPPED_DRAFTERS.get(args.target))
+    config["drafter"] = args.drafter or str(shipped_drafter(args.target))
     if args.json:
         write_json(args.json, rows, config)
         print(f"wrote {args.json}")
@@ -164,7 +80,7 @@ def cmd_data(args) -> None:
         n = write_relabel_data(tok, args.target, args.out, args.num_samples, max_length=args.max_length,
                                seed=args.seed, skip=args.skip)
     else:
-        from .assets import load_prompts_file
+        from .prompts import load_prompts_file
 
         target, tok = load_target(args.target, dtype=dtype, device=args.device)
         prompts = None if args.source == "sharegpt" else load_prompts_file(args.source)
@@ -204,7 +120,7 @@ def cmd_train(args) -> None:
 
 def cmd_train_opd(args) -> None:
     from . import load_target
-    from .assets import eval_prompt_texts, load_prompts_file
+    from .prompts import eval_prompt_texts, load_prompts_file
     from .trainers.data import classify_domain, sharegpt_exchanges
     from .trainers.opd import run_opd
 
@@ -222,8 +138,8 @@ def cmd_train_opd(args) -> None:
 
 def evaluate_drafter(target, tok, drafter, prompts_per_domain: int, max_new_tokens: int) -> dict:
     """tau and speedup per domain on held-out evaluation prompts (the benchmark, small)."""
-    from .assets import load_prompts
     from .bench import machine_description, run_benchmark, summarize
+    from .prompts import load_prompts
 
     prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tok)
     rows = summarize(run_benchmark(target, tok, {"dflash": drafter}, prompts, max_new_tokens, progress=False))
@@ -335,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
     demo.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--runs", type=int, default=3,
+                      help="timed runs of each (after a warm-up), interleaved; the medians are reported")
     demo.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     demo.set_defaults(func=cmd_demo)
 

