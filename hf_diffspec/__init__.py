@@ -15,6 +15,7 @@ from .runtime.drafting import DiffusionCandidateGenerator
 from .runtime.decoding import SpeculationStats, SpeculativeDecoderOnlyOutput, speculative_generate
 from . import generation  # noqa: F401  (installs the generate dispatcher)
 from .generation import assisted_generate_with_stock_loop
+from .hub import save_drafter
 
 __version__ = "0.1.0"
 
@@ -43,5 +44,6 @@ __all__ = [
     "assisted_generate_with_stock_loop",
     "load_drafter",
     "load_target",
+    "save_drafter",
     "speculative_generate",
 ]

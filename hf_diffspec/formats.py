@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .hub import save_drafter
 from .modeling import DiffusionDrafter, DiffusionDrafterConfig
 
 NATIVE_RENAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
@@ -105,8 +106,7 @@ def convert_to_drafter(src, out, source: str) -> Path:
         raise ValueError(f"cannot convert {src} ({source}): " + "; ".join(problems))
     drafter.load_state_dict(state)
     dtype = next(iter(state.values())).dtype
-    drafter.to(dtype).save_pretrained(out)
-    return out
+    return save_drafter(drafter.to(dtype), out)
 
 
 def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:

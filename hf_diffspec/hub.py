@@ -1,6 +1,8 @@
-"""Hub-ready drafter folders: the `custom_generate/` folder with our decoding loop, model cards, and `push`.
+"""Hub-ready drafter folders: `save_drafter` (weights, the `custom_generate/` folder with our decoding loop, the
+model card), and `push`.
 
-A saved drafter folder works with plain transformers (no hf_diffspec installed):
+`drafter.save_pretrained(dir)` is transformers' own (weights, config, modeling files); `save_drafter(drafter, dir)`
+adds what the Hub and plain transformers need, so the folder works without hf_diffspec installed:
 
     drafter = AutoModel.from_pretrained(dir, trust_remote_code=True)
     target.generate(**inputs, assistant_model=drafter, custom_generate=dir, trust_remote_code=True)
@@ -11,6 +13,7 @@ matches the library.
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -55,21 +58,99 @@ def refresh_code(folder) -> None:
     write_custom_generate(folder)
 
 
-def write_default_model_card(save_directory, config) -> None:
-    """A short README.md for folders saved outside the training pipeline (which writes a fuller card)."""
-    path = Path(save_directory) / "README.md"
-    if path.exists():
-        return
-    path.write_text(
-        "---\nlibrary_name: hf-diffspec\ntags: [speculative-decoding, dflash, block-diffusion, drafter]\n---\n\n"
-        f"# Block-diffusion drafter ({config.num_hidden_layers} layers, block size {config.block_size})\n\n"
-        f"Target: `{config.target_name_or_path or config.target_model_type}` "
-        f"(features of layers {config.target_layer_ids} of {config.num_target_layers}).\n\n"
-        "With hf_diffspec: `DiffusionDrafter.from_pretrained(dir, target=target)`, then "
-        "`target.generate(**inputs, assistant_model=drafter)`.\n\n"
-        "Without it: `AutoModel.from_pretrained(dir, trust_remote_code=True)`, then "
-        "`target.generate(**inputs, assistant_model=drafter, custom_generate=dir, trust_remote_code=True)`.\n"
-    )
+def save_drafter(drafter, save_directory, training_info: dict | None = None) -> Path:
+    """Save `drafter` (a `DiffusionDrafter` or `DualDiffusionDrafter`) as a Hub-ready folder: weights, config with
+    `auto_map` and the modeling files (`save_pretrained`), `custom_generate/` with the decoding loop, and a model card.
+
+    `training_info` (what the training pipeline measured) fills the card's training section and is kept as
+    `training_info.json`. Without it an existing README.md is left alone. Everything is written to a temporary
+    folder first and moved in file by file, config.json last, so an interrupted save never looks complete.
+    Returns the folder.
+    """
+    out = Path(save_directory)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / ".saving"
+    shutil.rmtree(staging, ignore_errors=True)
+    drafter.save_pretrained(staging)
+    write_custom_generate(staging)
+    if training_info is not None:
+        (staging / "training_info.json").write_text(json.dumps(training_info, indent=2, default=str))
+    if training_info is not None or not (out / "README.md").exists():
+        (staging / "README.md").write_text(model_card(drafter, training_info))
+    names = sorted(p.name for p in staging.iterdir())
+    for name in [n for n in names if n != "config.json"] + ["config.json"]:
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+        os.replace(staging / name, out / name)
+    staging.rmdir()
+    return out
+
+
+def model_card(drafter, training_info: dict | None = None) -> str:
+    """README.md of a saved drafter: how to use it (with and without hf_diffspec), its architecture, and, given the
+    training pipeline's `training_info`, what target, data and time it was trained with and how well it drafts."""
+    info = training_info or {}
+    first = getattr(drafter, "first", drafter)  # a dual drafter is described by its first drafter
+    cfg = first.config
+    target = info.get("target") or cfg.target_name_or_path or cfg.target_model_type or "<target>"
+    params = sum(p.numel() for p in drafter.parameters())
+    lines = ["---", "library_name: hf-diffspec", "tags: [speculative-decoding, dflash, block-diffusion, drafter]"]
+    if info.get("target"):
+        lines.append(f"base_model: {info['target']}")
+    lines += [
+        "---",
+        "",
+        f"# Block-diffusion drafter for {target}",
+        "",
+        "A DFlash-style drafter for lossless speculative decoding with hf-diffspec:",
+        "",
+        "```python",
+        "import hf_diffspec",
+        f'target, tok = hf_diffspec.load_target("{target}")',
+        f'drafter = hf_diffspec.{type(drafter).__name__}.from_pretrained("<this folder>", target=target)',
+        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128)",
+        "```",
+        "",
+        "Without hf_diffspec: `AutoModel.from_pretrained(dir, trust_remote_code=True)`, then "
+        "`target.generate(**inputs, assistant_model=drafter, custom_generate=dir, trust_remote_code=True)`.",
+        "",
+        "## Architecture",
+        f"- {cfg.num_hidden_layers} decoder layer(s), hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
+        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, block size {cfg.block_size}",
+        f"- target features from layers {cfg.target_layer_ids} of {cfg.num_target_layers}; "
+        f"{params / 1e6:.2f} M parameters of its own (embeddings and LM head are the target's)",
+        "",
+    ]
+    if not info:
+        return "\n".join(lines)
+    lines += [
+        "## Training",
+        "- data: " + ", ".join(f"{d.get('dir')} (target {d.get('target')})" for d in info.get("data", [])),
+        f"- {info.get('sequences')} sequences, {info.get('tokens')} tokens; {info.get('steps')} optimizer steps in "
+        f"{info.get('train_seconds')} s on {info.get('device')}",
+    ]
+    curve = info.get("loss_curve") or {}
+    if curve:
+        lines.append(f"- loss {curve.get('first_loss')} -> {curve.get('last_loss')} (min {curve.get('min_loss')}); "
+                     f"training-batch tau at the end {curve.get('last_train_tau')}")
+    head = info.get("length_head") or {}
+    if head:
+        lines.append(
+            f"- length head (drafter frozen): binary cross-entropy {head['head_bce']} on the drafter's own acceptance "
+            f"(raw confidence as the predictor: {head['confidence_bce']}); mean predicted acceptance "
+            f"{head['predicted_acceptance']} vs observed {head['observed_acceptance']} (last logged training batches)"
+        )
+    lines += ["", "Command:", "", "```bash", str(info.get("command")), "```", ""]
+    evaluation = info.get("evaluation")
+    if evaluation:
+        lines += ["## Measured acceptance (held-out prompts, greedy)", "",
+                  f"Command: `{evaluation.get('command', '')}` on {evaluation.get('machine', '')}", "",
+                  "| domain | prompts | tau | speedup vs plain generate |", "|---|---|---|---|"]
+        for row in evaluation.get("rows", []):
+            lines.append(f"| {row['domain']} | {row['prompts']} | {row['tau']:.2f} | {row['speedup_vs_ar']:.2f}x |")
+        lines.append("")
+    lines += ["Evaluation prompts (HumanEval, MATH-500, MT-Bench) are excluded from the training data by prompt text.", ""]
+    return "\n".join(lines)
 
 
 def files_to_upload(folder) -> list[str]:
@@ -81,7 +162,7 @@ def files_to_upload(folder) -> list[str]:
         missing.append("model.safetensors")
     if missing:
         raise FileNotFoundError(
-            f"{folder} is not a complete drafter folder; missing {missing}. Save it with drafter.save_pretrained(dir)."
+            f"{folder} is not a complete drafter folder; missing {missing}. Save it with hf_diffspec.save_drafter(drafter, dir)."
         )
     return sorted(
         str(p.relative_to(folder)) for p in folder.rglob("*")
@@ -95,7 +176,7 @@ def stage_for_upload(folder, staging) -> list[str]:
     checkpoints keep only weights, config and card; their code is the library's); returns the files to upload."""
     folder, staging = Path(folder), Path(staging)
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no config.json: is it a drafter folder saved with save_pretrained?")
+        raise FileNotFoundError(f"{folder} has no config.json: is it a drafter folder saved with hf_diffspec.save_drafter?")
     shutil.copytree(folder, staging, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("checkpoints", ".*", "__pycache__"))
     refresh_code(staging)

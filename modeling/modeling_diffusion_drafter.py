@@ -267,6 +267,19 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
     def target_lm_head(self) -> nn.Module:
         return self._borrowed_module("lm_head")
 
+    # ----- the target's features ----------------------------------------------------------------------------------
+    @property
+    def target_feature_layers(self) -> list[int]:
+        """`output_hidden_states` indices of the target layers this drafter reads (index 0 is the embeddings, so
+        layer i is index i + 1)."""
+        return [i + 1 for i in self.config.target_layer_ids]
+
+    def gather_target_features(self, hidden_states) -> torch.Tensor:
+        """The drafter's `context_hidden_states` from a target forward's `hidden_states` (all layers, or only
+        `target_feature_layers` when the target was asked for those): the selected layers concatenated on the last
+        dim, (batch, seq, len(target_layer_ids) * hidden)."""
+        return torch.cat([hidden_states[i] for i in self.target_feature_layers], dim=-1)
+
     @classmethod
     def from_target(cls, target: PreTrainedModel, **config_overrides) -> "DiffusionDrafter":
         """A freshly initialised drafter sized to `target` (same width, heads and RoPE), bound to it, in its dtype."""
@@ -310,17 +323,6 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         if target is not None:
             drafter = drafter.to(target.device).bind_target(target)
         return (drafter, info) if wants_info else drafter
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus (when hf_diffspec is installed) a `custom_generate/` folder with the
-        decoding loop and a model card, so the folder also works with plain transformers and trust_remote_code."""
-        super().save_pretrained(save_directory, *args, **kwargs)
-        try:  # optional: a remote-code copy of this file must not require hf_diffspec
-            from hf_diffspec.hub import write_custom_generate, write_default_model_card
-        except ImportError:
-            return
-        write_custom_generate(save_directory)
-        write_default_model_card(save_directory, self.config)
 
     # ----- the forward pass ---------------------------------------------------------------------------------------
     def mask_embeds(self, batch: int, length: int) -> torch.Tensor:

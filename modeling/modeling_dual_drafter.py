@@ -79,15 +79,14 @@ class DualDiffusionDrafter(PreTrainedModel):
             dual = dual.to(target.device).bind_target(target)
         return dual
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Also writes `custom_generate/` and a model card when hf_diffspec is installed (see DiffusionDrafter)."""
-        super().save_pretrained(save_directory, *args, **kwargs)
-        try:
-            from hf_diffspec.hub import write_custom_generate, write_default_model_card
-        except ImportError:
-            return
-        write_custom_generate(save_directory)
-        write_default_model_card(save_directory, self.config.first_config)
+    @property
+    def target_feature_layers(self) -> list[int]:
+        """The first drafter's target layers (both drafters read the same ones; the config checks it)."""
+        return self.first.target_feature_layers
+
+    def gather_target_features(self, hidden_states):
+        """The features both drafters read, from a target forward's `hidden_states` (see `DiffusionDrafter`)."""
+        return self.first.gather_target_features(hidden_states)
 
     def forward(self, *args, **kwargs):
         """The first drafter's forward (the DFlash contract); branch drafting goes through `second`."""

@@ -135,6 +135,7 @@ def test_hf_native_checkpoint_converts(tmp_path):
     native = native_drafter(zlab_weights(seed=2))
     native.save_pretrained(tmp_path / "native")
     main(["convert", str(tmp_path / "native"), "--from", "hf-native", "--out", str(tmp_path / "ours")])
+    assert (tmp_path / "ours" / "custom_generate" / "generate.py").is_file()  # a Hub-ready folder
     ours = load_file(tmp_path / "ours" / "model.safetensors")
     for name, tensor in zlab_weights(seed=2).items():
         assert torch.equal(ours[name], tensor), name

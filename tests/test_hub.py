@@ -1,4 +1,5 @@
-"""Hub-ready folders: custom_generate/ made from the library, plain-transformers use without hf_diffspec, push."""
+"""Hub-ready folders (`hf_diffspec.save_drafter`): custom_generate/ made from the library, plain-transformers use
+without hf_diffspec, push."""
 
 import json
 import os
@@ -83,8 +84,21 @@ def saved(tmp_path):
     target = tiny_target("llama", seed=21)
     drafter = tiny_drafter(target, block_size=6)
     target.save_pretrained(tmp_path / "target")
-    drafter.save_pretrained(tmp_path / "drafter")
+    hf_diffspec.save_drafter(drafter, tmp_path / "drafter")
     return tmp_path / "target", tmp_path / "drafter"
+
+
+def test_save_pretrained_is_transformers_own_and_save_drafter_adds_the_hub_files(tmp_path):
+    drafter = tiny_drafter(tiny_target("llama"), block_size=6)
+    drafter.save_pretrained(tmp_path / "plain")
+    plain = {p.name for p in (tmp_path / "plain").iterdir()}
+    assert {"config.json", "model.safetensors", "configuration_diffusion_drafter.py",
+            "modeling_diffusion_drafter.py"} <= plain
+    assert "custom_generate" not in plain and "README.md" not in plain
+    assert hf_diffspec.save_drafter(drafter, tmp_path / "hub") == tmp_path / "hub"
+    hub = {p.name for p in (tmp_path / "hub").iterdir()}
+    assert plain | {"custom_generate", "README.md"} == hub  # nothing half-written (no staging folder) is left
+    assert "trust_remote_code=True" in (tmp_path / "hub" / "README.md").read_text()
 
 
 def test_custom_generate_is_the_librarys_own_code(saved):

@@ -1,6 +1,8 @@
 """The drafter model, its checkpoints, candidate trees and KV-cache compaction."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, DynamicCache
 
 import hf_diffspec
-from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, gather_features
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.runtime.kv_cache import keep_accepted_paths
 from hf_diffspec.modeling import default_target_layer_ids
 from hf_diffspec.runtime.tree import CandidateTree, verify_inputs
@@ -17,7 +19,7 @@ from helpers import tiny_drafter, tiny_target
 
 def draft_once(drafter, target, ids):
     """Prefill the target, then one chain proposal from the drafter."""
-    out = target(ids, output_hidden_states=[i + 1 for i in drafter.config.target_layer_ids])
+    out = target(ids, output_hidden_states=drafter.target_feature_layers)
     gen = DiffusionCandidateGenerator(drafter, target, max_length=1000)
     gen.add_context(out.hidden_states, slice(None), torch.arange(ids.shape[1])[None])
     return gen.propose([int(ids[0, -1])], [ids.shape[1]], [100])[0]
@@ -165,8 +167,25 @@ def test_features_are_the_selected_hidden_states():
     drafter = tiny_drafter(target)
     ids = torch.randint(2, 128, (1, 5))
     out = target(ids, output_hidden_states=True)
-    feats = gather_features(out.hidden_states, drafter)
+    feats = drafter.gather_target_features(out.hidden_states)
     ids_ = drafter.config.target_layer_ids
     assert feats.shape == (1, 5, 64 * len(ids_))
     assert torch.equal(feats[..., :64], out.hidden_states[ids_[0] + 1])
+    assert drafter.target_feature_layers == [i + 1 for i in ids_]  # index 0 of hidden_states is the embeddings
+    selected = target(ids, output_hidden_states=drafter.target_feature_layers).hidden_states
+    assert torch.equal(drafter.gather_target_features(selected), feats)
+
+
+def test_modeling_files_import_only_torch_transformers_and_each_other():
+    """They are copied into checkpoints for trust_remote_code: nothing of hf_diffspec may come along."""
+    folder = Path(hf_diffspec.modeling.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {"." if node.level == 1 else (node.module or "").split(".")[0]}
+            else:
+                continue
+            assert roots <= {"torch", "transformers", "."}, f"{path.name}: {ast.unparse(node)}"
 
