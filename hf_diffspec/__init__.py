@@ -11,7 +11,8 @@ the speculative loop (see `hf_diffspec.generation`).
 
 from .modeling import DiffusionDrafter, DiffusionDrafterConfig, DualDiffusionDrafter, DualDiffusionDrafterConfig
 from .runtime.tree import CandidateTree
-from .runtime.drafting import DiffusionCandidateGenerator
+from .runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
+from .runtime.policy import DraftLengthPolicy
 from .runtime.decoding import SpeculationStats, SpeculativeDecoderOnlyOutput, speculative_generate
 from . import generation  # noqa: F401  (installs the generate dispatcher)
 from .generation import assisted_generate_with_stock_loop
@@ -35,10 +36,12 @@ def __getattr__(name):
 __all__ = [
     "CandidateTree",
     "DiffusionCandidateGenerator",
+    "DraftLengthPolicy",
     "DiffusionDrafter",
     "DiffusionDrafterConfig",
     "DualDiffusionDrafter",
     "DualDiffusionDrafterConfig",
+    "PrefixTreeCandidateGenerator",
     "SpeculationStats",
     "SpeculativeDecoderOnlyOutput",
     "assisted_generate_with_stock_loop",

@@ -49,13 +49,13 @@ def assisted_generate_with_stock_loop(target, drafter, **generate_kwargs):
 
     Useful to compare against transformers' reference verification; our loop is what `generate` uses by default.
     """
-    from .runtime.drafting import DiffusionCandidateGenerator
+    from .runtime.drafting import candidate_generator_for
 
     if drafter.config.model_type != "diffusion_drafter":
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
 
     def candidate_generator(self, generation_config, *args, **kwargs):
-        return DiffusionCandidateGenerator(drafter, self, generation_config.max_length)
+        return candidate_generator_for(drafter, self, max_length=generation_config.max_length)
 
     target._get_candidate_generator = types.MethodType(candidate_generator, target)
     try:

@@ -44,10 +44,11 @@ def test_each_row_equals_plain_greedy_alone_with_a_random_drafter(kind, attn, se
     drafter = tiny_drafter(target, block_size=4, seed=seed)
     prompts = mixed_prompts(seed)
     ids, mask = left_padded(prompts)
-    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=20, do_sample=False,
+                          return_dict_in_generate=True)
     alone = rows_alone(target, prompts, max_new_tokens=20, do_sample=False)
-    assert [strip(out[r], len(p), ids.shape[1], None) for r, p in enumerate(prompts)] == alone
-    assert drafter.last_generation_stats.new_tokens == 20 * len(prompts)
+    assert [strip(out.sequences[r], len(p), ids.shape[1], None) for r, p in enumerate(prompts)] == alone
+    assert out.speculation_stats.new_tokens == 20 * len(prompts)
 
 
 @pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
@@ -69,12 +70,12 @@ def test_ragged_acceptance_and_rows_finishing_early(monkeypatch, kind, attn, bra
                          vocab_size=128, noise=0.2, branches=branches, seed=seed)
     install_oracle(monkeypatch, oracle)
     ids, mask = left_padded(prompts)
-    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    stats, out = out.speculation_stats, out.sequences
     got = [out[r, ids.shape[1] - len(p) :].tolist()[: len(alone[r])] for r, p in enumerate(prompts)]
     assert got == alone
     for r, a in enumerate(alone):  # what follows a finished row is padding, as plain generate pads it
         assert set(out[r, ids.shape[1] - len(prompts[r]) + len(a) :].tolist()) <= {PAD}
-    stats = drafter.last_generation_stats
     assert stats.tau > 1.5 and len(set(stats.committed_per_step)) > 1, "acceptance should be high and ragged"
     assert stats.verified_slots >= stats.verified_tokens
     if branches:
@@ -122,12 +123,13 @@ def test_batched_sampling_is_exactly_the_targets_distribution(monkeypatch):
             assert two_sample_chi2(plain[slot], spec[r, slot]) < 40  # 0.999 quantile of chi2(15) ~ 37.7
 
 
-def test_bad_batches_get_clear_errors():
+def test_bad_batches_get_clear_errors_and_right_padding_runs_as_plain():
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded(mixed_prompts(0, lengths=(4, 6)))
-    with pytest.raises(ValueError, match="padding_side = 'left'"):
-        target.generate(ids.flip(1), attention_mask=mask.flip(1), assistant_model=drafter, max_new_tokens=4)
+    # right padding is a user error plain generate warns about, yet runs: ours runs it identically
+    right = dict(input_ids=ids.flip(1), attention_mask=mask.flip(1), max_new_tokens=6, do_sample=False)
+    assert torch.equal(target.generate(**right, assistant_model=drafter), target.generate(**right))
     empty = mask.clone()
     empty[0] = 0
     with pytest.raises(ValueError, match=r"row\(s\) \[0\] are empty"):

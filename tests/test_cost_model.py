@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_diffspec
-from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
 from hf_diffspec.runtime.cost_model import VerifyCost, best_node_count, measure_verify_cost, profile_key, save_profile
 from helpers import tiny_drafter, tiny_target
 
@@ -73,14 +73,15 @@ def test_cost_model_lengths_stay_lossless(tmp_path, monkeypatch, dual):
     if dual:
         drafter = hf_diffspec.DualDiffusionDrafter.from_drafters(drafter, None, num_branches=3)
     sizes = []
-    original = DiffusionCandidateGenerator.propose
+    generator_class = PrefixTreeCandidateGenerator if dual else DiffusionCandidateGenerator
+    original = generator_class.propose
 
     def recording(self, *args, **kwargs):
         trees = original(self, *args, **kwargs)
         sizes.extend(len(t) for t in trees)
         return trees
 
-    monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording)
+    monkeypatch.setattr(generator_class, "propose", recording)
     ids = torch.randint(2, 128, (1, 9))
     assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=25),
                        target.generate(ids, max_new_tokens=25))
@@ -90,3 +91,61 @@ def test_cost_model_lengths_stay_lossless(tmp_path, monkeypatch, dual):
         assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=25, num_assistant_tokens=2),
                            target.generate(ids, max_new_tokens=25))
         assert set(sizes[:-3]) == {3}
+
+
+def test_a_missing_profile_is_measured_once_and_refined_online(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "1")
+    target = tiny_target("llama")
+    cost = VerifyCost.for_target(target)
+    assert cost is not None and set(cost.costs) == {1, 4} and set(cost.costs[1]) == {1, 2, 4, 8, 16}
+    assert (tmp_path / "profiles" / f"{profile_key(target)}.json").is_file()
+    assert VerifyCost.for_target(target) is cost  # cached: measured once per process and machine
+    cost.observe(3, 16, 0.5)  # a batch size the quick profile never measured becomes a measured point
+    assert cost(3, 16) == 0.5
+
+
+@pytest.mark.speculation_gate
+def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
+    from hf_diffspec.runtime.policy import SpeculationGate
+
+    gate = SpeculationGate(max_backoff=8)
+    assert gate.should_speculate(1)          # unmeasured: speculation is tried first,
+    gate.record(True, 1, committed=2, seconds=1.0)
+    assert not gate.should_speculate(1)      # then a plain step
+    gate.record(False, 1, committed=1, seconds=0.25)
+    choices = []
+    for _ in range(40):  # speculation earns 2 tokens/s, plain 4: 1, 2, 4, 8, 8 plain steps between probes
+        speculate = gate.should_speculate(1)
+        choices.append(speculate)
+        gate.record(speculate, 1, committed=2 if speculate else 1, seconds=1.0 if speculate else 0.25)
+    probes = [i for i, s in enumerate(choices) if s]
+    assert [b - a for a, b in zip(probes, probes[1:])][:5] == [2, 3, 5, 9, 9]
+    fast = SpeculationGate()
+    fast.record(True, 4, committed=12, seconds=1.0)
+    fast.record(False, 4, committed=4, seconds=0.8)
+    assert all(fast.should_speculate(4) for _ in range(10))  # speculation pays at 4 rows: always on
+    assert fast.should_speculate(16)  # another batch size is measured anew
+
+
+@pytest.mark.speculation_gate
+@pytest.mark.parametrize("seed", [0, 1])
+def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, seed):
+    """Whatever the gate chooses, each step (plain or speculative) commits the target's own tokens; the drafter's
+    context catches up on the tokens committed by plain steps."""
+    import random
+
+    from hf_diffspec.runtime.policy import SpeculationGate
+
+    rng = random.Random(seed)
+    monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: rng.random() < 0.5)
+    target = tiny_target("qwen3", seed=seed)
+    drafter = tiny_drafter(target, block_size=4, seed=seed)
+    ids = torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kwargs = dict(max_new_tokens=24, do_sample=False, repetition_penalty=1.2)
+    ref = target.generate(ids, attention_mask=mask, **kwargs)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref)
+    assert out.speculation_stats.plain_steps > 0 and out.speculation_stats.draft_forwards > 0

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModel
 
 import hf_diffspec
-from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from hf_diffspec.runtime.drafting import PrefixTreeCandidateGenerator
 from hf_diffspec.runtime.prefix_tree import build_prefix_tree, plan_branches
 from helpers import marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
 
@@ -20,14 +20,14 @@ def dual_for(target, variant="vp", seed=0, **tree):
 
 def record_trees(monkeypatch):
     trees = []
-    original = DiffusionCandidateGenerator.propose
+    original = PrefixTreeCandidateGenerator.propose
 
     def recording(self, *args, **kwargs):
         proposed = original(self, *args, **kwargs)
         trees.extend(proposed)
         return proposed
 
-    monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording)
+    monkeypatch.setattr(PrefixTreeCandidateGenerator, "propose", recording)
     return trees
 
 
@@ -43,10 +43,11 @@ def test_d2sd_greedy_is_identical_to_plain_generate(monkeypatch, kind, variant, 
     ids = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(seed))
     kwargs = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.1)
     trees = record_trees(monkeypatch)
-    assert torch.equal(target.generate(ids, assistant_model=dual, **kwargs), target.generate(ids, **kwargs))
+    out = target.generate(ids, assistant_model=dual, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, target.generate(ids, **kwargs))
     assert all(len(t) <= 10 and t.max_depth <= 6 for t in trees)
     assert any(not t.is_chain for t in trees)
-    assert sum(dual.last_generation_stats.committed_per_step) + 1 == 30
+    assert sum(out.speculation_stats.committed_per_step) + 1 == 30
 
 
 def test_prefix_tree_branches_where_rejection_is_likeliest():
@@ -111,8 +112,8 @@ def test_rejection_sampling_with_drawn_drafts_is_exactly_the_targets_distributio
     accepted = 0  # drafts must really be accepted for the check to mean anything
     for seed in range(20):
         torch.manual_seed(seed)
-        target.generate(ids, assistant_model=drafter, **kwargs)
-        accepted += sum(c - 1 for c in drafter.last_generation_stats.committed_per_step)
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+        accepted += sum(c - 1 for c in out.speculation_stats.committed_per_step)
     assert accepted > 5
     for row in range(2):
         assert two_sample_chi2(plain[row], spec[row]) < 40  # the 0.999 quantile of chi2(15) is ~37.7

@@ -22,9 +22,10 @@ def test_greedy_identical_with_random_drafter(kind, block_size, seed):
     drafter = tiny_drafter(target, block_size=block_size, seed=seed)
     ids = prompt(seed)
     ref = target.generate(ids, max_new_tokens=24, do_sample=False)
-    out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False)
-    assert torch.equal(out, ref)
-    stats = drafter.last_generation_stats
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    stats = out.speculation_stats
     assert stats.new_tokens == 24
     assert sum(stats.committed_per_step) + 1 == stats.new_tokens  # +1: the token emitted by the prefill
 
@@ -40,9 +41,9 @@ def test_greedy_identical_with_oracle_chains_and_trees(monkeypatch, kind, attn, 
     ref = target.generate(ids, **kwargs)
     oracle = NoisyOracle(ref, vocab_size=128, noise=0.15, branches=branches, seed=seed)
     install_oracle(monkeypatch, oracle)
-    out = target.generate(ids, assistant_model=drafter, **kwargs)
-    assert torch.equal(out, ref)
-    stats = drafter.last_generation_stats
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref)
+    stats = out.speculation_stats
     assert stats.tau > 1.5, "the oracle's drafts should mostly be accepted"
     assert stats.target_forwards < 40
     if branches:
@@ -179,12 +180,12 @@ def test_sampling_is_exactly_the_targets_distribution(monkeypatch):
         torch.manual_seed(seed)
         ref = target.generate(ids, **kwargs)
         torch.manual_seed(seed)
-        out = target.generate(ids, assistant_model=drafter, **kwargs)
-        same += torch.equal(ref, out)
-        accepted += sum(c - 1 for c in drafter.last_generation_stats.committed_per_step)
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+        same += torch.equal(ref, out.sequences)
+        accepted += sum(c - 1 for c in out.speculation_stats.committed_per_step)
         torch.manual_seed(10_000 + seed)  # independent draws for the distribution comparison
         plain_counts[target.generate(ids, **kwargs)[0, -1]] += 1
-        spec_counts[out[0, -1]] += 1
+        spec_counts[out.sequences[0, -1]] += 1
     assert accepted > 50, "the check is only meaningful if drafts get accepted"
     assert same >= 0.97 * n
     # two-sample chi-square on the last token's marginal (df <= 15); 40 is far beyond the 0.999 quantile (~37.7)

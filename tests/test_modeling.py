@@ -13,7 +13,7 @@ import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.runtime.kv_cache import keep_accepted_paths
 from hf_diffspec.modeling import default_target_layer_ids
-from hf_diffspec.runtime.tree import CandidateTree, verify_inputs
+from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
 from helpers import tiny_drafter, tiny_target
 
 
@@ -116,7 +116,7 @@ def test_tree_structure_mask_and_positions():
     assert tree.path_to(4) == [0, 1, 3, 4] and not tree.is_chain
     short = CandidateTree.chain(3, torch.tensor([4, 2]))
     past_valid = torch.tensor([[True, False, True], [False, True, True]])
-    tokens, mask, positions = verify_inputs([tree, short], past_valid, [10, 4], torch.float32)
+    tokens, mask, positions = tree_forward_inputs([tree, short], past_valid, [10, 4], torch.float32)
     assert tokens.tolist() == [[5, 6, 7, 8, 9], [3, 4, 2, 3, 3]]         # the short row is padded with its root
     assert positions.tolist() == [[10, 11, 11, 12, 13], [4, 5, 6, 4, 4]]
     assert mask.shape == (2, 1, 5, 8)
@@ -141,7 +141,7 @@ def test_tree_forward_and_compaction_equal_plain_forwards(kind, attn):
     target(prefix, cache=cache)
     trees = [CandidateTree(torch.tensor([10, 11, 12, 13, 14, 15]), [-1, 0, 0, 1, 3, 2]),
              CandidateTree.chain(30, torch.tensor([31, 32]))]
-    tokens, mask, positions = verify_inputs(trees, torch.ones(2, 9, dtype=torch.bool), [9, 9], torch.float32)
+    tokens, mask, positions = tree_forward_inputs(trees, torch.ones(2, 9, dtype=torch.bool), [9, 9], torch.float32)
     out = target(tokens, attention_mask=mask, position_ids=positions, cache=cache)
     for row, tree in enumerate(trees):
         for node in range(len(tree)):  # every node's logits equal a plain causal forward of its root path
@@ -149,7 +149,8 @@ def test_tree_forward_and_compaction_equal_plain_forwards(kind, attn):
             ref = target(torch.cat([prefix[row : row + 1], path_tokens[None]], dim=1)).logits[0, -1]
             assert torch.allclose(out.logits[row, node], ref, atol=1e-5)
     paths = [trees[0].path_to(4), [0]]  # a non-prefix path 0 -> 1 -> 3 -> 4; the chain accepts only its root
-    keep_accepted_paths(cache, 9, paths, tokens.shape[1])
+    padded = torch.tensor([p + [p[-1]] * (4 - len(p)) for p in paths])
+    keep_accepted_paths(cache, 9, paths, padded, tokens.shape[1])
     assert cache.get_seq_length() == 9 + 4
     valid = torch.ones(2, 13, dtype=torch.bool)
     valid[1, 10:] = False  # the second row kept one slot; the rest of its column is not its own

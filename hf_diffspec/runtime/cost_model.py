@@ -9,14 +9,16 @@ T_verify(rows, n) whatever each row needs: `best_node_count` picks the n that ma
 per second. At batch 1 with a flat cost curve it verifies long drafts; when verification becomes compute-bound (many
 rows, or a slow target) it verifies only the confident heads of the drafts. No hand-set concurrency gate.
 
-`hf-diffspec profile` measures T_verify(rows, n) once per (target, device, dtype, threads) and caches it as JSON;
-without a profile (or with one in an older format), drafts are verified at the drafter's configured length and a
-warning says how to measure one.
+A quick profile (a few points, seconds) is measured automatically the first time a target speculates on a machine,
+dtype and thread count, and cached as JSON; the loop's own forwards refine it online. `hf-diffspec profile` measures
+the full grid. With HF_DIFFSPEC_AUTO_PROFILE=0 and no cached profile, drafts are verified at the drafter's configured
+length and a warning says how to measure one.
 """
 
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -103,29 +105,49 @@ def _interpolate(points: dict[int, float], x: float) -> float:
 
 class VerifyCost:
     """T_verify(n, rows): seconds of one target forward over `rows` x n tokens, interpolated from a measured profile
-    {rows: {n: seconds}} (linear in n, then linear in rows)."""
+    {rows: {n: seconds}} (linear in n, then linear in rows). `observe` refines it with the loop's own forwards, so
+    batch sizes the quick profile did not measure become measured as they are used."""
 
     def __init__(self, costs: dict[int, dict[int, float]]):
         self.costs = costs
 
     @classmethod
     def for_target(cls, target) -> "VerifyCost | None":
-        """The cached profile for this target/device/dtype/threads, or None (run `hf-diffspec profile`)."""
+        """The profile for this target/device/dtype/threads: loaded from the cache, measured once (a few seconds)
+        when missing, or None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0) and none is cached."""
         path = profile_dir() / f"{profile_key(target)}.json"
-        if not path.is_file():
-            _warn_once(f"no verify-cost profile for this target on {target.device} in {target.dtype} "
-                       f"({torch.get_num_threads()} threads): drafts are verified at a fixed length. Run "
-                       "`hf-diffspec profile --target ... --dtype ...` once to let the cost model choose lengths.")
-            return None
-        data = json.loads(path.read_text())
-        if data.get("format") != PROFILE_FORMAT:
-            _warn_once(f"the verify-cost profile {path} is in an older format (no batch sizes); drafts are verified at "
-                       "a fixed length until it is re-measured with `hf-diffspec profile`.")
-            return None
-        return cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()})
+        if path.is_file() and _loaded.get(str(path), (None,))[0] == path.stat().st_mtime_ns:
+            return _loaded[str(path)][1]
+        data = json.loads(path.read_text()) if path.is_file() else None
+        if data is not None and data.get("format") != PROFILE_FORMAT:
+            _warn_once(f"the verify-cost profile {path} is in an older format (no batch sizes); it is re-measured.")
+            data = None
+        if data is None:
+            if os.environ.get("HF_DIFFSPEC_AUTO_PROFILE", "1") == "0":
+                _warn_once(f"no verify-cost profile for this target on {target.device} in {target.dtype} "
+                           f"({torch.get_num_threads()} threads) and HF_DIFFSPEC_AUTO_PROFILE=0: drafts are verified "
+                           "at a fixed length. Run `hf-diffspec profile --target ... --dtype ...` once to measure one.")
+                return None
+            logger.warning("measuring this target's verify cost on %s in %s (%d threads), once; cached in %s",
+                           target.device, target.dtype, torch.get_num_threads(), profile_dir())
+            save_profile(target, measure_verify_cost(target, **QUICK_PROFILE))
+            data = json.loads(path.read_text())
+        cost = cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()})
+        _loaded[str(path)] = (path.stat().st_mtime_ns, cost)
+        return cost
 
     def __call__(self, n: int, rows: int = 1) -> float:
         return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
+
+    def observe(self, n: int, rows: int, seconds: float) -> None:
+        """One verify forward of `rows` x `n` tokens took `seconds` in the loop: blend it into the profile."""
+        row = self.costs.setdefault(rows, {})
+        row[n] = seconds if n not in row else 0.9 * row[n] + 0.1 * seconds
+
+
+_loaded: dict[str, tuple[int, VerifyCost]] = {}  # profiles in use by this process (by file and mtime), refined online
+# what a first run measures before speculating (seconds); `hf-diffspec profile` measures the full grid
+QUICK_PROFILE = dict(sizes=(1, 2, 4, 8, 16), batches=(1, 4), context_length=128, repeats=2)
 
 
 _warned: set[str] = set()

@@ -1,9 +1,13 @@
-"""The drafting side of speculative decoding: a `CandidateGenerator` that wraps a diffusion drafter.
+"""The drafting side of speculative decoding: one `CandidateGenerator` subclass per drafting method.
 
-It owns the per-call drafter state (`DrafterContext`: the drafter's KV cache of committed tokens and the target
-features not yet cached). Our decoding loop calls `add_context` + `propose` (which returns a `CandidateTree`: a chain
-for a DFlash drafter, a D²SD prefix tree for a dual drafter); transformers' stock `_assisted_decoding` calls
-`get_candidates` (a chain), so the same drafter also runs inside plain transformers assisted generation.
+- `DiffusionCandidateGenerator`: a DFlash drafter drafts one block per row in one forward; each row gets a chain.
+- `PrefixTreeCandidateGenerator`: a D²SD dual drafter; the first drafter's block, then K branches re-drafted where
+  rejection is likeliest (one batched pass of the second drafter), as one prefix tree per row.
+
+Each owns the per-call drafter state (`DrafterContext`: the drafter's KV cache of committed tokens and the target
+features not yet cached). Our decoding loop calls `add_context` and `propose` (a `CandidateTree` per row);
+transformers' stock `_assisted_decoding` calls `get_candidates` (chains, batch 1), so the same drafter also runs inside
+plain transformers assisted generation. How many drafts are verified is the `DraftLengthPolicy`'s decision.
 
 Like every runtime file that `custom_generate/` ships (see `hub.py`), it imports only torch, transformers and
 sibling modules, so it also runs from a Hub folder without hf_diffspec installed.
@@ -15,7 +19,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .cost_model import VerifyCost, best_node_count
+from .cost_model import VerifyCost
+from .policy import DraftLengthPolicy
 from .prefix_tree import build_prefix_tree, plan_branches
 from .tree import CandidateTree
 
@@ -30,16 +35,6 @@ def is_diffusion_drafter(model) -> bool:
 def first_drafter(model):
     """The DFlash drafter of a single or dual drafter."""
     return model.first if model.config.model_type == "dual_diffusion_drafter" else model
-
-
-def feature_layers(drafter) -> list[int]:
-    """`output_hidden_states` indices of the target features (index 0 is the embeddings)."""
-    return [i + 1 for i in first_drafter(drafter).config.target_layer_ids]
-
-
-def gather_features(hidden_states, drafter) -> torch.Tensor:
-    """Concatenate the selected target hidden states on the last dim: (batch, seq, n_layers * hidden)."""
-    return torch.cat([hidden_states[i] for i in feature_layers(drafter)], dim=-1)
 
 
 class DrafterContext:
@@ -123,24 +118,23 @@ class DrafterContext:
 
 
 class DiffusionCandidateGenerator(CandidateGenerator):
-    """Drafts with a block-diffusion drafter (or a D²SD dual drafter) conditioned on the target's hidden states, for
+    """Drafts with a block-diffusion (DFlash) drafter conditioned on the target's hidden states: one chain per row,
     every row of a batch in one drafter forward.
 
     Args:
-        drafter: a `DiffusionDrafter` or `DualDiffusionDrafter`; re-bound to `target` (after a check) if needed.
+        drafter: a `DiffusionDrafter` (or a dual drafter, see `PrefixTreeCandidateGenerator`); re-bound to `target`
+            (after a check) if needed.
         target: the model being decoded; its embeddings and LM head are used for drafting.
-        max_length: total length (prompt + new tokens) never to be exceeded.
+        policy: how many drafts to verify (`DraftLengthPolicy`); `None` builds the default one for `target`.
         sample_temperature: when set, drafts are drawn from softmax(drafter logits / temperature) and the tree carries
             those distributions for rejection sampling; `None` drafts the argmax.
-        num_draft_tokens: verify exactly this many drafts per step (DFlash's fixed length). `None`: let the measured
-            cost model choose per step (with the drafter's length head when it has one), or, without a profile, the
-            drafter's configured `num_draft_tokens`.
+        max_length: total length never to be exceeded (used by transformers' stock loop, `get_candidates`).
     """
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target: PreTrainedModel, max_length: int, sample_temperature: float | None = None,
-                 num_draft_tokens: int | None = None):
+    def __init__(self, drafter, target: PreTrainedModel, policy: DraftLengthPolicy | None = None,
+                 sample_temperature: float | None = None, max_length: int | None = None):
         if not is_diffusion_drafter(drafter):
             raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
         # binding checks that the drafter was built for this target; the target generating is the one to borrow from
@@ -148,21 +142,14 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             drafter.bind_target(target)
         self.drafter = drafter
         self.first = DrafterContext(first_drafter(drafter))
-        self.is_dual = drafter.config.model_type == "dual_diffusion_drafter"
-        self.second = None
-        if self.is_dual:  # the VP drafter has weights of its own, hence its own cache; else branches share the first
-            self.second = DrafterContext(drafter.vp) if drafter.vp is not None else self.first
+        self.contexts = [self.first]  # every drafter cache that must see the committed tokens
         self.block_size = self.first.drafter.config.block_size
-        self.num_draft_tokens = num_draft_tokens
-        self.max_length = max_length
+        self.policy = policy or default_policy(drafter, target)
         self.sample_temperature = sample_temperature
-        self.max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-        # with a measured cost profile the verified length follows the drafter's confidence step by step
-        self.verify_cost = VerifyCost.for_target(target) if num_draft_tokens is None else None
+        self.max_length = max_length
         self.length_head = getattr(self.first.drafter, "length_head", None)
-        self.draft_seconds: float | None = None
         # transformers' assisted loop merges this into the target forward: we only need these hidden states
-        self.model_kwargs_overrides = {"output_hidden_states": feature_layers(drafter)}
+        self.model_kwargs_overrides = {"output_hidden_states": drafter.target_feature_layers}
 
     # ----- our loop -----------------------------------------------------------------------------------------------
     def add_context(self, hidden_states, index, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -172,68 +159,47 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         `valid` (rows, n) marks slots a row must never see (False), e.g. left padding or the unused tail of a row
         that accepted fewer tokens than another; they stay masked in every draft.
         """
-        features = gather_features(hidden_states, self.drafter)
+        features = self.drafter.gather_target_features(hidden_states)
         if isinstance(index, slice):
             features = features[:, index]
         else:
             features = features[torch.arange(features.shape[0], device=index.device)[:, None], index]
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        for context in {id(c): c for c in (self.first, self.second) if c is not None}.values():
+        for context in self.contexts:
             context.pending.append((features, positions, valid.bool()))
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Forget finished rows (`keep`: indices of the rows still decoding)."""
-        for context in {id(c): c for c in (self.first, self.second) if c is not None}.values():
+        for context in self.contexts:
             context.select_rows(keep)
 
-    def _depth_limit(self, root_position: int, max_depth: int) -> int:
-        config = self.drafter.config
-        if self.num_draft_tokens is not None:
-            limit = self.num_draft_tokens
-        elif self.is_dual:
-            limit = config.max_depth
-        elif self.verify_cost is not None:
-            limit = self.block_size - 1  # the cost model decides how much of the block to verify
-        else:
-            limit = config.num_draft_tokens or self.block_size - 1
-        max_depth = min(max_depth, limit, self.block_size - 1)
-        if self.max_positions is not None:
-            max_depth = min(max_depth, self.max_positions - 1 - root_position)
-        return max_depth
-
     @torch.no_grad()
-    def propose(self, root_tokens: list[int], root_positions: list[int], max_depths: list[int]) -> list[CandidateTree]:
-        """Draft after each row's anchor: a chain per row, or for a dual drafter a D²SD prefix tree per row."""
-        depths = [self._depth_limit(p, d) for p, d in zip(root_positions, max_depths)]
-        device = self.first.drafter.device
-        empty = torch.empty(0, dtype=torch.long, device=device)
-        if max(depths) <= 0:
-            return [CandidateTree.chain(root, empty) for root in root_tokens]
+    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
+        """Draft after each row's anchor (at `root_positions`) a chain of at most `remaining` tokens per row."""
+        limits = [self.policy.depth_limit(p, r) for p, r in zip(root_positions, remaining)]
+        if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
+            return [self._root_only(root) for root in root_tokens]
         start = time.perf_counter()
-        roots = torch.tensor(root_tokens, device=device)
-        positions = torch.tensor(root_positions, device=device)
-        block = self.first.draft_block(roots, positions, self.block_size)
-        draft_hidden = block[:, 1:]
-        if self.verify_cost is not None and self.length_head is not None and not self.is_dual:
+        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
+        positions = torch.tensor(root_positions, device=roots.device)
+        draft_hidden = self.first.draft_block(roots, positions, self.block_size)[:, 1:]
+        if self.policy.uses_cost_model and self.length_head is not None:
             # the head sizes the drafts from hidden states: only the slots to verify go through the LM head
-            self._track_draft_time(start)
+            self.policy.record_draft_time(time.perf_counter() - start)
             reach = torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1).tolist()
-            depths = self._best_lengths(reach, depths)
-            if max(depths) == 0:
-                return [CandidateTree.chain(root, empty) for root in root_tokens]
-        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(depths)]))
-        if self.is_dual:
-            return self._prefix_trees(root_tokens, roots, positions, probs, depths, start)
-
+            limits = self.policy.chain_lengths(reach, limits)
+            if max(limits) == 0:
+                return [self._root_only(root) for root in root_tokens]
+        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
         confidences, drafts = probs.max(-1)
         if self.sample_temperature is not None:  # confidences stay the maxima: what is verified must not depend on draws
             drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
-        if self.verify_cost is not None and self.length_head is None:
-            self._track_draft_time(start)
-            depths = self._best_lengths(torch.cumprod(confidences, dim=-1).tolist(), depths)
+        if self.policy.uses_cost_model and self.length_head is None:
+            self.policy.record_draft_time(time.perf_counter() - start)
+            limits = self.policy.chain_lengths(torch.cumprod(confidences, dim=-1).tolist(), limits)
         trees = []
-        for row, k in enumerate(depths):
+        for row, k in enumerate(limits):
             draft_probs = None
             if self.sample_temperature is not None:
                 draft_probs = torch.cat([torch.zeros_like(probs[row, :1]), probs[row, :k]])
@@ -241,47 +207,8 @@ class DiffusionCandidateGenerator(CandidateGenerator):
                                              draft_probs=draft_probs))
         return trees
 
-    def _best_lengths(self, reach: list[list[float]], depths: list[int]) -> list[int]:
-        """Drafts per row to verify: the cost model's best common slot count for the batch, within each row's limit."""
-        rows = len(depths)
-        n = best_node_count([r[:d] for r, d in zip(reach, depths)], lambda n: self.verify_cost(n, rows),
-                            self.draft_seconds)
-        return [min(d, n - 1) for d in depths]
-
-    def _prefix_trees(self, root_tokens, roots, positions, probs, depths, start) -> list[CandidateTree]:
-        config = self.drafter.config
-        sample = self.sample_temperature is not None
-        rows = len(root_tokens)
-        # a row with no room left (depth 0) plans no branches and verifies its root alone
-        plans = [plan_branches(probs[r, : depths[r]], config.num_branches, sample) if depths[r] > 0
-                 else (probs.new_zeros(0, dtype=torch.long), []) for r in range(rows)]
-        length = config.branch_length
-        if config.branches_from_first_pass:
-            branch_probs = [[probs[r, i : i + length] for i in picks] for r, (_, picks) in enumerate(plans)]
-        else:  # one batched pass of the second drafter over every branch of every row
-            row_index = torch.tensor([r for r, (_, picks) in enumerate(plans) for _ in picks], device=roots.device)
-            prefixes = [drafts[:i] for drafts, picks in plans for i in picks]
-            hidden = self.second.draft_branches(roots, positions, row_index, prefixes, self.block_size)
-            spans = [hidden[b, 1 + len(p) : 1 + min(len(p) + length, depths[int(row_index[b])])]
-                     for b, p in enumerate(prefixes)]
-            flat = self._distributions(self.second.drafter.compute_logits(torch.cat(spans))).split([len(s) for s in spans])
-            branch_probs, offset = [], 0
-            for _, picks in plans:
-                branch_probs.append(list(flat[offset : offset + len(picks)]))
-                offset += len(picks)
-
-        if self.verify_cost is not None:
-            self._track_draft_time(start)  # drafting is done: both passes, every row
-
-        def choose_count(reach_probs):
-            if self.verify_cost is None:
-                return len(reach_probs) + 1
-            # the other rows are assumed to verify as many slots: the batch's forward is a rectangle
-            return best_node_count([reach_probs], lambda n: self.verify_cost(n, rows), self.draft_seconds)
-
-        return [build_prefix_tree(root_tokens[r], probs[r, : depths[r]], plans[r][0], plans[r][1], branch_probs[r],
-                                  config.tree_budget, choose_count, sample=sample) if depths[r] > 0
-                else CandidateTree.chain(root_tokens[r], plans[r][0]) for r in range(rows)]
+    def _root_only(self, root: int) -> CandidateTree:
+        return CandidateTree.chain(root, torch.empty(0, dtype=torch.long, device=self.first.drafter.device))
 
     def _distributions(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions: softmax of the drafter logits, at the sampling temperature when sampling."""
@@ -290,17 +217,11 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             logits = logits / max(self.sample_temperature, 1e-5)
         return logits.softmax(-1)
 
-    def _track_draft_time(self, start: float) -> None:
-        elapsed = time.perf_counter() - start
-        self.draft_seconds = elapsed if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * elapsed
-
     # ----- transformers' CandidateGenerator API (stock assisted decoding, chains, batch 1) -----------------------
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
         if is_first_iteration or model_outputs is None:
             return input_ids, None  # the target prefills and emits the first token itself
-        if self.is_dual:
-            raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
         committed = input_ids.shape[1]
         n_new = committed - 1 - self.first.length
         self.add_context(
@@ -313,4 +234,85 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, tree.tokens[None, 1:].to(input_ids.device)], dim=1), None
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        pass  # the block size is fixed; adaptive lengths live in our own loop
+        pass  # the verified length is the policy's decision, made in `propose`
+
+
+class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
+    """D²SD: the first drafter's block per row, then K branches re-drafted from the prefix lengths where rejection is
+    likeliest, by the dual drafter's VP drafter (its own cache) or, with `vp=None`, by the first drafter again, all
+    in one batched pass; or taken from the first pass itself (`branches_from_first_pass`). One tree per row."""
+
+    def __init__(self, drafter, target: PreTrainedModel, policy: DraftLengthPolicy | None = None,
+                 sample_temperature: float | None = None, max_length: int | None = None):
+        super().__init__(drafter, target, policy, sample_temperature, max_length)
+        # the VP drafter has weights of its own, hence its own cache; else branches share the first drafter's
+        self.branch_context = DrafterContext(drafter.vp) if drafter.vp is not None else self.first
+        if self.branch_context is not self.first:
+            self.contexts.append(self.branch_context)
+
+    @torch.no_grad()
+    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
+        limits = [self.policy.depth_limit(p, r) for p, r in zip(root_positions, remaining)]
+        if max(limits) <= 0:
+            return [self._root_only(root) for root in root_tokens]
+        config = self.drafter.config
+        sample = self.sample_temperature is not None
+        rows = len(root_tokens)
+        start = time.perf_counter()
+        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
+        positions = torch.tensor(root_positions, device=roots.device)
+        draft_hidden = self.first.draft_block(roots, positions, self.block_size)[:, 1:]
+        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
+        # a row with no room left (limit 0) plans no branches and verifies its root alone
+        plans = [plan_branches(probs[r, : limits[r]], config.num_branches, sample) if limits[r] > 0
+                 else (probs.new_zeros(0, dtype=torch.long), []) for r in range(rows)]
+        length = config.branch_length
+        if config.branches_from_first_pass:
+            branch_probs = [[probs[r, i : i + length] for i in picks] for r, (_, picks) in enumerate(plans)]
+        else:  # one batched pass of the branch drafter over every branch of every row
+            row_index = torch.tensor([r for r, (_, picks) in enumerate(plans) for _ in picks], device=roots.device)
+            prefixes = [drafts[:i] for drafts, picks in plans for i in picks]
+            hidden = self.branch_context.draft_branches(roots, positions, row_index, prefixes, self.block_size)
+            spans = [hidden[b, 1 + len(p) : 1 + min(len(p) + length, limits[int(row_index[b])])]
+                     for b, p in enumerate(prefixes)]
+            logits = self.branch_context.drafter.compute_logits(torch.cat(spans))
+            flat = self._distributions(logits).split([len(s) for s in spans])
+            branch_probs, offset = [], 0
+            for _, picks in plans:
+                branch_probs.append(list(flat[offset : offset + len(picks)]))
+                offset += len(picks)
+        self.policy.record_draft_time(time.perf_counter() - start)  # both passes, every row
+
+        def node_count(reach):
+            return self.policy.tree_node_count(reach, rows)
+
+        return [build_prefix_tree(root_tokens[r], probs[r, : limits[r]], plans[r][0], plans[r][1], branch_probs[r],
+                                  config.tree_budget, node_count, sample=sample) if limits[r] > 0
+                else CandidateTree.chain(root_tokens[r], plans[r][0]) for r in range(rows)]
+
+    def get_candidates(self, *args, **kwargs):
+        raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
+
+
+def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None) -> DraftLengthPolicy:
+    """The draft-length policy for `drafter` on `target`: `fixed` drafts per step when given, else the measured cost
+    model when this machine has a profile for the target, else the drafter's configured length."""
+    config = first_drafter(drafter).config
+    is_dual = drafter.config.model_type == "dual_diffusion_drafter"
+    return DraftLengthPolicy(
+        block_size=config.block_size, default_length=config.num_draft_tokens, fixed=fixed,
+        verify_cost=VerifyCost.for_target(target) if fixed is None else None,
+        tree_depth=drafter.config.max_depth if is_dual else None,
+        max_positions=getattr(target.config.get_text_config(), "max_position_embeddings", None),
+    )
+
+
+def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: int | None = None,
+                            sample_temperature: float | None = None,
+                            max_length: int | None = None) -> DiffusionCandidateGenerator:
+    """The candidate generator of `drafter`'s method (chains for a DFlash drafter, prefix trees for a dual one)."""
+    if not is_diffusion_drafter(drafter):
+        raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
+    cls = PrefixTreeCandidateGenerator if drafter.config.model_type == "dual_diffusion_drafter" \
+        else DiffusionCandidateGenerator
+    return cls(drafter, target, default_policy(drafter, target, num_draft_tokens), sample_temperature, max_length)

@@ -3,18 +3,18 @@
 import torch
 
 
-def keep_accepted_paths(cache, past_length: int, paths: list[list[int]], num_slots: int) -> None:
+def keep_accepted_paths(cache, past_length: int, paths: list[list[int]], padded_paths: torch.Tensor,
+                        num_slots: int) -> None:
     """After a tree forward appended `num_slots` entries per row behind `past_length`, keep each row's `path`.
 
     Row r's accepted nodes move to slots past_length + 0..len(path)-1 and the cache is cropped to the longest path;
-    a shorter row's extra slots hold copies that its validity mask must exclude. RoPE stays right: a node at depth d
-    was written at position root + d, exactly its position on the linear path. Chains that accepted a prefix only
-    need the crop.
+    `padded_paths` (rows, longest) repeats a shorter row's last node, and those copies are hidden by the row's validity
+    mask. RoPE stays right: a node at depth d was written at position root + d, exactly its position on the linear
+    path. Chains that accepted a prefix only need the crop.
     """
-    kept = max(len(p) for p in paths)
+    kept = padded_paths.shape[1]
     if any(list(p) != list(range(len(p))) for p in paths):
-        device = cache.layers[0].keys.device
-        index = torch.tensor([p + [p[-1]] * (kept - len(p)) for p in paths], device=device) + past_length
+        index = padded_paths.to(cache.layers[0].keys.device) + past_length
         for layer in cache.layers:
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)

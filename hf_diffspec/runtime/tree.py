@@ -76,7 +76,7 @@ class CandidateTree:
         return allowed.to(device)
 
 
-def verify_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions: list[int], dtype: torch.dtype):
+def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions: list[int], dtype: torch.dtype):
     """Target inputs to verify one tree per row in one forward: `(tokens, attention_mask, position_ids)`.
 
     tokens (rows, n) and position_ids (rows, n), with n the largest tree: a node at depth d sits at its row's root

@@ -1,0 +1,194 @@
+"""The state of a batch being decoded speculatively: its rows, what each committed, and the caches that follow them.
+
+`BatchState` owns everything that must change together when rows accept different numbers of tokens or finish:
+the per-row committers (tokens, scores, stopping), the rows still decoding, their anchors, the validity of every
+cached slot per row (left padding and slots of drafts another row accepted are invisible to a row), the target's KV
+cache and the drafter's context caches. The loop only calls `walk`, `commit` and `drop_finished`.
+
+Stopping follows plain `generate` exactly (`_sample` in transformers 5.24): when the stopping criteria include an EOS
+criterion, a row that stops is padded with `pad_token_id` until the batch ends; without one, a stopped row goes on
+generating (plain `generate` does not pad it) until every row has stopped, and all rows end at that length.
+"""
+
+import copy
+
+import torch
+from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor
+
+from .kv_cache import keep_accepted_paths
+from .verification import choose_token, choose_token_among_drafts
+
+
+class RowCommitter:
+    """One row's committed tokens, appended one at a time exactly as `_sample` would: logits processors with the
+    row's exact prefix, scores, streamer, stopping criteria. `limit` is the length the row may not pass."""
+
+    def __init__(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, limit: int):
+        self.input_ids = input_ids  # (1, length)
+        self.logits_processor = logits_processor
+        self.stopping_criteria = stopping_criteria
+        self.config = generation_config
+        self.streamer = streamer
+        self.limit = limit
+        self.scores, self.raw_logits = [], []
+        self.stopped_at: int | None = None  # length at which a stopping criterion fired
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def choose_and_commit(self, raw_logits: torch.Tensor, drafts=None) -> int:
+        """Pick the target's token from its raw logits (1, vocab) given the committed prefix, commit it, return it.
+        `drafts`: [(token, q)] of the children drawn from known distributions, for rejection sampling."""
+        raw = raw_logits.to(dtype=torch.float32, copy=True)
+        scores = self.logits_processor(self.input_ids, raw.clone())
+        if self.config.do_sample and drafts:
+            token = choose_token_among_drafts(scores, drafts)
+        else:
+            token = choose_token(scores, self.config.do_sample)
+        if self.config.output_scores:
+            self.scores.append(scores)
+        if self.config.output_logits:
+            self.raw_logits.append(raw)
+        self.input_ids = torch.cat([self.input_ids, token[:, None]], dim=-1)
+        if self.streamer is not None:
+            self.streamer.put(token.cpu())
+        if self.stopped_at is None:
+            # criteria get what `_sample` hands them: the scores collected so far when they are returned, else None
+            collected = tuple(self.scores) if self.config.return_dict_in_generate and self.config.output_scores else None
+            if bool(self.stopping_criteria(self.input_ids, collected).all()):
+                self.stopped_at = self.length
+        return int(token)
+
+
+def row_processors(logits_processor, row: int, rows: int):
+    """The processors as row `row` alone sees them, identical to what the row gets inside the batch. Built-in
+    processors keep batch-shaped state in two places in transformers 5.24: the repetition penalty's per-row
+    `prompt_ignore_length` (sliced to the row) and `prefix_allowed_tokens_fn`'s batch id (the row's own index)."""
+    if rows == 1:
+        return logits_processor
+    views = LogitsProcessorList()
+    for processor in logits_processor:
+        ignore = getattr(processor, "prompt_ignore_length", None)
+        if isinstance(ignore, torch.Tensor) and ignore.dim() == 1 and ignore.shape[0] == rows:
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = ignore[row : row + 1]
+        if isinstance(processor, PrefixConstrainedLogitsProcessor):
+            allowed = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = lambda _, tokens, allowed=allowed: allowed(row, tokens)
+        views.append(processor)
+    return views
+
+
+class BatchState:
+    """Rows of one speculative `generate` call and the caches that follow them (see the module docstring).
+
+    Args:
+        committers: one `RowCommitter` per row, in batch order.
+        prompt_valid: (rows, prompt length) bool, the real (not padding) prompt tokens.
+        cache: the target's KV cache (prefilled with the prompts).
+        drafting: the candidate generator, whose drafter caches follow the rows.
+        pads_stopped_rows: plain generate's `has_eos_stopping_criteria`: stopped rows are padded (and leave the
+            batch) rather than generated on.
+    """
+
+    def __init__(self, committers: list[RowCommitter], prompt_valid: torch.Tensor, cache, drafting,
+                 pads_stopped_rows: bool):
+        self.committers = committers
+        self.active = list(range(len(committers)))  # batch index of each row still decoding
+        self.anchors: list[int] = []  # each active row's last committed token, not yet seen by the target
+        self.cache_valid = prompt_valid  # (active rows, cached slots): which slots each row may attend to
+        self.cache = cache
+        self.drafting = drafting
+        self.pads_stopped_rows = pads_stopped_rows
+
+    @property
+    def root_positions(self) -> list[int]:
+        """Position of each active row's anchor: the number of real tokens it has cached."""
+        return self.cache_valid.sum(-1).tolist()
+
+    def max_drafts(self) -> list[int]:
+        """Drafts each active row could still commit after its anchor's target token, within its length limit."""
+        return [self.committers[r].limit - self.committers[r].length - 1 for r in self.active]
+
+    def walk(self, trees, logits: torch.Tensor) -> list[list[int]]:
+        """Descend each active row's tree with the target's choices (`logits` (rows, nodes, vocab)), committing every
+        chosen token; returns the accepted nodes per row (root first) and sets the next anchors."""
+        paths = []
+        for i, (row, tree) in enumerate(zip(self.active, trees)):
+            path, self.anchors[i] = _walk(tree, self.committers[row], logits[i], self._finished)
+            paths.append(path)
+        return paths
+
+    def commit(self, paths: list[list[int]], hidden_states, num_slots: int) -> None:
+        """Keep each row's accepted path in the target's cache, mark its slots valid for that row only, and hand
+        their target features to the drafter."""
+        device = self.cache_valid.device
+        past = self.cache_valid.shape[1]
+        roots = torch.tensor(self.root_positions, device=device)
+        kept = max(len(p) for p in paths)
+        padded = torch.tensor([p + [p[-1]] * (kept - len(p)) for p in paths], device=device)  # (rows, kept)
+        keep_accepted_paths(self.cache, past, paths, padded, num_slots)
+        offsets = torch.arange(kept, device=device)
+        accepted = offsets[None] < torch.tensor([len(p) for p in paths], device=device)[:, None]
+        self.cache_valid = torch.cat([self.cache_valid, accepted], dim=1)
+        self.drafting.add_context(hidden_states, padded, roots[:, None] + offsets, accepted)
+
+    def _finished(self, committer: RowCommitter) -> bool:
+        if not self.pads_stopped_rows and all(c.stopped_at is not None for c in self.committers):
+            # plain generate ends every row at the length where the last one stopped
+            end = max(c.stopped_at for c in self.committers)
+            for c in self.committers:
+                c.limit = min(c.limit, end)
+        return committer.length >= committer.limit or (self.pads_stopped_rows and committer.stopped_at is not None)
+
+    def drop_finished(self) -> bool:
+        """Let finished rows leave the batch (and every cache); False when no row is left. A row that generated
+        past the batch's end (possible only when stopped rows generate on) is cut back to it."""
+        for c in self.committers:
+            c.input_ids = c.input_ids[:, : c.limit]
+        keep = [i for i, row in enumerate(self.active) if not self._finished(self.committers[row])]
+        if len(keep) == len(self.active):
+            return True
+        if not keep:
+            self.active = []
+            return False
+        index = torch.tensor(keep, device=self.cache_valid.device)
+        self.cache.batch_select_indices(index)
+        self.drafting.select_rows(index)
+        self.cache_valid = self.cache_valid[index]
+        self.active = [self.active[i] for i in keep]
+        self.anchors = [self.anchors[i] for i in keep]
+        return True
+
+    def sequences(self, pad_token_id: int | None) -> torch.Tensor:
+        """(rows, longest) committed tokens; rows that finished early are padded on the right (only possible when
+        stopped rows are padded, as in plain generate)."""
+        rows = [c.input_ids for c in self.committers]
+        longest = max(r.shape[1] for r in rows)
+        if all(r.shape[1] == longest for r in rows):
+            return torch.cat(rows)
+        if pad_token_id is None:
+            raise ValueError("rows that finish early are padded: set generation_config.pad_token_id (or eos_token_id)")
+        out = rows[0].new_full((len(rows), longest), pad_token_id)
+        for i, r in enumerate(rows):
+            out[i, : r.shape[1]] = r[0]
+        return out
+
+
+def _walk(tree, committer: RowCommitter, logits: torch.Tensor, finished) -> tuple[list[int], int]:
+    """Descend `tree` with the target's choices (logits (nodes, vocab) of one row), committing each chosen token,
+    until the choice is not a child or the row is finished; return the accepted nodes (root first) and the last token
+    committed, which is the next anchor."""
+    node, path = 0, [0]
+    while True:
+        drafts = None
+        if tree.draft_probs is not None:
+            drafts = [(token, tree.draft_probs[child]) for token, child in tree.children[node].items()]
+        token = committer.choose_and_commit(logits[node : node + 1], drafts)
+        child = tree.children[node].get(token)
+        if finished(committer) or child is None:
+            return path, token
+        node = child
+        path.append(node)

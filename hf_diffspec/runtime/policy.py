@@ -1,0 +1,130 @@
+"""How many drafts each row verifies per step: one object holds that decision, whatever decides it.
+
+- fixed length: the user set `num_assistant_tokens=k` (transformers' knob) → k drafts every step;
+- measured cost model (a verify-cost profile exists for this target, device, dtype and thread count): the number of
+  slots that maximises expected committed tokens per second, from reach probabilities (the length head's acceptance
+  probabilities when the drafter has one, else the drafter's confidences) and the measured draft and verify times;
+- neither: the drafter's configured `num_draft_tokens` (a one-time warning says how to measure a profile).
+
+And whether to speculate at all: unless the length is fixed, each step is either a speculative step or a plain decode
+step (the anchor alone, no drafter forward). The policy measures both on this machine, in this call, per batch size:
+tokens committed per second of whole loop steps. It speculates while that beats plain decoding and otherwise decodes
+plainly, probing speculation again after 1, 2, 4, ... 64 plain steps (acceptance changes with the text). So a weak
+drafter, a slow verify (a CPU without native bf16) or a compute-bound batch never costs more than the probes.
+
+Every answer is capped by what is left to generate and by the target's context. Losslessness never depends on the
+answer: the target alone picks every committed token.
+"""
+
+from .cost_model import VerifyCost, best_node_count
+
+
+class DraftLengthPolicy:
+    """Decides drafts per row. `fixed`: the user's fixed length or None; `verify_cost`: the measured T_verify(n, rows)
+    or None; `block_size`: the drafter's block; `default_length`: its configured `num_draft_tokens` (or None);
+    `tree_depth`: for D²SD, the deepest tree level; `max_positions`: the target's context."""
+
+    def __init__(self, block_size: int, default_length: int | None = None, fixed: int | None = None,
+                 verify_cost: VerifyCost | None = None, tree_depth: int | None = None,
+                 max_positions: int | None = None):
+        self.block_size = block_size
+        self.fixed = fixed
+        self.verify_cost = verify_cost if fixed is None else None
+        self.default_length = default_length
+        self.tree_depth = tree_depth
+        self.max_positions = max_positions
+        self.draft_seconds: float | None = None  # running estimate of one drafting pass
+        self.gate = SpeculationGate() if fixed is None else None
+
+    def should_speculate(self, rows: int) -> bool:
+        """Draft this step (True), or decode plainly (False)? Always True with a fixed length."""
+        return self.gate is None or self.gate.should_speculate(rows)
+
+    def record_step(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
+        """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`."""
+        if self.gate is not None:
+            self.gate.record(speculated, rows, committed, seconds)
+
+    def record_verify(self, n: int, rows: int, seconds: float) -> None:
+        """A verify forward of `rows` x `n` tokens took `seconds`: refines the measured cost model."""
+        if self.verify_cost is not None:
+            self.verify_cost.observe(n, rows, seconds)
+
+    @property
+    def uses_cost_model(self) -> bool:
+        """True when the length is chosen per step from reach probabilities (drafting must provide them)."""
+        return self.verify_cost is not None
+
+    def depth_limit(self, root_position: int, remaining: int) -> int:
+        """The most drafts a row may verify this step, before drafting: 0 means verify the anchor alone.
+        `remaining`: tokens the row may still commit after its anchor."""
+        if self.fixed is not None:
+            limit = self.fixed
+        elif self.tree_depth is not None:
+            limit = self.tree_depth
+        elif self.verify_cost is not None:
+            limit = self.block_size - 1  # the cost model decides how much of the block to verify
+        else:
+            limit = self.default_length or self.block_size - 1
+        limit = min(limit, remaining, self.block_size - 1)
+        if self.max_positions is not None:
+            limit = min(limit, self.max_positions - 1 - root_position)
+        return max(limit, 0)
+
+    def chain_lengths(self, reach_rows: list[list[float]], limits: list[int]) -> list[int]:
+        """Drafts per row once drafted: the cost model's best common slot count for the batch (its forward is a
+        rectangle), within each row's limit. Without a cost model, the limits themselves."""
+        if self.verify_cost is None:
+            return limits
+        rows = len(limits)
+        n = best_node_count([r[:d] for r, d in zip(reach_rows, limits)], lambda n: self.verify_cost(n, rows),
+                            self.draft_seconds or 0.0)
+        return [min(d, n - 1) for d in limits]
+
+    def tree_node_count(self, reach: list[float], rows: int) -> int:
+        """Nodes (root included) of a row's tree to verify, given its candidates' reach probabilities in decreasing
+        order; the other rows are assumed to verify as many slots (the batch's forward is a rectangle)."""
+        if self.verify_cost is None:
+            return len(reach) + 1
+        return best_node_count([reach], lambda n: self.verify_cost(n, rows), self.draft_seconds or 0.0)
+
+    def record_draft_time(self, seconds: float) -> None:
+        """One drafting pass took `seconds` (both passes for D²SD); smoothed, it prices the next step's drafts."""
+        self.draft_seconds = seconds if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * seconds
+
+
+class SpeculationGate:
+    """Speculative or plain steps, from measured throughput (tokens committed per second of loop step) of each, per
+    batch size. Unmeasured arms are tried first (speculation, then plain); after that the faster arm is taken, and a
+    losing speculation is probed again after a back-off that doubles up to `max_backoff` plain steps."""
+
+    def __init__(self, max_backoff: int = 64, smoothing: float = 0.3):
+        self.max_backoff = max_backoff
+        self.smoothing = smoothing
+        self.rates: dict[tuple[int, bool], float] = {}  # (rows, speculated) -> tokens per second
+        self.backoff: dict[int, int] = {}
+        self.plain_steps_left: dict[int, int] = {}
+
+    def should_speculate(self, rows: int) -> bool:
+        if (rows, True) not in self.rates:
+            return True
+        if (rows, False) not in self.rates:
+            return False
+        left = self.plain_steps_left.get(rows, 0)
+        if left > 0:
+            self.plain_steps_left[rows] = left - 1
+            return False
+        return True
+
+    def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
+        rate = committed / max(seconds, 1e-9)
+        key = (rows, speculated)
+        self.rates[key] = rate if key not in self.rates else (1 - self.smoothing) * self.rates[key] + self.smoothing * rate
+        plain = self.rates.get((rows, False))
+        if not speculated or plain is None:
+            return
+        if self.rates[key] < plain:  # speculation loses here now: decode plainly for a while, then look again
+            self.plain_steps_left[rows] = self.backoff.get(rows, 1)
+            self.backoff[rows] = min(2 * self.backoff.get(rows, 1), self.max_backoff)
+        else:
+            self.backoff[rows] = 1
