@@ -4,6 +4,8 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import torch
 
@@ -90,66 +92,47 @@ def cmd_data(args) -> None:
     print(f"{n} samples in {args.out}")
 
 
-def _train_config(args, data):
-    from .trainers.pipeline import TrainConfig
+@dataclass
+class TargetArguments:
+    """The target a `hf-diffspec train` command loads (the training configuration is its own dataclass)."""
 
-    return TrainConfig(
-        data=data, out=args.out, init=args.init, lora=args.lora, lora_rank=args.lora_rank,
-        num_layers=args.num_layers, block_size=args.block_size, num_anchors=args.num_anchors,
-        max_length=args.max_length, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
-        grad_accum=args.grad_accum, learning_rate=args.lr, logging_steps=args.logging_steps,
-        save_steps=args.save_steps, seed=args.seed, resume=args.resume,
-        init_from_target_layers=args.init_from_target_layers, time_budget_minutes=args.time_budget,
-        kind=args.kind, prefix_beta=getattr(args, "prefix_beta", 0.9), opd_alpha=getattr(args, "alpha", 0.8),
-        kl_clip=getattr(args, "kl_clip", 0.01), kl_temperature=getattr(args, "temperature", 1.0),
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "Built-in target name, model folder or Hub id."})
+    dtype: Literal["bf16", "bfloat16", "fp32", "float32"] = field(default="bf16", metadata={"help": "Target dtype."})
+    device: str | None = field(default=None, metadata={"help": "Device of the target, e.g. cuda (default: cpu)."})
+
+
+@dataclass
+class TrainDataArguments:
+    """The data `hf-diffspec train kd | vp | length-head` trains on."""
+
+    data: list[str] = field(metadata={"help": "One or more data directories (written by `hf-diffspec data`)."})
+
+
+@dataclass
+class OnPolicyPromptArguments:
+    """The prompts `hf-diffspec train opd` decodes in its rounds."""
+
+    prompts_file: str | None = field(
+        default=None, metadata={"help": "JSONL prompts (default: ShareGPT, evaluation sets removed)."}
     )
+    skip: int = field(default=0, metadata={"help": "Skip the first N ShareGPT prompts of the seeded order."})
 
 
 def cmd_train(args) -> None:
     from . import load_target
-    from .trainers.pipeline import train_drafter
+    from .trainers.pipeline import on_policy_prompts, run_opd, train_drafter
 
+    try:
+        config = args.config_class(**{f.name: getattr(args, f.name) for f in fields(args.config_class) if f.init})
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
-    evaluate = None
-    if args.eval_prompts > 0:
-        evaluate = lambda drafter: evaluate_drafter(target, tok, drafter, args.eval_prompts, args.eval_max_new_tokens)
-    out = train_drafter(target, tok, args.target, _train_config(args, args.data),
-                        command="hf-diffspec " + " ".join(sys.argv[1:]), evaluate=evaluate)
-    print(f"drafter saved to {out}")
-
-
-def cmd_train_opd(args) -> None:
-    from . import load_target
-    from .prompts import eval_prompt_texts, load_prompts_file
-    from .trainers.data import classify_domain, sharegpt_exchanges
-    from .trainers.opd import run_opd
-
-    target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
-    if args.prompts_file:
-        exclude = eval_prompt_texts()
-        prompts = [p for p in load_prompts_file(args.prompts_file) if p["prompt"] not in exclude]
+    command = "hf-diffspec " + " ".join(sys.argv[1:])
+    if args.train_command == "opd":
+        prompts = on_policy_prompts(args.prompts_file, seed=config.seed, skip=args.skip)
+        print(f"on-policy drafter saved to {run_opd(target, tok, args.target, prompts, config, command=command)}")
     else:
-        prompts = [{"id": i, "prompt": p, "domain": classify_domain(p)}
-                   for i, p, _ in sharegpt_exchanges(args.seed, eval_prompt_texts())[args.skip:]]
-    final = run_opd(target, tok, args.target, args.init, prompts, args.out, args.rounds, args.samples_per_round,
-                    args.gen_max_new_tokens, _train_config(args, []), command="hf-diffspec " + " ".join(sys.argv[1:]))
-    print(f"on-policy drafter saved to {final}")
-
-
-def evaluate_drafter(target, tok, drafter, prompts_per_domain: int, max_new_tokens: int) -> dict:
-    """tau and speedup per domain on held-out evaluation prompts (the benchmark, small)."""
-    from .bench import machine_description, run_benchmark, summarize
-    from .prompts import load_prompts
-
-    prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tok)
-    rows = summarize(run_benchmark(target, tok, {"dflash": drafter}, prompts, max_new_tokens, progress=False))
-    machine = machine_description()
-    return {
-        "rows": [r for r in rows if r["method"] == "dflash"],
-        "command": f"hf-diffspec bench --prompts {prompts_per_domain} --max-new-tokens {max_new_tokens} "
-                   f"--dtype {str(target.dtype).replace('torch.', '')}",
-        "machine": f"{machine['device']} / {machine['cpu']} ({machine['torch_threads']} threads)",
-    }
+        print(f"drafter saved to {train_drafter(target, tok, args.target, args.data, config, command=command)}")
 
 
 def cmd_push(args) -> None:
@@ -198,51 +181,22 @@ def cmd_profile(args) -> None:
     print(f"\nsaved {path}; generate() now sizes drafts and trees from it for this target/device/dtype")
 
 
-def _add_training_arguments(p: argparse.ArgumentParser, kind: str) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    if kind == "opd":
-        p.add_argument("--init", required=True, help="the drafter to improve")
-        p.add_argument("--rounds", type=int, default=2)
-        p.add_argument("--samples-per-round", type=int, default=128)
-        p.add_argument("--gen-max-new-tokens", type=int, default=256)
-        p.add_argument("--prompts-file", default=None, help="JSONL prompts (default: ShareGPT, evaluation sets removed)")
-        p.add_argument("--skip", type=int, default=0, help="skip the first N ShareGPT prompts of the seeded order")
-        p.add_argument("--alpha", type=float, default=0.8, help="weight of the CE term (1 - alpha: reverse KL)")
-        p.add_argument("--kl-clip", type=float, default=0.01)
-        p.add_argument("--temperature", type=float, default=1.0)
-    else:
-        p.add_argument("--data", nargs="+", required=True, help="one or more data directories")
-        p.add_argument("--init", default=None, required=kind == "length-head",
-                       help="start from this drafter checkpoint" if kind != "length-head" else
-                       "the drafter whose length head to train (frozen; a head is added if it has none)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--lora", action="store_true", help="LoRA fine-tuning of --init through peft")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-anchors", type=int, default=64)
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--epochs", type=float, default=2.0 if kind == "opd" else 1.0)
-    p.add_argument("--max-steps", type=int, default=-1)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default={"opd": 3e-4, "length-head": 1e-3}.get(kind, 6e-4))
-    p.add_argument("--logging-steps", type=int, default=10)
-    p.add_argument("--save-steps", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUT/checkpoints")
-    p.add_argument("--init-from-target-layers", action="store_true")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="minutes: stop then, with warmup + cosine following the fraction of the budget spent")
-    p.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts per domain for the model card")
-    p.add_argument("--eval-max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--device", default=None)
-    if kind == "vp":
-        p.add_argument("--prefix-beta", type=float, default=0.9)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from transformers import HfArgumentParser
+
+    from .trainers.configs import (
+        DrafterTrainingArguments,
+        LengthHeadConfig,
+        OnPolicyDistillationConfig,
+        VariablePrefixConfig,
+    )
+
+    train_commands = {
+        "kd": (DrafterTrainingArguments, "block-diffusion distillation of a first drafter (DFlash recipe)"),
+        "vp": (VariablePrefixConfig, "a D²SD variable-prefix drafter (prefix prior beta^l), usually --init FIRST"),
+        "opd": (OnPolicyDistillationConfig, "AdaFlash on-policy rounds with the reverse-KL loss, from --init DRAFTER"),
+        "length-head": (LengthHeadConfig, "the acceptance (length) head of --init DRAFTER, the drafter frozen"),
+    }
     parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -300,14 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--batch-size", type=int, default=16)
 
     train = sub.add_parser("train", help="train a drafter")
-    train_sub = train.add_subparsers(dest="train_command", required=True)
-    for kind, helptext in [("kd", "block-diffusion distillation of a first drafter (DFlash recipe)"),
-                           ("vp", "a D²SD variable-prefix drafter (prefix prior beta^l), usually --init FIRST"),
-                           ("opd", "AdaFlash on-policy rounds with the reverse-KL loss, from --init DRAFTER"),
-                           ("length-head", "the acceptance (length) head of --init DRAFTER, the drafter frozen")]:
-        trainp = train_sub.add_parser(kind, help=helptext)
-        _add_training_arguments(trainp, kind)
-        trainp.set_defaults(func=cmd_train if kind != "opd" else cmd_train_opd, kind=kind)
+    train_sub = train.add_subparsers(dest="train_command", required=True, parser_class=HfArgumentParser)
+    for kind, (config_class, helptext) in train_commands.items():
+        inputs = OnPolicyPromptArguments if kind == "opd" else TrainDataArguments
+        trainp = train_sub.add_parser(kind, help=helptext, description=config_class.__doc__,
+                                      dataclass_types=[TargetArguments, inputs, config_class])
+        trainp.set_defaults(func=cmd_train, config_class=config_class)
 
     profile = sub.add_parser("profile",
                              help="measure the target's verify cost T(rows, n) once; used to size drafts and trees")

@@ -1,6 +1,7 @@
 """Drafter training: data shards, collator, block masks, the KD Trainer (full, resumed, LoRA), bad input."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ import hf_diffspec
 from hf_diffspec.runtime.cost_model import save_profile
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, block_attention_mask
 from hf_diffspec.trainers.data import DrafterDataset, ShardWriter, write_generated_data
-from hf_diffspec.trainers.pipeline import TrainConfig, train_drafter
+from hf_diffspec.trainers.configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig
+from hf_diffspec.trainers.pipeline import train_drafter
 from helpers import tiny_target
 
 PROMPTS = [{"id": f"p{i}", "prompt": text} for i, text in enumerate([
@@ -118,9 +120,10 @@ def test_block_mask_sees_strictly_earlier_context_and_its_own_block_only():
 def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer, tmp_path):
     target, data = target_and_data
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    cfg = TrainConfig(data=[str(data)], out=str(tmp_path / "drafter"), num_layers=1, block_size=4, num_anchors=32,
-                      batch_size=4, max_steps=100, learning_rate=3e-3, logging_steps=10, bf16=False, save_steps=1000)
-    out = train_drafter(target, tokenizer, "tiny", cfg, command="test")
+    cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "drafter"), num_layers=1, block_size=4, num_anchors=32,
+                                   per_device_train_batch_size=4, max_steps=100, learning_rate=3e-3, logging_steps=10,
+                                   bf16=False, save_steps=1000)
+    out = train_drafter(target, tokenizer, "tiny", [str(data)], cfg, command="test")
     info = json.loads((out / "training_info.json").read_text())
     assert info["steps"] == 100 and info["loss_curve"]["last_loss"] < info["loss_curve"]["first_loss"]
     assert (out / "README.md").read_text().startswith("---")
@@ -130,21 +133,21 @@ def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer
     ds = DrafterDataset(data)
     prompt = ds[0]["input_ids"][: ds[0]["prompt_length"]][None]
     ref = target.generate(prompt, max_new_tokens=30, do_sample=False)
-    spec = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False)
-    assert torch.equal(ref, spec)
-    assert drafter.last_generation_stats.tau > 1.25  # an untrained drafter gets 1.0 on a 49k vocabulary
+    spec = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False,
+                           return_dict_in_generate=True)
+    assert torch.equal(ref, spec.sequences)
+    assert spec.speculation_stats.tau > 1.25  # an untrained drafter gets 1.0 on a 49k vocabulary
 
     # resume: a second run continues from the saved trainer checkpoint instead of starting over
-    cfg2 = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "resumable"), "max_steps": 4, "save_steps": 2})
-    train_drafter(target, tokenizer, "tiny", cfg2, command="test")
-    cfg3 = TrainConfig(**{**cfg2.__dict__, "max_steps": 6, "resume": True})
-    resumed = train_drafter(target, tokenizer, "tiny", cfg3, command="test")
+    cfg2 = replace(cfg, output_dir=str(tmp_path / "resumable"), max_steps=4, save_steps=2)
+    train_drafter(target, tokenizer, "tiny", [str(data)], cfg2, command="test")
+    cfg3 = replace(cfg2, max_steps=6, resume=True)
+    resumed = train_drafter(target, tokenizer, "tiny", [str(data)], cfg3, command="test")
     assert json.loads((resumed / "training_info.json").read_text())["steps"] == 6
 
     # LoRA fine-tuning of the trained drafter through peft: adapter saved, merged into a plain drafter
-    cfg4 = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "lora"), "init": str(out), "lora": True,
-                          "max_steps": 5})
-    lora_out = train_drafter(target, tokenizer, "tiny", cfg4, command="test")
+    cfg4 = replace(cfg, output_dir=str(tmp_path / "lora"), init=str(out), lora=True, max_steps=5)
+    lora_out = train_drafter(target, tokenizer, "tiny", [str(data)], cfg4, command="test")
     assert (lora_out / "adapter" / "adapter_config.json").exists()
     merged = hf_diffspec.DiffusionDrafter.from_pretrained(lora_out, target=target)
     assert not any("lora" in k for k in merged.state_dict())
@@ -153,10 +156,10 @@ def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer
 
 def test_resume_without_a_checkpoint_says_so(target_and_data, tokenizer, tmp_path):
     target, data = target_and_data
-    cfg = TrainConfig(data=[str(data)], out=str(tmp_path / "none"), num_layers=1, block_size=4, max_steps=2,
-                      resume=True, bf16=False)
+    cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "none"), num_layers=1, block_size=4, max_steps=2,
+                                   resume=True, bf16=False)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        train_drafter(target, tokenizer, "tiny", cfg)
+        train_drafter(target, tokenizer, "tiny", [str(data)], cfg)
 
 
 def test_block_loss_hook_sees_the_targets_distributions(target_and_data, tokenizer, tmp_path):
@@ -188,7 +191,7 @@ def test_init_from_target_layers_copies_matching_weights(target_and_data):
     from hf_diffspec.trainers.pipeline import build_drafter
 
     target, _ = target_and_data
-    cfg = TrainConfig(data=[], out="unused", num_layers=2, block_size=4, init_from_target_layers=True)
+    cfg = DrafterTrainingArguments(output_dir="unused", num_layers=2, block_size=4, init_from_target_layers=True)
     drafter = build_drafter(target, cfg)
     source = target.model.layers[-1].self_attn.q_proj.weight
     assert torch.equal(drafter.layers[1].self_attn.q_proj.weight, source.float())
@@ -196,7 +199,7 @@ def test_init_from_target_layers_copies_matching_weights(target_and_data):
 
 
 def test_reverse_kl_is_exact_over_the_vocabulary():
-    from hf_diffspec.trainers.opd import reverse_kl
+    from hf_diffspec.trainers.block_diffusion import reverse_kl
 
     student, teacher = torch.randn(3, 11), torch.randn(3, 11)
     ps, pt = student.softmax(-1), teacher.softmax(-1)
@@ -209,16 +212,16 @@ def test_reverse_kl_is_exact_over_the_vocabulary():
 
 
 def test_on_policy_rounds_train_on_the_live_systems_trajectories(target_and_data, tokenizer, tmp_path):
-    from hf_diffspec.trainers.opd import run_opd
+    from hf_diffspec.trainers.pipeline import run_opd
 
     target, data = target_and_data
     init = tmp_path / "init"
     hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4).save_pretrained(init)
-    cfg = TrainConfig(data=[], out="unused", block_size=4, num_anchors=16, batch_size=2, epochs=2,
-                      learning_rate=3e-3, bf16=False, logging_steps=1)
+    cfg = OnPolicyDistillationConfig(output_dir=str(tmp_path / "opd"), init=str(init), rounds=2, samples_per_round=3,
+                                     max_new_tokens=12, block_size=4, num_anchors=16, per_device_train_batch_size=2,
+                                     num_train_epochs=2, learning_rate=3e-3, bf16=False, logging_steps=1)
     prompts = [{**p, "domain": "chat"} for p in PROMPTS]
-    final = run_opd(target, tokenizer, "tiny", str(init), prompts, tmp_path / "opd", rounds=2, samples_per_round=3,
-                    max_new_tokens=12, train_config=cfg, command="test")
+    final = run_opd(target, tokenizer, "tiny", prompts, cfg, command="test")
     assert final == tmp_path / "opd" / "round-1" / "drafter"
     history = json.loads((tmp_path / "opd" / "opd_history.json").read_text())
     assert [h["round"] for h in history] == [0, 1] and history[1]["init"].endswith("round-0/drafter")
@@ -233,13 +236,12 @@ def test_on_policy_rounds_train_on_the_live_systems_trajectories(target_and_data
     after = hf_diffspec.DiffusionDrafter.from_pretrained(final, target=target).state_dict()
     assert not all(torch.equal(before[k], after[k]) for k in before)
     # resuming skips finished rounds
-    again = run_opd(target, tokenizer, "tiny", str(init), prompts, tmp_path / "opd", rounds=2, samples_per_round=3,
-                    max_new_tokens=12, train_config=cfg, command="test")
+    again = run_opd(target, tokenizer, "tiny", prompts, cfg, command="test")
     assert again == final
 
 
 def test_reverse_kl_loss_clips_each_positions_share():
-    from hf_diffspec.trainers.opd import ReverseKLTrainer, reverse_kl
+    from hf_diffspec.trainers.block_diffusion import ReverseKLTrainer, reverse_kl
 
     trainer = ReverseKLTrainer.__new__(ReverseKLTrainer)  # the loss needs no model: just its parameters
     trainer.alpha, trainer.kl_clip, trainer.temperature = 0.8, 0.01, 1.0
@@ -258,12 +260,13 @@ def test_reverse_kl_loss_clips_each_positions_share():
 
 def test_length_head_trains_alone_on_the_drafters_own_acceptance(target_and_data, tokenizer, tmp_path, monkeypatch):
     target, data = target_and_data
-    kd = TrainConfig(data=[str(data)], out=str(tmp_path / "kd"), num_layers=1, block_size=4, num_anchors=32,
-                     batch_size=4, max_steps=40, learning_rate=3e-3, logging_steps=40, bf16=False, save_steps=1000)
-    drafter_dir = train_drafter(target, tokenizer, "tiny", kd, command="test")
-    cfg = TrainConfig(**{**kd.__dict__, "out": str(tmp_path / "head"), "init": str(drafter_dir),
-                         "kind": "length-head", "max_steps": 60, "logging_steps": 10})
-    out = train_drafter(target, tokenizer, "tiny", cfg, command="test")
+    kd = dict(num_layers=1, block_size=4, num_anchors=32, per_device_train_batch_size=4, learning_rate=3e-3,
+              bf16=False, save_steps=1000)
+    drafter_dir = train_drafter(target, tokenizer, "tiny", [str(data)], DrafterTrainingArguments(
+        output_dir=str(tmp_path / "kd"), max_steps=40, logging_steps=40, **kd), command="test")
+    cfg = LengthHeadConfig(output_dir=str(tmp_path / "head"), init=str(drafter_dir), max_steps=60, logging_steps=10,
+                           **kd)
+    out = train_drafter(target, tokenizer, "tiny", [str(data)], cfg, command="test")
     before = hf_diffspec.DiffusionDrafter.from_pretrained(drafter_dir, target=target)
     after = hf_diffspec.DiffusionDrafter.from_pretrained(out, target=target)
     assert after.config.length_head and after.length_head is not None

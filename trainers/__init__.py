@@ -1,16 +1,34 @@
-"""Drafter training (installed as `hf_diffspec.trainers`): data shards, Trainer subclasses, the training pipeline."""
+"""Drafter training (installed as `hf_diffspec.trainers`): configurations (`TrainingArguments` subclasses), data
+shards, Trainer subclasses, and the pipeline above them (`train_drafter`, `run_opd`)."""
 
-from .block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer, VariablePrefixTrainer
+from .block_diffusion import (
+    BlockDiffusionCollator,
+    BlockDiffusionTrainer,
+    LengthHeadTrainer,
+    ReverseKLTrainer,
+    VariablePrefixTrainer,
+)
+from .configs import (
+    DrafterTrainingArguments,
+    LengthHeadConfig,
+    OnPolicyDistillationConfig,
+    ReverseKLConfig,
+    VariablePrefixConfig,
+)
 from .data import DrafterDataset, write_generated_data, write_relabel_data
-from .opd import ReverseKLTrainer, run_opd
-from .pipeline import TrainConfig, train_drafter
+from .pipeline import run_opd, train_drafter
 
 __all__ = [
     "BlockDiffusionCollator",
     "BlockDiffusionTrainer",
     "DrafterDataset",
+    "DrafterTrainingArguments",
+    "LengthHeadConfig",
+    "LengthHeadTrainer",
+    "OnPolicyDistillationConfig",
+    "ReverseKLConfig",
     "ReverseKLTrainer",
-    "TrainConfig",
+    "VariablePrefixConfig",
     "VariablePrefixTrainer",
     "run_opd",
     "train_drafter",

@@ -7,21 +7,22 @@ to itself bidirectionally, and to no other block. Slot k predicts what the targe
 the anchor (its argmax on the sequence), with cross-entropy weighted by exp(-(k-1)/decay).
 
 The target lives on the trainer (frozen, never optimised, never saved); features and labels come from one target
-forward per batch, computed on the fly. Subclasses change the loss (`block_loss`) or the block contents
-(`prefix_lengths`) and share everything else.
+forward per batch, computed on the fly. Subclasses change the loss (`block_loss`: reverse KL for AdaFlash's OPD),
+the block contents (`prefix_lengths`: D²SD's VP drafter) or what is trained (the length head), and share everything
+else. Each Trainer reads its own fields from its configuration class (`configs.py`).
 """
 
 import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_diffspec.runtime.drafting import feature_layers, gather_features
+from .configs import DrafterTrainingArguments, LengthHeadConfig, ReverseKLConfig, VariablePrefixConfig
 
 LOGITS_CHUNK = 8192
 
@@ -93,33 +94,42 @@ def block_attention_mask(anchors, anchor_mask, attention_mask, block_size: int, 
     return mask[:, None]
 
 
+def as_config(args: TrainingArguments | None, config_class: type[DrafterTrainingArguments]):
+    """`args` as `config_class` (plain `TrainingArguments` keep their values and get the class's own defaults)."""
+    if isinstance(args, config_class):
+        return args
+    if args is None:
+        return config_class()
+    values = {f.name: getattr(args, f.name) for f in fields(TrainingArguments) if f.init}
+    return config_class(**values)
+
+
 class BlockDiffusionTrainer(Trainer):
     """Distils a `DiffusionDrafter` from a frozen target with block-diffusion training.
 
     Args (beyond `Trainer`'s):
+        args: a `DrafterTrainingArguments` (block loss decay, time budget; a plain `TrainingArguments` gets their
+            defaults). `remove_unused_columns` is forced to False (the collator's columns are not forward arguments).
         target: the frozen target model (teacher and feature source); moved to the training device.
-        loss_decay: the decay of the position weights exp(-(k-1)/loss_decay); default from the block size.
-    `TrainingArguments.remove_unused_columns` is forced to False (the collator's columns are not forward arguments).
     """
 
+    config_class = DrafterTrainingArguments
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, target=None, loss_decay: float | None = None, time_budget_s: float | None = None,
-                 **kwargs):
+    def __init__(self, model=None, args: TrainingArguments | None = None, *trainer_args, target=None, **kwargs):
         if target is None:
-            raise ValueError("BlockDiffusionTrainer needs the frozen target: pass target=...")
-        training_args = kwargs.get("args")
-        if training_args is not None:
-            training_args.remove_unused_columns = False
-        super().__init__(*args, **kwargs)
+            raise ValueError(f"{type(self).__name__} needs the frozen target: pass target=...")
+        args = as_config(args, self.config_class)
+        args.remove_unused_columns = False
+        super().__init__(model, args, *trainer_args, **kwargs)
         self.target = target.to(self.args.device).eval().requires_grad_(False)
         drafter = self.drafter
         drafter.bind_target(self.target)
         self.block_size = drafter.config.block_size
-        self.loss_decay = loss_decay or default_loss_decay(self.block_size)
+        self.loss_decay = self.args.loss_decay or default_loss_decay(self.block_size)
         self._metrics = defaultdict(list)
-        self.time_budget_s = time_budget_s
-        if time_budget_s:
+        self.time_budget_s = self.args.time_budget_minutes * 60 if self.args.time_budget_minutes else None
+        if self.time_budget_s:
             self.add_callback(_StopAtTimeBudget(self))
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -164,8 +174,9 @@ class BlockDiffusionTrainer(Trainer):
         drafter = self.drafter
 
         with torch.no_grad():
-            out = self.target(input_ids, attention_mask=attention_mask, output_hidden_states=feature_layers(drafter))
-            features = gather_features(out.hidden_states, drafter)
+            out = self.target(input_ids, attention_mask=attention_mask,
+                              output_hidden_states=drafter.target_feature_layers)
+            features = drafter.gather_target_features(out.hidden_states)
             target_logits = out.logits  # kept for subclasses that need the target's distributions, not just labels
             labels_at = torch.zeros_like(input_ids)
             labels_at[:, 1:] = target_logits[:, :-1].argmax(-1)  # what the target emits at each position
@@ -244,6 +255,8 @@ class LengthHeadTrainer(BlockDiffusionTrainer):
     prediction (the baseline the head must beat).
     """
 
+    config_class = LengthHeadConfig
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         drafter = self.drafter
@@ -287,14 +300,49 @@ class VariablePrefixTrainer(BlockDiffusionTrainer):
     Pr(l) ∝ beta^l with at least one MASK slot left, and only slots after the prefix are learned (weights
     exp(-(k-l-1)/decay) via the shared loss). At inference the prefix is the first drafter's accepted-looking drafts."""
 
-    def __init__(self, *args, prefix_beta: float = 0.9, **kwargs):
+    config_class = VariablePrefixConfig
+
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        beta = self.args.prefix_beta
         lengths = torch.arange(self.block_size - 1, dtype=torch.float)
-        self.prefix_probs = prefix_beta ** lengths / (prefix_beta ** lengths).sum()
+        self.prefix_probs = beta**lengths / (beta**lengths).sum()
 
     def prefix_lengths(self, anchors: torch.Tensor) -> torch.Tensor:
         draws = torch.multinomial(self.prefix_probs, anchors.numel(), replacement=True)
         return draws.view_as(anchors).to(anchors.device)
+
+
+class ReverseKLTrainer(BlockDiffusionTrainer):
+    """AdaFlash's loss per block slot (anchor excluded, weights w_k = exp(-(k-1)/decay), N = sum of weights):
+
+        alpha * sum_i w_i CE_i / N  +  (1 - alpha) * sum_i w_i min(KL_i(p_S || p_T) / N, clip)
+
+    with the reverse KL computed exactly over the vocabulary at temperature T (times T^2), p_T the target's own
+    next-token distribution at that position of the trajectory. `alpha`, `kl_clip` and `temperature` come from
+    `ReverseKLConfig`.
+    """
+
+    config_class = ReverseKLConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.alpha, self.kl_clip, self.temperature = self.args.alpha, self.args.kl_clip, self.args.temperature
+
+    def block_loss(self, logits, labels, weights, target_logits_fn):
+        ce = super().block_loss(logits, labels, weights, target_logits_fn)
+        kl = reverse_kl(logits, target_logits_fn(), self.temperature)
+        total = weights.sum().clamp(min=1e-6)
+        self._metrics["reverse_kl"].append(float((weights * kl).sum().detach() / total))
+        # the clip applies per position, to that position's share of the mean (AdaFlash's reference code)
+        return self.alpha * ce + (1 - self.alpha) * (weights * torch.clamp(kl / total, max=self.kl_clip)).sum()
+
+
+def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(p_S || p_T) per row, exact over the vocabulary, scaled by T^2."""
+    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return (log_s.exp() * (log_s - log_t)).sum(-1) * temperature**2
 
 
 class _StopAtTimeBudget(TrainerCallback):

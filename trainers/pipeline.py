@@ -1,80 +1,59 @@
-"""End-to-end drafter training used by `hf-diffspec train ...` and the examples: build or load the drafter, train it
-with a `BlockDiffusionTrainer` (full-parameter, or LoRA through peft), save it atomically with a model card."""
+"""End-to-end drafter training used by `hf-diffspec train ...` and the examples, above the Trainers.
+
+`train_drafter` builds or loads the drafter, trains it with the Trainer its configuration names (full-parameter, or
+LoRA through peft), optionally measures it on held-out prompts, and saves it with `hf_diffspec.save_drafter`.
+`run_opd` runs AdaFlash's on-policy distillation: rounds of "decode prompts with the live speculative system, then
+train on what it produced" with the reverse-KL loss, each round through `train_drafter`.
+"""
 
 import json
-import os
-import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import TrainingArguments, set_seed
+from tqdm.auto import tqdm
+from transformers import set_seed
 
+from hf_diffspec.hub import save_drafter
 from hf_diffspec.modeling import DiffusionDrafter
+from hf_diffspec.prompts import chat_prompt, eval_prompt_texts, load_prompts, load_prompts_file
 
 from .block_diffusion import (
     BlockDiffusionCollator,
     BlockDiffusionTrainer,
     LengthHeadTrainer,
+    ReverseKLTrainer,
     VariablePrefixTrainer,
     loss_curve_summary,
 )
-from .data import DrafterDataset
-from .model_card import write_model_card
+from .configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig, VariablePrefixConfig
+from .data import DrafterDataset, ShardWriter, classify_domain, sharegpt_exchanges
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"]
+# most specific configuration first: each Trainer declares the configuration class it reads
+TRAINERS = [LengthHeadTrainer, ReverseKLTrainer, VariablePrefixTrainer, BlockDiffusionTrainer]
 
 
-@dataclass
-class TrainConfig:
-    data: list[str]
-    out: str
-    init: str | None = None
-    lora: bool = False
-    lora_rank: int = 16
-    num_layers: int = 2
-    block_size: int = 16
-    num_anchors: int = 64
-    max_length: int = 1024
-    epochs: float = 1.0
-    max_steps: int = -1
-    batch_size: int = 4
-    grad_accum: int = 1
-    learning_rate: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    logging_steps: int = 10
-    save_steps: int = 500
-    seed: int = 0
-    resume: bool = False
-    bf16: bool = True
-    init_from_target_layers: bool = False
-    time_budget_minutes: float | None = None
-    # "kd": a first (DFlash) drafter; "vp": a D²SD variable-prefix drafter; "opd": reverse KL; "length-head": the
-    # acceptance head of an existing drafter, everything else frozen
-    kind: str = "kd"
-    prefix_beta: float = 0.9
-    opd_alpha: float = 0.8
-    kl_clip: float = 0.01
-    kl_temperature: float = 1.0
-    extra_config: dict = field(default_factory=dict)
+def trainer_class_for(args: DrafterTrainingArguments) -> type[BlockDiffusionTrainer]:
+    return next(trainer for trainer in TRAINERS if isinstance(args, trainer.config_class))
 
 
-def build_drafter(target, cfg: TrainConfig) -> DiffusionDrafter:
-    if cfg.init:
-        drafter = DiffusionDrafter.from_pretrained(cfg.init, target=target, dtype=torch.float32)
-        if drafter.config.block_size != cfg.block_size:
-            drafter.config.block_size = cfg.block_size  # a block-diffusion drafter can be trained on other sizes
+def build_drafter(target, args: DrafterTrainingArguments) -> DiffusionDrafter:
+    """The drafter to train: `args.init` loaded, or a new one sized to `target`, in float32."""
+    if args.init:
+        drafter = DiffusionDrafter.from_pretrained(args.init, target=target, dtype=torch.float32)
+        if drafter.config.block_size != args.block_size:
+            drafter.config.block_size = args.block_size  # a block-diffusion drafter can be trained on other sizes
     else:
-        drafter = DiffusionDrafter.from_target(target, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
-                                               **cfg.extra_config).float()
-        if cfg.init_from_target_layers:
+        drafter = DiffusionDrafter.from_target(target, num_hidden_layers=args.num_layers,
+                                               block_size=args.block_size).float()
+        if args.init_from_target_layers:
             copy_target_layers(drafter, target)
-    drafter.config.draft_role = "variable_prefix" if cfg.kind == "vp" else "first"
-    if cfg.kind == "length-head":
-        if not cfg.init:
+    drafter.config.draft_role = "variable_prefix" if isinstance(args, VariablePrefixConfig) else "first"
+    if isinstance(args, LengthHeadConfig):
+        if not args.init:
             raise ValueError("train length-head adds a head to an existing drafter: pass --init DRAFTER")
         drafter.add_length_head()
     return drafter
@@ -91,70 +70,68 @@ def copy_target_layers(drafter: DiffusionDrafter, target) -> None:
                                for k, v in own.items()})
 
 
-def train_drafter(target, tokenizer, target_name: str, cfg: TrainConfig, command: str | None = None,
-                  evaluate=None) -> Path:
-    """Train and save a drafter to `cfg.out`; returns that path. `evaluate(drafter) -> dict` fills the model card."""
-    set_seed(cfg.seed)
-    out = Path(cfg.out)
-    dataset = DrafterDataset(cfg.data, tokenizer=tokenizer, max_length=cfg.max_length)
-    drafter = build_drafter(target, cfg)
+def train_drafter(target, tokenizer, target_name: str, data: list[str], args: DrafterTrainingArguments,
+                  command: str | None = None) -> Path:
+    """Train a drafter on the data directories `data` and save it to `args.output_dir` (Trainer checkpoints under
+    its `checkpoints/`); returns that folder. The configuration's class picks the Trainer: `DrafterTrainingArguments`
+    (KD), `VariablePrefixConfig`, `LengthHeadConfig` or `ReverseKLConfig`."""
+    set_seed(args.seed)
+    out = Path(args.output_dir)
+    dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length)
+    drafter = build_drafter(target, args)
     model = drafter
-    if cfg.lora:
+    if args.lora:
         from peft import LoraConfig, get_peft_model
 
-        if not cfg.init:
+        if not args.init:
             raise ValueError("--lora fine-tunes an existing drafter: pass --init DRAFTER")
-        if cfg.kind == "length-head":
+        if isinstance(args, LengthHeadConfig):
             raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
-        model = get_peft_model(drafter, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
+        model = get_peft_model(drafter, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                                                    target_modules=LORA_TARGETS, lora_dropout=0.0))
-    use_gpu = torch.cuda.is_available()
-    args = TrainingArguments(
-        output_dir=str(out / "checkpoints"), per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
-        warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, max_grad_norm=1.0, num_train_epochs=cfg.epochs,
-        max_steps=cfg.max_steps, logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=2,
-        bf16=cfg.bf16, seed=cfg.seed, report_to=[], dataloader_num_workers=2 if use_gpu else 0,
-        remove_unused_columns=False, disable_tqdm=False, use_cpu=not use_gpu,
-    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer_class, extra = BlockDiffusionTrainer, {}
-    if cfg.kind == "vp":
-        trainer_class, extra = VariablePrefixTrainer, {"prefix_beta": cfg.prefix_beta}
-    elif cfg.kind == "length-head":
-        trainer_class = LengthHeadTrainer
-    elif cfg.kind == "opd":
-        from .opd import ReverseKLTrainer
-
-        trainer_class = ReverseKLTrainer
-        extra = {"alpha": cfg.opd_alpha, "kl_clip": cfg.kl_clip, "temperature": cfg.kl_temperature}
-    trainer = trainer_class(
-        model=model, args=args, train_dataset=dataset, target=target, **extra,
-        time_budget_s=cfg.time_budget_minutes * 60 if cfg.time_budget_minutes else None,
-        data_collator=BlockDiffusionCollator(pad, num_anchors=cfg.num_anchors, seed=cfg.seed),
+    trainer = trainer_class_for(args)(
+        model=model, args=replace(args, output_dir=str(out / "checkpoints")), train_dataset=dataset, target=target,
+        data_collator=BlockDiffusionCollator(pad, num_anchors=args.num_anchors, seed=args.seed),
     )
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=_last_checkpoint(out) if cfg.resume else None)
+    trainer.train(resume_from_checkpoint=_last_checkpoint(out) if args.resume else None)
     seconds = time.perf_counter() - start
 
-    if cfg.lora:
+    if args.lora:
         model.save_pretrained(out / "adapter")  # the adapter alone, loadable with PeftModel.from_pretrained
         drafter = model.merge_and_unload()
     drafter = drafter.to(target.dtype).eval()
     drafter.bind_target(target)
     info = {
-        "target": target_name, "data": [{"dir": d, **m} for d, m in zip(cfg.data, dataset.meta)],
+        "target": target_name, "data": [{"dir": d, **m} for d, m in zip(data, dataset.meta)],
         "sequences": len(dataset), "tokens": dataset.num_tokens, "steps": trainer.state.global_step,
-        "train_seconds": round(seconds, 1), "device": torch.cuda.get_device_name(0) if use_gpu else "cpu",
-        "loss_curve": loss_curve_summary(trainer.state.log_history), "config": cfg.__dict__,
-        "command": command or " ".join(sys.argv),
+        "train_seconds": round(seconds, 1),
+        "device": torch.cuda.get_device_name(0) if trainer.args.device.type == "cuda" else "cpu",
+        "loss_curve": loss_curve_summary(trainer.state.log_history),
+        "config": {"kind": args.kind, **args.to_dict()}, "command": command or " ".join(sys.argv),
     }
-    if cfg.kind == "length-head":
+    if isinstance(args, LengthHeadConfig):
         info["length_head"] = length_head_summary(trainer.state.log_history)
-    if evaluate is not None:
-        info["evaluation"] = evaluate(drafter)
-    save_drafter(drafter, out, info)
+    if args.eval_prompts > 0:
+        info["evaluation"] = evaluate_drafter(target, tokenizer, drafter, args.eval_prompts, args.eval_max_new_tokens)
+    save_drafter(drafter, out, training_info=info)
     return out
+
+
+def evaluate_drafter(target, tokenizer, drafter, prompts_per_domain: int, max_new_tokens: int) -> dict:
+    """tau and speedup per domain on held-out evaluation prompts (the benchmark, small), for the model card."""
+    from hf_diffspec.bench import machine_description, run_benchmark, summarize  # the benchmark, on demand only
+
+    prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tokenizer)
+    rows = summarize(run_benchmark(target, tokenizer, {"dflash": drafter}, prompts, max_new_tokens, progress=False))
+    machine = machine_description()
+    return {
+        "rows": [r for r in rows if r["method"] == "dflash"],
+        "command": f"hf-diffspec bench --prompts {prompts_per_domain} --max-new-tokens {max_new_tokens} "
+                   f"--dtype {str(target.dtype).replace('torch.', '')}",
+        "machine": f"{machine['device']} / {machine['cpu']} ({machine['torch_threads']} threads)",
+    }
 
 
 def length_head_summary(history: list[dict]) -> dict:
@@ -175,18 +152,75 @@ def _last_checkpoint(out: Path) -> str | None:
     return str(checkpoints[-1])
 
 
-def save_drafter(drafter: DiffusionDrafter, out: Path, info: dict) -> None:
-    """Save weights + config + remote code + model card + training_info.json into `out`, atomically per file set:
-    everything goes to a temporary folder first and is moved in at the end, config.json last."""
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / ".saving"
-    shutil.rmtree(staging, ignore_errors=True)
-    drafter.save_pretrained(staging)
-    (staging / "training_info.json").write_text(json.dumps(info, indent=2, default=str))
-    write_model_card(staging / "README.md", drafter, info)
-    names = sorted(p.name for p in staging.iterdir())
-    for name in [n for n in names if n != "config.json"] + ["config.json"]:
-        if (out / name).is_dir():
-            shutil.rmtree(out / name)
-        os.replace(staging / name, out / name)
-    staging.rmdir()
+# ----- on-policy distillation (AdaFlash OPD) -----------------------------------------------------------------------
+def on_policy_prompts(prompts_file: str | None = None, seed: int = 0, skip: int = 0) -> list[dict]:
+    """Prompts for OPD rounds: a JSONL prompts file, or ShareGPT first turns in a seeded order from the `skip`-th on;
+    evaluation prompts are removed from either."""
+    exclude = eval_prompt_texts()
+    if prompts_file:
+        return [p for p in load_prompts_file(prompts_file) if p["prompt"] not in exclude]
+    return [{"id": i, "prompt": p, "domain": classify_domain(p)}
+            for i, p, _ in sharegpt_exchanges(seed, exclude)[skip:]]
+
+
+@torch.no_grad()
+def write_trajectories(target, tokenizer, drafter, prompts: list[dict], out_dir, target_name: str,
+                       max_new_tokens: int, do_sample: bool = False) -> dict:
+    """Decode `prompts` with the speculative system and store prompt + response as shards; returns tau per domain."""
+    writer = ShardWriter(out_dir, target_name, tokenizer, source="on-policy")
+    committed, steps = {}, {}
+    for record in tqdm(prompts, desc="on-policy trajectories"):
+        if record["id"] in writer.done_ids:
+            continue
+        ids = torch.tensor([chat_prompt(tokenizer, record["prompt"], tokenize=True)], device=target.device)
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                              return_dict_in_generate=True)
+        domain = record.get("domain") or classify_domain(record["prompt"])
+        writer.add(record["id"], out.sequences[0].tolist(), ids.shape[1], domain)
+        per_step = out.speculation_stats.committed_per_step
+        committed[domain] = committed.get(domain, 0) + sum(per_step)
+        steps[domain] = steps.get(domain, 0) + len(per_step)
+    writer.flush()
+    return {d: committed[d] / steps[d] for d in committed if steps[d]}
+
+
+def run_opd(target, tokenizer, target_name: str, prompts: list[dict], args: OnPolicyDistillationConfig,
+            command: str | None = None) -> Path:
+    """`args.rounds` OPD rounds starting from the drafter at `args.init`, each decoding the next
+    `args.samples_per_round` of `prompts`; returns the folder of the final drafter.
+
+    A round generates trajectories with `target.generate(..., assistant_model=current_drafter)` (our own loop, so the
+    data is exactly what the deployed system produces), writes them as data shards under `OUT/round-N/data`, and
+    trains the drafter on them with the reverse-KL loss into `OUT/round-N/drafter`; the next round decodes with the
+    updated drafter. An interrupted run resumes at the first unfinished round.
+    """
+    if not args.init:
+        raise ValueError("on-policy distillation improves an existing drafter: pass --init DRAFTER")
+    out = Path(args.output_dir)
+    current = Path(args.init)
+    needed = args.rounds * args.samples_per_round
+    if len(prompts) < needed:
+        raise ValueError(f"{args.rounds} rounds x {args.samples_per_round} samples need {needed} prompts, "
+                         f"got {len(prompts)}")
+    history = []
+    for r in range(args.rounds):
+        round_dir = out / f"round-{r}"
+        drafter_dir = round_dir / "drafter"
+        if (drafter_dir / "config.json").is_file():  # finished earlier: resume after it
+            current = drafter_dir
+            history.append(json.loads((round_dir / "round.json").read_text()))
+            continue
+        drafter = DiffusionDrafter.from_pretrained(current, target=target)
+        batch = prompts[r * args.samples_per_round : (r + 1) * args.samples_per_round]
+        tau = write_trajectories(target, tokenizer, drafter, batch, round_dir / "data", target_name,
+                                 args.max_new_tokens)
+        last = r == args.rounds - 1
+        round_args = replace(args, output_dir=str(drafter_dir), init=str(current), resume=False,
+                             eval_prompts=args.eval_prompts if last else 0)
+        train_drafter(target, tokenizer, target_name, [str(round_dir / "data")], round_args, command=command)
+        info = {"round": r, "tau_while_generating": tau, "init": str(current)}
+        (round_dir / "round.json").write_text(json.dumps(info, indent=2))
+        history.append(info)
+        current = drafter_dir
+    (out / "opd_history.json").write_text(json.dumps(history, indent=2))
+    return current

@@ -1,0 +1,161 @@
+"""Training configurations: `TrainingArguments` subclasses with only each method's own fields (as TRL's `SFTConfig`,
+`GKDConfig`), so `HfArgumentParser` turns them into `hf-diffspec train kd | vp | length-head | opd` flags.
+
+Fields that `TrainingArguments` already has are re-declared only where a drafter wants another default (learning
+rate, batch size, bf16, cosine schedule...) or where the command line keeps a shorter flag (`--out`, `--lr`,
+`--epochs`, `--batch-size`, `--grad-accum`, `--time-budget`).
+"""
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from transformers import TrainingArguments
+from transformers.trainer_utils import SchedulerType
+
+
+@dataclass
+class DrafterTrainingArguments(TrainingArguments):
+    """Block-diffusion distillation of a first (DFlash) drafter from a frozen target (`BlockDiffusionTrainer`)."""
+
+    kind: ClassVar[str] = "kd"
+
+    # ----- TrainingArguments fields with a drafter's defaults (and the command line's short flags) ---------------
+    output_dir: str | None = field(
+        default=None,
+        metadata={"help": "Folder of the trained drafter; Trainer checkpoints go to OUT/checkpoints.",
+                  "aliases": ["--out"], "required": True},
+    )
+    learning_rate: float = field(default=6e-4, metadata={"help": "Peak learning rate.", "aliases": ["--lr"]})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the data.", "aliases": ["--epochs"]})
+    per_device_train_batch_size: int = field(
+        default=4, metadata={"help": "Sequences per batch (per device).", "aliases": ["--batch-size"]}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Batches per optimizer step.", "aliases": ["--grad-accum"]}
+    )
+    lr_scheduler_type: SchedulerType | str = field(default="cosine", metadata={"help": "Learning-rate schedule after warmup."})
+    warmup_steps: float = field(
+        default=0.04, metadata={"help": "Warmup: a number of steps, or below 1 a fraction of the training."}
+    )
+    logging_steps: float = field(default=10, metadata={"help": "Log loss, train_tau and accuracy every N steps."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Trainer checkpoints kept under OUT/checkpoints."})
+    bf16: bool = field(default=True, metadata={"help": "Train in bfloat16 mixed precision."})
+    seed: int = field(default=0, metadata={"help": "Seed of the weights' initialisation, the anchors and the data order."})
+    report_to: None | str | list[str] = field(default="none", metadata={"help": "Experiment trackers to log to."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Kept False: the collator's columns are not forward arguments."}
+    )
+    disable_tqdm: bool | None = field(default=False, metadata={"help": "Hide the progress bar."})
+    use_cpu: bool | None = field(
+        default=None, metadata={"help": "Train on the CPU (default: when no CUDA GPU is available)."}
+    )
+    dataloader_num_workers: int = field(
+        default_factory=lambda: 2 if torch.cuda.is_available() else 0,
+        metadata={"help": "Data-loading worker processes (default: 2 with a GPU, else 0)."},
+    )
+
+    # ----- the drafter ---------------------------------------------------------------------------------------------
+    init: str | None = field(
+        default=None, metadata={"help": "Start from this drafter checkpoint instead of a new drafter."}
+    )
+    num_layers: int = field(default=2, metadata={"help": "Decoder layers of a new drafter."})
+    init_from_target_layers: bool = field(
+        default=False, metadata={"help": "Start a new drafter's layers from evenly spaced target decoder layers."}
+    )
+    lora: bool = field(default=False, metadata={"help": "LoRA fine-tuning of --init through peft."})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank (alpha is twice the rank)."})
+
+    # ----- blocks and loss -----------------------------------------------------------------------------------------
+    block_size: int = field(default=16, metadata={"help": "Tokens per block: the anchor and block_size - 1 drafts."})
+    num_anchors: int = field(default=64, metadata={"help": "Blocks (random anchors on response tokens) per sequence."})
+    max_length: int = field(default=1024, metadata={"help": "Sequences are cut to this many tokens."})
+    loss_decay: float | None = field(
+        default=None,
+        metadata={"help": "Decay of the position weights exp(-(k-1)/decay) (default: DFlash's for the block size)."},
+    )
+
+    # ----- running ------------------------------------------------------------------------------------------------
+    time_budget_minutes: float | None = field(
+        default=None,
+        metadata={"help": "Stop after this many minutes, with warmup + cosine following the fraction of the budget "
+                          "spent.", "aliases": ["--time-budget"]},
+    )
+    resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in OUT/checkpoints."})
+    eval_prompts: int = field(
+        default=0,
+        metadata={"help": "Held-out prompts per domain on which tau and speedup are measured for the model card "
+                          "(0: none)."},
+    )
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "New tokens per held-out prompt."})
+
+    def __post_init__(self):
+        if self.use_cpu is None:
+            self.use_cpu = not torch.cuda.is_available()
+        super().__post_init__()
+
+
+@dataclass
+class VariablePrefixConfig(DrafterTrainingArguments):
+    """A D²SD variable-prefix (VP) drafter (`VariablePrefixTrainer`): blocks start with the anchor plus l real
+    tokens, Pr(l) ∝ prefix_beta^l."""
+
+    kind: ClassVar[str] = "vp"
+
+    prefix_beta: float = field(default=0.9, metadata={"help": "Prior of the prefix length l: Pr(l) ∝ beta^l."})
+
+
+@dataclass
+class LengthHeadConfig(DrafterTrainingArguments):
+    """The acceptance (length) head of an existing drafter, everything else frozen (`LengthHeadTrainer`)."""
+
+    kind: ClassVar[str] = "length-head"
+
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate.", "aliases": ["--lr"]})
+    init: str | None = field(
+        default=None,
+        metadata={"help": "The drafter whose length head to train (frozen; a head is added if it has none).",
+                  "required": True},
+    )
+
+
+@dataclass
+class ReverseKLConfig(DrafterTrainingArguments):
+    """AdaFlash's loss (`ReverseKLTrainer`): alpha * CE + (1 - alpha) * the reverse KL to the target, clipped per
+    position."""
+
+    kind: ClassVar[str] = "opd"
+
+    alpha: float = field(default=0.8, metadata={"help": "Weight of the CE term (1 - alpha: the reverse KL)."})
+    kl_clip: float = field(default=0.01, metadata={"help": "Clip of each position's share of the reverse KL."})
+    temperature: float = field(default=1.0, metadata={"help": "Temperature of both distributions in the reverse KL."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+
+
+@dataclass
+class OnPolicyDistillationConfig(ReverseKLConfig):
+    """AdaFlash on-policy distillation (`run_opd`): rounds of decoding prompts with the live speculative system, then
+    training the drafter on its own trajectories with the reverse-KL loss. OUT holds one folder per round."""
+
+    learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate.", "aliases": ["--lr"]})
+    num_train_epochs: float = field(default=2.0, metadata={"help": "Passes over each round's data.",
+                                                           "aliases": ["--epochs"]})
+    init: str | None = field(default=None, metadata={"help": "The drafter to improve.", "required": True})
+    rounds: int = field(default=2, metadata={"help": "Rounds of decode-then-train."})
+    samples_per_round: int = field(default=128, metadata={"help": "Prompts decoded per round."})
+    max_new_tokens: int = field(
+        default=256, metadata={"help": "New tokens per trajectory.", "aliases": ["--gen-max-new-tokens"]}
+    )
+
+
+__all__ = [
+    "DrafterTrainingArguments",
+    "LengthHeadConfig",
+    "OnPolicyDistillationConfig",
+    "ReverseKLConfig",
+    "VariablePrefixConfig",
+]
