@@ -52,6 +52,10 @@ class DiffusionDrafterConfig(PreTrainedConfig):
             adaptive length head, per position). At inference those probabilities feed the cost model that sizes
             what the target verifies. Trained alone with the drafter frozen (`hf-diffspec train length-head`).
         length_head_size (`int`): width of the head's MLP.
+        draft_tree_budget (`int`, *optional*): draft a best-first TREE of at most this many nodes per step instead of
+            a chain, from the same single drafter pass (DDTree-style: token paths ranked by the product of their
+            slot probabilities); the cost model may verify fewer. `None` (default): chains.
+        draft_tree_width (`int`): most children per tree node (the top-ranked tokens of a slot).
     """
 
     model_type = "diffusion_drafter"
@@ -81,6 +85,8 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         num_draft_tokens: int | None = None,
         length_head: bool = False,
         length_head_size: int = 256,
+        draft_tree_budget: int | None = None,
+        draft_tree_width: int = 4,
         **kwargs,
     ):
         if block_size < 2:
@@ -121,6 +127,12 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         self.num_draft_tokens = num_draft_tokens
         self.length_head = bool(length_head)
         self.length_head_size = length_head_size
+        if draft_tree_budget is not None and draft_tree_budget < 1:
+            raise ValueError(f"draft_tree_budget must be >= 1 drafted node (or None for chains), got {draft_tree_budget}")
+        if draft_tree_width < 1:
+            raise ValueError(f"draft_tree_width must be >= 1, got {draft_tree_width}")
+        self.draft_tree_budget = draft_tree_budget
+        self.draft_tree_width = draft_tree_width
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -2,6 +2,7 @@
 target itself picks.
 
     prefill (prompts) ──► first token per row (its anchor) ──► loop:
+        policy.should_speculate     ──► no: the anchors alone (a plain decode step, no drafter forward)
         drafting.propose(anchors)   ──► one CandidateTree per row (a chain is a tree with one branch); how many
                                         drafts: the DraftLengthPolicy (fixed, or the measured cost model)
         target(trees as a rectangle, 4D additive mask, depth positions, cached prefixes)
@@ -9,7 +10,8 @@ target itself picks.
                                         (logits processors, stopping criteria, streamer)
         batch.commit(paths, hidden) ──► accepted paths kept in the KV cache; their target features become the
                                         drafter's new context
-        batch.drop_finished()
+        batch.drop_finished()        ──► finished rows leave the batch and every cache
+        policy.record_step           ──► measured tokens per second of speculative and plain steps
 
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
 criteria, the cache and the generation config (see `generation.py`), so every standard generate option applies.

@@ -1,6 +1,8 @@
 """The drafting side of speculative decoding: one `CandidateGenerator` subclass per drafting method.
 
 - `DiffusionCandidateGenerator`: a DFlash drafter drafts one block per row in one forward; each row gets a chain.
+- `BestFirstTreeCandidateGenerator`: a DFlash drafter with `draft_tree_budget` set: a best-first tree per row from the
+  same single pass (DDTree-style).
 - `PrefixTreeCandidateGenerator`: a D²SD dual drafter; the first drafter's block, then K branches re-drafted where
   rejection is likeliest (one batched pass of the second drafter), as one prefix tree per row.
 
@@ -19,6 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .best_first_tree import build_best_first_tree
 from .cost_model import VerifyCost
 from .policy import DraftLengthPolicy
 from .prefix_tree import build_prefix_tree, plan_branches
@@ -294,15 +297,50 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
 
 
+class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
+    """A best-first draft tree per row from the same single drafter pass (DDTree-style, `best_first_tree.py`): token
+    paths ranked by the product of their slot probabilities, at most `config.draft_tree_budget` nodes, the measured
+    cost model choosing how many of them the target verifies."""
+
+    @torch.no_grad()
+    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
+        limits = [self.policy.depth_limit(p, r) for p, r in zip(root_positions, remaining)]
+        if max(limits) <= 0:
+            return [self._root_only(root) for root in root_tokens]
+        config = self.first.drafter.config
+        rows = len(root_tokens)
+        start = time.perf_counter()
+        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
+        positions = torch.tensor(root_positions, device=roots.device)
+        draft_hidden = self.first.draft_block(roots, positions, self.block_size)[:, 1:]
+        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
+        self.policy.record_draft_time(time.perf_counter() - start)
+
+        def node_count(reach):
+            return self.policy.tree_node_count(reach, rows)
+
+        return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], config.draft_tree_budget, node_count,
+                                      sample=self.sample_temperature is not None, max_children=config.draft_tree_width)
+                if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
+
+    def get_candidates(self, *args, **kwargs):
+        raise ValueError("transformers' assisted decoding verifies chains only; use generate() for draft trees "
+                         "(or set drafter.config.draft_tree_budget = None)")
+
+
 def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None) -> DraftLengthPolicy:
     """The draft-length policy for `drafter` on `target`: `fixed` drafts per step when given, else the measured cost
     model when this machine has a profile for the target, else the drafter's configured length."""
     config = first_drafter(drafter).config
     is_dual = drafter.config.model_type == "dual_diffusion_drafter"
+    # trees (D²SD, best-first) are sized by their node budget and the cost model, not by a chain length
+    tree_depth = drafter.config.max_depth if is_dual else None
+    if getattr(config, "draft_tree_budget", None):
+        tree_depth = config.block_size - 1
     return DraftLengthPolicy(
         block_size=config.block_size, default_length=config.num_draft_tokens, fixed=fixed,
         verify_cost=VerifyCost.for_target(target) if fixed is None else None,
-        tree_depth=drafter.config.max_depth if is_dual else None,
+        tree_depth=tree_depth,
         max_positions=getattr(target.config.get_text_config(), "max_position_embeddings", None),
     )
 
@@ -313,6 +351,10 @@ def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: 
     """The candidate generator of `drafter`'s method (chains for a DFlash drafter, prefix trees for a dual one)."""
     if not is_diffusion_drafter(drafter):
         raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
-    cls = PrefixTreeCandidateGenerator if drafter.config.model_type == "dual_diffusion_drafter" \
-        else DiffusionCandidateGenerator
+    if drafter.config.model_type == "dual_diffusion_drafter":
+        cls = PrefixTreeCandidateGenerator
+    elif getattr(drafter.config, "draft_tree_budget", None):
+        cls = BestFirstTreeCandidateGenerator
+    else:
+        cls = DiffusionCandidateGenerator
     return cls(drafter, target, default_policy(drafter, target, num_draft_tokens), sample_temperature, max_length)

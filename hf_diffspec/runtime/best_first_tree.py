@@ -1,0 +1,76 @@
+"""Best-first draft trees from ONE drafter pass (DDTree-style): the drafter's per-slot marginals q_1..q_D of a block
+give every token path a score, the product of its tokens' probabilities at their slots, an estimate of the chance
+that verification reaches it. Nodes are expanded best-first under a node budget, so the tree spends its budget where
+acceptance is likeliest: wide where the drafter hesitates, deep where it is sure. A chain is the tree that always
+takes the first-ranked token.
+
+The tree's SHAPE (how many children each node gets) is decided from the sorted probabilities alone; the tokens are
+then the top-ranked ones (greedy) or, when sampling, drawn per node without replacement from q (child j from q with
+its earlier siblings removed), and each node carries the distribution it was drawn from. So which nodes are verified
+never depends on the drawn values, and recursive rejection sampling over siblings stays exact.
+"""
+
+import heapq
+
+import torch
+
+from .tree import CandidateTree
+
+
+def best_first_shape(sorted_probs: torch.Tensor, budget: int) -> list[tuple[tuple[int, ...], float]]:
+    """Rank paths (the rank of the token taken at each depth) of the `budget` most probable nodes, in best-first
+    order with their scores. `sorted_probs` (depth, k): each slot's k largest probabilities, descending.
+
+    A node is pushed only when its parent (first child) or its previous sibling (next sibling) is taken, so the
+    result is closed under ancestors and earlier siblings, and scores come out in decreasing order."""
+    depth, k = sorted_probs.shape
+    table = sorted_probs.tolist()
+    if depth == 0 or budget <= 0:
+        return []
+    heap = [(-table[0][0], (0,), 1.0)]  # (-score, rank path, parent's score)
+    taken = []
+    while heap and len(taken) < budget:
+        negative, path, parent_score = heapq.heappop(heap)
+        score = -negative
+        taken.append((path, score))
+        d, rank = len(path), path[-1]
+        if d < depth:
+            heapq.heappush(heap, (-score * table[d][0], path + (0,), score))
+        if rank + 1 < k:
+            heapq.heappush(heap, (-parent_score * table[d - 1][rank + 1], path[:-1] + (rank + 1,), parent_score))
+    return taken
+
+
+def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, node_count=None, sample: bool = False,
+                          max_children: int = 4) -> CandidateTree:
+    """The best-first tree after `root_token` from the drafter's marginals `probs` (depth, vocab).
+
+    `budget`: most drafted nodes; `node_count(reach) -> n`, optional: how many nodes (root included) to verify given
+    the candidates' reach scores in decreasing order (the cost model); `max_children`: widest branching per node."""
+    k = min(max_children, probs.shape[-1])
+    sorted_probs, ranked_tokens = probs.topk(k, dim=-1)
+    shape = best_first_shape(sorted_probs, budget)
+    if node_count is not None:
+        shape = shape[: node_count([score for _, score in shape]) - 1]
+    index = {(): 0}
+    tokens, parents, scores = [root_token], [-1], []
+    node_probs = [torch.zeros_like(probs[0])] if sample else None
+    drawn: dict[tuple, list[int]] = {}  # parent rank path -> tokens of its children drawn so far
+    for path, score in shape:
+        parent, depth = path[:-1], len(path) - 1
+        if sample:  # the next child of this parent: drawn from q without its earlier siblings
+            q = probs[depth].clone()
+            q[drawn.setdefault(parent, [])] = 0
+            q /= q.sum().clamp(min=1e-12)
+            token = int(torch.multinomial(q, 1))
+            drawn[parent].append(token)
+            node_probs.append(q)
+        else:
+            token = int(ranked_tokens[depth, path[-1]])
+        index[path] = len(tokens)
+        tokens.append(token)
+        parents.append(index[parent])
+        scores.append(score)
+    return CandidateTree(torch.tensor(tokens, device=probs.device), parents,
+                         draft_probs=torch.stack(node_probs) if sample else None,
+                         confidences=torch.tensor(scores))

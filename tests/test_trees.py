@@ -1,0 +1,109 @@
+"""Best-first draft trees from one drafter pass (DDTree-style): shape, losslessness (greedy and sampling), batches."""
+
+import pytest
+import torch
+
+from hf_diffspec.runtime.best_first_tree import best_first_shape, build_best_first_tree
+from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
+from helpers import marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
+
+
+def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
+    # slot 1 is sure (0.9), slot 2 hesitates between two tokens (0.45 / 0.4), slot 3 is sure again
+    sorted_probs = torch.tensor([[0.9, 0.05, 0.03], [0.45, 0.4, 0.1], [0.95, 0.03, 0.01]])
+    shape = best_first_shape(sorted_probs, budget=6)
+    paths = [p for p, _ in shape]
+    scores = [s for _, s in shape]
+    assert scores == sorted(scores, reverse=True)
+    assert all(p[:-1] in paths[:i] or len(p) == 1 for i, p in enumerate(paths))  # ancestors come first
+    assert paths[:5] == [(0,), (0, 0), (0, 0, 0), (0, 1), (0, 1, 0)]  # both readings of slot 2, each continued
+    assert scores[1] == pytest.approx(0.9 * 0.45)
+    chain = best_first_shape(sorted_probs[:, :1], budget=10)  # width 1: a chain
+    assert [p for p, _ in chain] == [(0,), (0, 0), (0, 0, 0)]
+    assert [s for _, s in chain] == pytest.approx([0.9, 0.405, 0.38475])
+
+
+def test_sampled_trees_draw_distinct_siblings_from_known_distributions():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 10), -1)
+    tree = build_best_first_tree(5, probs, budget=9, sample=True, max_children=3)
+    for node, children in enumerate(tree.children):
+        assert len(children) == len(set(children))  # distinct tokens per parent
+    greedy = build_best_first_tree(5, probs, budget=9, sample=False, max_children=3)
+    assert tree.parents == greedy.parents  # the shape does not depend on what was drawn
+    assert tree.draft_probs is not None and torch.allclose(tree.draft_probs[1:].sum(-1), torch.ones(len(tree) - 1))
+
+
+def _tree_drafter(target, budget=8, width=3, **kw):
+    drafter = tiny_drafter(target, block_size=5, **kw)
+    drafter.config.draft_tree_budget = budget
+    drafter.config.draft_tree_width = width
+    return drafter
+
+
+def _oracle_marginals(monkeypatch, references, vocab, seed=0):
+    """Drafter marginals that know the target's continuation but rank it first only half of the time (second
+    otherwise), so chains often fail where a tree's second branch is accepted; records the trees proposed."""
+    trees, rng = [], torch.Generator().manual_seed(seed)
+    original = BestFirstTreeCandidateGenerator.propose
+
+    def propose(self, root_tokens, root_positions, remaining):
+        self.oracle_positions = root_positions
+        proposed = original(self, root_tokens, root_positions, remaining)
+        trees.extend(proposed)
+        return proposed
+
+    def distributions(self, logits):
+        rows, depth, _ = logits.shape
+        probs = torch.full((rows, depth, vocab), 0.1 / (vocab - 2))
+        for r, position in enumerate(self.oracle_positions):
+            for k in range(depth):
+                truth = references[r][position + 1 + k] if position + 1 + k < len(references[r]) else 0
+                decoy = (truth + 1 + int(torch.randint(vocab - 1, (1,), generator=rng))) % vocab
+                first_is_truth = bool(torch.rand(1, generator=rng) < 0.5)
+                probs[r, k, truth] = 0.5 if first_is_truth else 0.4
+                probs[r, k, decoy] = 0.4 if first_is_truth else 0.5
+        return probs
+
+    monkeypatch.setattr(BestFirstTreeCandidateGenerator, "propose", propose)
+    monkeypatch.setattr(BestFirstTreeCandidateGenerator, "_distributions", distributions)
+    return trees
+
+
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("qwen3", "eager")])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_best_first_trees_greedy_identical_to_plain_generate(monkeypatch, kind, attn, seed):
+    target = tiny_target(kind, seed=seed, vocab_size=24, attn=attn)
+    drafter = _tree_drafter(target, seed=seed)
+    ids = torch.randint(2, 24, (2, 6), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kwargs = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.1)
+    ref = target.generate(ids, attention_mask=mask, **kwargs)
+    trees = _oracle_marginals(monkeypatch, [row[~pad].tolist() for row, pad in zip(ref, torch.cat(
+        [mask == 0, torch.zeros(2, 30, dtype=torch.bool)], 1))], vocab=24, seed=seed)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref)
+    assert any(not t.is_chain for t in trees) and all(len(t) <= 9 for t in trees)
+    tree_tau = out.speculation_stats.tau
+    drafter.config.draft_tree_width = 1  # the same marginals as a chain: only first-ranked tokens
+    chain = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(chain.sequences, ref)
+    assert tree_tau > chain.speculation_stats.tau  # the second-ranked branches are accepted too
+
+
+def test_best_first_tree_sampling_is_the_targets_distribution(monkeypatch):
+    vocab = 12
+    target = tiny_target("llama", seed=3, vocab_size=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(5)
+    drafter = _tree_drafter(target, budget=6, width=3, seed=3)
+    ids = torch.randint(2, vocab, (1, 5), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0)
+    n = 300
+    plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
+    ours = marginal_counts(target, ids, vocab, n, 90_000, assistant_model=drafter, **kwargs)
+    for slot in range(2):  # 0.999 quantile of chi2(11) ~ 31.3
+        assert two_sample_chi2(plain[slot], ours[slot]) < 33
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert out.speculation_stats.drafted_tokens > 0
