@@ -76,7 +76,8 @@ class CandidateTree:
         return allowed.to(device)
 
 
-def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions: list[int], dtype: torch.dtype):
+def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions: list[int],
+                        dtype: torch.dtype):
     """Target inputs to verify one tree per row in one forward: `(tokens, attention_mask, position_ids)`.
 
     tokens (rows, n) and position_ids (rows, n), with n the largest tree: a node at depth d sits at its row's root
@@ -84,10 +85,16 @@ def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, ro
     attention_mask (rows, 1, n, past + n) is additive float in `dtype` (0 = attend, dtype min = blocked), never bool:
     eager attention adds the mask, so a bool mask would be silently wrong there. `past_valid` (rows, past) marks
     which cached slots each row may see (False: padding, or slots of drafts another row accepted).
+    When every row sees its whole cache and verifies a chain of the same length, the mask is the plain causal one:
+    `None` is returned for it, so the model builds it (and SDPA can take its causal path), as in plain decoding.
     """
     rows, past = past_valid.shape
     n = max(len(t) for t in trees)
     device = past_valid.device
+    if all(len(t) == n and t.is_chain for t in trees) and bool(past_valid.all()):
+        tokens = torch.stack([t.tokens.to(device) for t in trees])
+        positions = past + torch.arange(n, device=device).expand(rows, -1)
+        return tokens, None, positions
     tokens = torch.empty(rows, n, dtype=torch.long, device=device)
     positions = torch.empty(rows, n, dtype=torch.long, device=device)
     allowed = torch.zeros(rows, n, past + n, dtype=torch.bool, device=device)
