@@ -1,0 +1,180 @@
+"""The benchmark's peers, its oracle (loop efficiency) mode and its machine record, on tiny random targets.
+
+Every assertion is about what was run and reported (identity with plain generate, tau, reasons for skipping, the
+fields of the record); speed ratios are measured, never asserted.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BatchEncoding
+
+from hf_diffspec.bench import (
+    ISA_FLAGS, PEER_METHODS, Method, machine_description, machine_markdown, markdown_table, oracle_acceptance,
+    oracle_efficiency, oracle_markdown_table, oracle_methods, peer_methods, run_benchmark, summarize,
+)
+from hf_diffspec.runtime.cost_model import VerifyCost, save_profile
+from helpers import tiny_drafter, tiny_target
+
+PROMPTS = [
+    {"domain": "code", "text": "def add(a, b): return a + b  # add two numbers, then"},
+    {"domain": "chat", "text": "Hello! How are you today? I am fine, thank you. How"},
+    {"domain": "code", "text": "for i in range(10): print(i)"},
+]
+
+
+class CharTokenizer:
+    """As much of a tokenizer as the benchmark uses: one token per character (ids 2..127), padding with id 1."""
+
+    padding_side = "right"
+    pad_token_id = 1
+
+    def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=False):
+        ids = [[2 + ord(c) % 126 for c in text] for text in texts]
+        width = max(len(r) for r in ids)
+        rows, masks = [], []
+        for r in ids:
+            pad = [1] * (width - len(r))
+            left = self.padding_side == "left"
+            rows.append(pad + r if left else r + pad)
+            masks.append([0] * len(pad) + [1] * len(r) if left else [1] * len(r) + [0] * len(pad))
+        return BatchEncoding({"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(masks)})
+
+
+def target_for_bench(seed=0):
+    target = tiny_target("qwen3", seed=seed, layers=6)
+    target.generation_config.pad_token_id = 1  # padded batches
+    return target
+
+
+def by_method(rows, batch=1, domain="all"):
+    return {r["method"]: r for r in rows if r["batch_size"] == batch and r["domain"] == domain}
+
+
+def test_peers_run_identical_to_plain_generate_or_say_why_not():
+    target = target_for_bench()
+    drafter = tiny_drafter(target, mask_token_id=3, block_size=4)  # MASK is a target token: peers can load it
+    assistant = tiny_target("qwen3", seed=1, layers=2)
+    peers = peer_methods(list(PEER_METHODS), target, "tiny", drafter, assistant_model=assistant)
+    methods = {"dflash": Method(drafter, {"num_assistant_tokens": 3}), **peers}
+    rows = summarize(run_benchmark(target, CharTokenizer(), methods, PROMPTS, max_new_tokens=12, progress=False))
+    table = by_method(rows)
+
+    zlab_installed = importlib.util.find_spec("dflash") is not None
+    must_run = ["pld", "hf-dflash", "ar-assistant"] + (["zlab"] if zlab_installed else [])
+    for name in must_run:
+        assert not table[name].get("skipped"), (name, table[name].get("skipped"))
+        assert table[name]["identical_to_ar"], name
+        assert table[name]["tau"] >= 1.0 and table[name]["prompts"] == len(PROMPTS)
+        assert table[name]["speedup_vs_ar"] is not None
+    if not zlab_installed:
+        assert "pip install" in table["zlab"]["skipped"]
+    # the DFlash peers draft with the same weights as ours, so they verify whole blocks: tokens per step > 1
+    assert table["hf-dflash"]["nodes_per_step"] == pytest.approx(4.0, abs=0.5)
+    assert table["ar"]["tau"] == 1.0
+    assert "| pld | 1 | all |" in markdown_table(rows)
+
+
+def test_peers_that_cannot_run_are_skipped_with_the_reason():
+    target = target_for_bench()
+    owned_mask = tiny_drafter(target)  # learned its own MASK embedding: no target token stands for it
+    peers = peer_methods(list(PEER_METHODS), target, "tiny", owned_mask)
+    assert "MASK embedding" in peers["hf-dflash"].skip_reason
+    if importlib.util.find_spec("dflash") is not None:
+        assert "MASK embedding" in peers["zlab"].skip_reason
+    assert "no smaller sibling" in peers["ar-assistant"].skip_reason
+
+    results = run_benchmark(target, CharTokenizer(), peers, PROMPTS[:2], max_new_tokens=6, batch_size=2,
+                            progress=False)
+    rows = summarize(results)
+    skipped = {r["method"]: r["skipped"] for r in rows if r.get("skipped")}
+    assert set(skipped) == set(PEER_METHODS)
+    assert "batch size 1" in skipped["pld"]  # runnable, but not on two rows at once
+    assert by_method(rows, batch=2)["ar"]["prompts"] == 2
+    table = markdown_table(rows)
+    assert "skipped: " + skipped["hf-dflash"] in table
+    json.dumps(rows)  # what --json writes
+
+
+def test_a_peer_failing_at_warm_up_is_reported_not_fatal():
+    target = target_for_bench()
+
+    def broken(target, inputs, max_new_tokens):
+        raise RuntimeError("this loop needs another transformers")
+
+    rows = summarize(run_benchmark(target, CharTokenizer(), {"broken": Method(runner=broken, peer=True)}, PROMPTS[:1],
+                                   max_new_tokens=4, progress=False))
+    assert by_method(rows)["broken"]["skipped"] == "failed here: RuntimeError: this loop needs another transformers"
+
+
+def test_batch_size_64_cycles_the_prompts():
+    target = target_for_bench()
+    drafter = tiny_drafter(target, block_size=4)
+    methods = {"dflash": Method(drafter, {"num_assistant_tokens": 3}), **peer_methods(["pld"], target, "tiny")}
+    rows = summarize(run_benchmark(target, CharTokenizer(), methods, PROMPTS, max_new_tokens=4, batch_size=64,
+                                   progress=False))
+    table = by_method(rows, batch=64)
+    assert table["ar"]["prompts"] == 64 and table["dflash"]["prompts"] == 64
+    assert table["dflash"]["identical_to_ar"]
+    assert "batch size 1" in table["pld"]["skipped"]
+
+
+def test_oracle_reaches_the_requested_tau_and_reports_an_efficiency(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = target_for_bench()
+    save_profile(target, {1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0}})
+    methods = oracle_methods(target, [2, 4, 8])
+    rows = summarize(run_benchmark(target, CharTokenizer(), methods, PROMPTS, max_new_tokens=96, progress=False))
+    table = oracle_efficiency(rows, methods, VerifyCost.for_target(target))
+    assert [r["oracle_tau"] for r in table] == [2, 4, 8]
+    for r in table:
+        assert r["identical_to_ar"]  # any drafts, even corrupted ones: the target picks every token
+        assert 0.75 * r["oracle_tau"] <= r["achieved_tau"] <= 1.25 * r["oracle_tau"], r
+        # a full block per step, shorter only where the tokens left to generate cap the drafts
+        assert 0.85 * (r["drafts_per_step"] + 1) <= r["verified_per_step"] <= r["drafts_per_step"] + 1
+        n = r["verified_per_step"]
+        cost = VerifyCost.for_target(target)
+        assert r["predicted_speedup"] == pytest.approx(r["achieved_tau"] * cost(1, 1) / cost(n, 1), rel=1e-2)
+        assert r["efficiency"] > 0
+    assert "| 8 | 1 | 15 |" in oracle_markdown_table(table)
+
+
+def test_oracle_corruption_rate_gives_the_expected_tau():
+    for tau, drafts in [(2, 3), (4, 7), (8, 15), (2.5, 3)]:
+        q = oracle_acceptance(tau, drafts)
+        assert sum(q**i for i in range(drafts + 1)) == pytest.approx(tau, rel=1e-6)
+    assert oracle_acceptance(5, 3) == 1.0  # more than the block can give: every draft right
+    with pytest.raises(ValueError, match=">= 1"):
+        oracle_acceptance(0.5, 3)
+
+
+def test_machine_record_names_isa_features_and_the_verify_cost_curve(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = target_for_bench()
+    save_profile(target, {1: {1: 0.010, 2: 0.0127, 4: 0.0214, 8: 0.0362, 16: 0.0513}})
+    machine = machine_description(target)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = set()
+        for line in cpuinfo.read_text().splitlines():
+            if line.split(":")[0].strip() in ("flags", "Features"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+        assert machine["isa_flags"] == [f for f in ISA_FLAGS if f in flags]
+        assert machine["avx512"] == ("avx512f" in flags)
+        assert machine["native_bf16"] == bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
+    assert machine["dtype"] == "float32" and machine["torch_threads"] == torch.get_num_threads()
+    assert machine["verify_cost_curve"]["ratio"] == {"1": 1.0, "2": 1.27, "4": 2.14, "8": 3.62, "16": 5.13}
+    text = machine_markdown(machine)
+    assert "AVX-512" in text and "native bf16" in text and "AMX" in text and "n=16: 5.13" in text
+    json.dumps(machine)
+
+
+def test_machine_record_says_when_no_profile_was_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))  # empty cache, automatic profiling off (conftest)
+    machine = machine_description(target_for_bench())
+    assert machine["verify_cost_curve"] is None
+    assert "not measured" in machine_markdown(machine)
