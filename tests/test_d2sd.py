@@ -79,7 +79,7 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
 def test_dual_drafter_saves_and_loads_as_one_checkpoint(tmp_path):
     target = tiny_target("llama")
     dual = dual_for(target, num_branches=2, tree_budget=9)
-    dual.save_pretrained(tmp_path)
+    hf_diffspec.save_drafter(dual, tmp_path)
     assert (tmp_path / "modeling_dual_drafter.py").exists() and (tmp_path / "custom_generate" / "prefix_tree.py").exists()
     loaded = hf_diffspec.DualDiffusionDrafter.from_pretrained(tmp_path, target=target)
     assert loaded.config.num_branches == 2 and loaded.config.tree_budget == 9 and loaded.vp is not None
