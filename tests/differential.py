@@ -661,12 +661,22 @@ def exact_distribution(target, prompt: torch.Tensor, kwargs: dict) -> dict[tuple
     step_kwargs = {k: v for k, v in kwargs.items() if k != "max_new_tokens"}
     outcomes: dict[tuple, float] = defaultdict(float)
     frontier = {(): 1.0}
+    # the prompt's mask as generate infers it (pad tokens masked unless pad is EOS); generated tokens are never
+    # masked in plain generate, so prefixes holding the pad token must not be masked here either
+    pad = kwargs.get("pad_token_id", target.generation_config.pad_token_id)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    prompt_mask = torch.ones_like(prompt)
+    if pad is not None and bool((prompt == pad).any()) and pad not in eos_ids:
+        prompt_mask = (prompt != pad).long()
     for step in range(steps):
         prefixes = list(frontier)
         ids = prompt.repeat(len(prefixes), 1)
+        mask = prompt_mask.repeat(len(prefixes), 1)
         if step:
             ids = torch.cat([ids, torch.tensor(prefixes)], dim=1)
-        out = target.generate(ids, max_new_tokens=1, return_dict_in_generate=True, output_scores=True, **step_kwargs)
+            mask = torch.cat([mask, torch.ones(len(prefixes), step, dtype=mask.dtype)], dim=1)
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=1, return_dict_in_generate=True,
+                              output_scores=True, **step_kwargs)
         probs = out.scores[0].double().softmax(-1)
         following = {}
         for i, prefix in enumerate(prefixes):
