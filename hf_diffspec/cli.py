@@ -150,9 +150,34 @@ def cmd_push(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .formats import convert_to_drafter
+    if (args.source is None) == (args.reduce_vocab is None):
+        raise SystemExit("convert takes either --from (an external DFlash checkpoint) or --reduce-vocab N (one of our "
+                         "drafters); to do both, run convert twice")
+    if args.source is not None:
+        from .formats import convert_to_drafter
 
-    print(f"converted to {convert_to_drafter(args.folder, args.out, args.source)}")
+        print(f"converted to {convert_to_drafter(args.folder, args.out, args.source)}")
+        return
+    from . import load_target
+    from .formats import reduce_vocabulary
+    from .trainers.draft_vocabulary import count_response_tokens, special_token_ids, top_tokens
+
+    if not args.data and not args.sharegpt_responses:
+        raise SystemExit("--reduce-vocab counts response tokens: pass --data DIR [DIR ...] and/or "
+                         "--sharegpt-responses N")
+    target, tok = load_target(args.target)
+    eos = target.generation_config.eos_token_id
+    keep = special_token_ids(tok) + (eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    try:
+        counts = count_response_tokens(args.data or None, tokenizer=tok, sharegpt_responses=args.sharegpt_responses,
+                                       vocab_size=target.config.get_text_config().vocab_size)
+        ids = top_tokens(counts, args.reduce_vocab, keep)
+        out = reduce_vocabulary(args.folder, args.out, ids)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        raise SystemExit(str(error)) from None
+    covered = float(counts[ids].sum() / counts.sum().clamp(min=1))
+    print(f"draft vocabulary: {len(ids)} of {len(counts)} tokens ({len(set(keep))} special), covering "
+          f"{covered:.1%} of the {int(counts.sum())} response tokens counted; saved to {out}")
 
 
 def cmd_export(args) -> None:
@@ -280,10 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--dry-run", action="store_true", help="check the folder and list the files, upload nothing")
     push.set_defaults(func=cmd_push)
 
-    convert = sub.add_parser("convert", help="z-lab or transformers-native DFlash checkpoint -> DiffusionDrafter")
+    convert = sub.add_parser("convert", help="z-lab or transformers-native DFlash checkpoint -> DiffusionDrafter; "
+                                             "or a DiffusionDrafter -> one drafting over a reduced vocabulary")
     convert.add_argument("folder")
-    convert.add_argument("--from", dest="source", required=True, choices=["zlab", "hf-native"])
+    convert.add_argument("--from", dest="source", default=None, choices=["zlab", "hf-native"],
+                         help="format of an external DFlash checkpoint to convert")
     convert.add_argument("--out", required=True)
+    convert.add_argument("--reduce-vocab", type=int, default=None, metavar="N",
+                         help="draft over only the N most frequent response tokens (special tokens always kept)")
+    convert.add_argument("--data", nargs="+", default=[], metavar="DIR",
+                         help="--reduce-vocab: drafter data directories whose response tokens are counted")
+    convert.add_argument("--sharegpt-responses", type=int, default=0, metavar="N",
+                         help="--reduce-vocab: also count the answers of N ShareGPT exchanges (eval prompts excluded)")
+    convert.add_argument("--target", default=DEFAULT_TARGET,
+                         help="--reduce-vocab: the drafter's target (tokenizer, special tokens, vocabulary)")
     convert.set_defaults(func=cmd_convert)
 
     export = sub.add_parser("export", help="DiffusionDrafter -> the layout vLLM / SGLang DFlash loaders read")

@@ -7,6 +7,9 @@ layouts vLLM and SGLang load. The math of all of them is the DFlash drafter; onl
 | hidden_norm.weight        | hidden_norm.weight           | encoder.output_norm_enc.weight               |
 | layers.N.*, norm.weight   | same                         | same                                         |
 | mask_embedding (optional) | - (mask_token_id row)        | - (mask_token_id row)                        |
+| draft_vocab_ids (optional)| - (full vocabulary)          | - (full vocabulary)                          |
+
+`reduce_vocabulary` turns one of our drafters into one drafting over a reduced vocabulary (same weights).
 """
 
 import json
@@ -109,6 +112,19 @@ def convert_to_drafter(src, out, source: str) -> Path:
     return save_drafter(drafter.to(dtype), out)
 
 
+def reduce_vocabulary(drafter_dir, out, token_ids) -> Path:
+    """Save the DiffusionDrafter at `drafter_dir` to `out` drafting over only `token_ids` (target ids, e.g. from
+    `trainers.draft_vocabulary.most_frequent_tokens`); its weights are unchanged and in their dtype."""
+    drafter_dir = Path(drafter_dir)
+    model_type = _read_config(drafter_dir).get("model_type")
+    if model_type != DiffusionDrafterConfig.model_type:
+        raise ValueError(f"{drafter_dir} holds a {model_type!r} checkpoint; a reduced vocabulary applies to a "
+                         f"DiffusionDrafter ({DiffusionDrafterConfig.model_type!r})")
+    dtype = next(v.dtype for v in read_state_dict(drafter_dir).values() if v.is_floating_point())
+    drafter = DiffusionDrafter.from_pretrained(drafter_dir, dtype=dtype)
+    return save_drafter(drafter.set_draft_vocabulary(token_ids), out)
+
+
 def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
     """Write the z-lab layout that vLLM's and SGLang's DFlash loaders read. Returns (folder, notes on what was
     dropped or needs care); raises when the drafter cannot run on that engine at all."""
@@ -124,6 +140,10 @@ def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
     if extra:
         notes.append(f"dropped the adaptive length head ({len(extra)} tensors): {engine} verifies fixed lengths")
         state = {k: v for k, v in state.items() if k not in extra}
+    if "draft_vocab_ids" in state:
+        notes.append(f"dropped the reduced draft vocabulary ({config.draft_vocab_size} tokens): {engine}'s DFlash "
+                     "loader drafts over the full vocabulary")
+        state = {k: v for k, v in state.items() if k != "draft_vocab_ids"}
     if config.mask_token_id is None:
         raise ValueError(
             f"this drafter learned its own MASK embedding, and {engine}'s DFlash loader takes the MASK embedding from "

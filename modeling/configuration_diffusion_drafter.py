@@ -56,6 +56,10 @@ class DiffusionDrafterConfig(PreTrainedConfig):
             a chain, from the same single drafter pass (DDTree-style: token paths ranked by the product of their
             slot probabilities); the cost model may verify fewer. `None` (default): chains.
         draft_tree_width (`int`): most children per tree node (the top-ranked tokens of a slot).
+        draft_vocab_size (`int`, *optional*): draft over only this many target tokens, the ids in the checkpoint's
+            `draft_vocab_ids` buffer (sorted; e.g. the most frequent tokens of the training data). Only their rows of
+            the target's LM head are computed, which is most of a draft's cost on a CPU; a token outside the subset is
+            never drafted, so verification stays exact. `None` (default): the full vocabulary.
     """
 
     model_type = "diffusion_drafter"
@@ -87,6 +91,7 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         length_head_size: int = 256,
         draft_tree_budget: int | None = None,
         draft_tree_width: int = 4,
+        draft_vocab_size: int | None = None,
         **kwargs,
     ):
         if block_size < 2:
@@ -133,6 +138,12 @@ class DiffusionDrafterConfig(PreTrainedConfig):
             raise ValueError(f"draft_tree_width must be >= 1, got {draft_tree_width}")
         self.draft_tree_budget = draft_tree_budget
         self.draft_tree_width = draft_tree_width
+        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be between 1 and vocab_size={vocab_size} (or None for the full vocabulary), "
+                f"got {draft_vocab_size}"
+            )
+        self.draft_vocab_size = draft_vocab_size
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

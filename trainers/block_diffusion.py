@@ -4,7 +4,9 @@ Per sequence, random anchors on response tokens each start a block `[anchor, MAS
 anchor..anchor+block_size-1. All blocks of a batch run in ONE drafter forward: every block attends to the target
 features of the context strictly before its anchor (what inference has: the anchor's own features are not known yet),
 to itself bidirectionally, and to no other block. Slot k predicts what the target itself would emit k positions after
-the anchor (its argmax on the sequence), with cross-entropy weighted by exp(-(k-1)/decay).
+the anchor (its argmax on the sequence), with cross-entropy weighted by exp(-(k-1)/decay). A drafter with a reduced
+draft vocabulary (`config.draft_vocab_size`) is trained over its V' logits only, and slots whose label lies outside it
+are left out of the loss: it can never draft them, and skipping the other rows of the LM head is the saving.
 
 The target lives on the trainer (frozen, never optimised, never saved); features and labels come from one target
 forward per batch, computed on the fly. Subclasses change the loss (`block_loss`: reverse KL for AdaFlash's OPD),
@@ -111,6 +113,10 @@ class BlockDiffusionTrainer(Trainer):
         args: a `DrafterTrainingArguments` (block loss decay, time budget; a plain `TrainingArguments` gets their
             defaults). `remove_unused_columns` is forced to False (the collator's columns are not forward arguments).
         target: the frozen target model (teacher and feature source); moved to the training device.
+
+    With a reduced draft vocabulary (`drafter.config.draft_vocab_size`), the cross-entropy runs over the V' logits
+    of the drafter's vocabulary, and slots whose label (the target's token) lies outside it are ignored in the loss
+    (the drafter can never propose them); they still count as misses in the logged `train_tau`/`draft_accuracy`.
     """
 
     config_class = DrafterTrainingArguments
@@ -160,7 +166,8 @@ class BlockDiffusionTrainer(Trainer):
 
     def block_loss(self, logits, labels, weights, target_logits_fn):
         """Weighted mean cross-entropy over the selected slots. `target_logits_fn()` gives the target's logits there
-        (unused here; the reverse-KL trainer needs them)."""
+        (unused here; the reverse-KL trainer needs them). With a reduced draft vocabulary, `logits`, `labels` and the
+        target's logits are all over its V' columns, and only slots whose label lies inside it are passed."""
         ce = F.cross_entropy(logits.float(), labels, reduction="none")
         return (weights * ce).sum() / weights.sum().clamp(min=1e-6)
 
@@ -211,25 +218,41 @@ class BlockDiffusionTrainer(Trainer):
         k_after_prefix = (offsets[None, None, :] - prefix[:, :, None]).clamp(min=1).float()
         weights_all = torch.exp(-(k_after_prefix - 1) / self.loss_decay)
 
-        lm_head = self.target.get_output_embeddings()
-        logits = torch.cat([lm_head(c.to(lm_head.weight.dtype)) for c in hidden[selected].split(LOGITS_CHUNK)]) if selected.any() \
-            else hidden.new_zeros((0, lm_head.out_features))
+        # logits over the drafter's vocabulary: V' columns (target ids `vocab_ids`) with a reduced one, else all V
+        logits, vocab_ids = self.draft_vocab_logits(hidden[selected])
+        labels = blocks.labels[selected]
+        drafts = logits.detach().argmax(-1)
+        learnable = torch.ones_like(labels, dtype=torch.bool)
+        if vocab_ids is not None:
+            drafts = vocab_ids[drafts]
+            columns = torch.searchsorted(vocab_ids, labels).clamp(max=len(vocab_ids) - 1)
+            learnable = vocab_ids[columns] == labels  # a label outside the draft vocabulary is left out of the loss
+            labels = columns
 
         def target_logits_fn():
             rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None, None].expand_as(slot_positions)[selected]
             # the target's distribution for the token at position p is its output at p - 1
-            return blocks.target_logits[rows, slot_positions[selected] - 1]
+            target_logits = blocks.target_logits[rows, slot_positions[selected] - 1][learnable]
+            # over V' columns a reverse KL keeps its gradient: it changes by log p_T(V'), a constant per slot
+            return target_logits if vocab_ids is None else target_logits[:, vocab_ids]
 
-        loss = self.block_loss(logits, blocks.labels[selected], weights_all[selected], target_logits_fn)
-        self._record_metrics(logits.detach(), blocks.labels, selected, prefix)
+        loss = self.block_loss(logits[learnable], labels[learnable], weights_all[selected][learnable], target_logits_fn)
+        self._record_metrics(drafts, blocks.labels, selected, prefix)
         return (loss, {"hidden": hidden}) if return_outputs else loss
 
+    def draft_vocab_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, width) logits of `hidden` (rows, H) over the drafter's draft vocabulary in chunks, and the target
+        ids of the columns (`None`: the full vocabulary)."""
+        chunks = [self.drafter.compute_draft_vocab_logits(c) for c in hidden.split(LOGITS_CHUNK)]  # >= 1 chunk
+        return torch.cat([logits for logits, _ in chunks]), chunks[0][1]
+
     @torch.no_grad()
-    def _record_metrics(self, logits, labels, selected, prefix):
-        if logits.shape[0] == 0:
+    def _record_metrics(self, drafts, labels, selected, prefix):
+        """`drafts`: the drafter's argmax target id at each selected slot."""
+        if drafts.shape[0] == 0:
             return
         correct = torch.zeros(selected.shape, dtype=torch.bool, device=selected.device)
-        correct[selected] = logits.argmax(-1) == labels[selected]
+        correct[selected] = drafts == labels[selected]
         # tokens per target forward if each block's drafts were verified left to right (anchor/prefix slots pass)
         passes = torch.where(torch.arange(correct.shape[-1], device=correct.device) <= prefix[..., None], True, correct)
         blocks = selected.any(-1)
@@ -271,12 +294,13 @@ class LengthHeadTrainer(BlockDiffusionTrainer):
             draft_hidden = blocks.hidden[:, :, 1:].flatten(0, 1)                      # (blocks, size-1, H)
             ok = blocks.selected[:, :, 1:].flatten(0, 1)
             labels = blocks.labels[:, :, 1:].flatten(0, 1)
-            lm_head = self.target.get_output_embeddings()
             drafts, confidences = [], []
             for chunk in draft_hidden.split(max(1, LOGITS_CHUNK // draft_hidden.shape[1])):
-                top = lm_head(chunk.to(lm_head.weight.dtype)).float().softmax(-1).max(-1)
+                # the drafts inference would make: over the drafter's own (possibly reduced) vocabulary
+                logits, vocab_ids = self.drafter.compute_draft_vocab_logits(chunk)
+                top = logits.float().softmax(-1).max(-1)
                 confidences.append(top.values)
-                drafts.append(top.indices)
+                drafts.append(top.indices if vocab_ids is None else vocab_ids[top.indices])
             drafts, confidences = torch.cat(drafts), torch.cat(confidences)
             accepted = (drafts == labels) & ok
             # slot k is a training example when the block reached it: every earlier draft accepted, k itself valid
