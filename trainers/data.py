@@ -8,7 +8,9 @@ Two sources, one format:
 A data directory holds `meta.json` (target, tokenizer fingerprint) and shards `shard-NNNNN.npz` (tokens, offsets,
 prompt lengths) each with a `shard-NNNNN.json` sidecar (ids, domains, sources). Every file is written under a temporary
 name and renamed into place, so an interrupted or failed run (disk full included) never leaves a partial shard that
-looks complete; a rerun skips the ids already written.
+looks complete. The sidecar is written last and marks a shard complete: the loader reads only shards that have one,
+and a rerun skips the ids already written, after removing what an interrupted run left (temporary files of processes
+that are gone, arrays without their sidecar).
 
 Evaluation prompts (HumanEval, MATH-500, MT-Bench) are never used for training: records whose prompt matches one of
 them are dropped.
@@ -61,9 +63,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 class ShardWriter:
-    """Buffers records and writes them as shards; knows which ids are already on disk (resume)."""
+    """Buffers records and writes them as shards of `shard_size` records; knows which ids are already on disk
+    (resume). One writer per directory at a time."""
 
-    def __init__(self, out_dir, target_name: str, tokenizer, source: str):
+    def __init__(self, out_dir, target_name: str, tokenizer, source: str, shard_size: int = SHARD_SIZE):
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be at least 1, got {shard_size}")
+        self.shard_size = shard_size
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         fingerprint = tokenizer_fingerprint(tokenizer)
@@ -80,14 +86,28 @@ class ShardWriter:
                     "vocab_size": len(tokenizer)}
             atomic_write(meta_path, json.dumps(meta, indent=2))
         self.source = source
+        self._remove_interrupted_writes()
         self.done_ids = {rid for shard in sorted(self.dir.glob("shard-*.json")) for rid in json.loads(shard.read_text())["ids"]}
-        self.next_shard = len(list(self.dir.glob("shard-*.json")))
+        # after the highest number on disk, not the count: a shard deleted by hand is never overwritten
+        self.next_shard = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("shard-*.json")), default=-1)
         self.buffer: list[dict] = []
+
+    def _remove_interrupted_writes(self) -> None:
+        """Delete what a killed run left: `atomic_write`'s temporary files (`.NAME.tmp-PID`) of processes that are
+        gone, and arrays whose sidecar was never written (the next flush writes that shard again). None of them is
+        ever read, but they would pile up over kills."""
+        for tmp in self.dir.glob(".shard-*.tmp-*"):
+            pid = tmp.name.rsplit("-", 1)[-1]
+            if os.name == "posix" and pid.isdigit() and not _process_alive(int(pid)):
+                tmp.unlink(missing_ok=True)
+        for arrays in self.dir.glob("shard-*.npz"):
+            if not arrays.with_suffix(".json").exists():
+                arrays.unlink(missing_ok=True)
 
     def add(self, record_id: str, tokens: list[int], prompt_length: int, domain: str) -> None:
         self.buffer.append({"id": record_id, "tokens": tokens, "prompt_length": prompt_length, "domain": domain})
         self.done_ids.add(record_id)
-        if len(self.buffer) >= SHARD_SIZE:
+        if len(self.buffer) >= self.shard_size:
             self.flush()
 
     def flush(self) -> None:
@@ -112,6 +132,16 @@ class ShardWriter:
         self.buffer = []
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists (POSIX)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
 def _first_exchange(record: dict) -> tuple[str, str] | None:
     turns = record.get("conversations") or []
     for i in range(len(turns) - 1):
@@ -134,9 +164,9 @@ def sharegpt_exchanges(seed: int, exclude: set[str]):
 
 
 def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, max_length: int = 1024,
-                       seed: int = 0, skip: int = 0) -> int:
+                       seed: int = 0, skip: int = 0, shard_size: int = SHARD_SIZE) -> int:
     """Real ShareGPT exchanges, chat-templated and tokenized; labels come from the target at training time."""
-    writer = ShardWriter(out_dir, target_name, tokenizer, source="relabel")
+    writer = ShardWriter(out_dir, target_name, tokenizer, source="relabel", shard_size=shard_size)
     exchanges = sharegpt_exchanges(seed, eval_prompt_texts())[skip:]
     written = 0
     for record_id, prompt, answer in tqdm(exchanges, desc="relabel data", total=min(num_samples, len(exchanges))):
@@ -159,10 +189,10 @@ def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, m
 @torch.no_grad()
 def write_generated_data(target, tokenizer, target_name: str, out_dir, num_samples: int, max_new_tokens: int = 256,
                          batch_size: int = 16, max_prompt_length: int = 512, seed: int = 0, skip: int = 0,
-                         prompts: list[dict] | None = None) -> int:
+                         prompts: list[dict] | None = None, shard_size: int = SHARD_SIZE) -> int:
     """The target's own greedy answers (batched, left-padded, chat template) to ShareGPT prompts, or to `prompts`
     ({"id", "prompt"} records, e.g. from a JSONL file)."""
-    writer = ShardWriter(out_dir, target_name, tokenizer, source="generated")
+    writer = ShardWriter(out_dir, target_name, tokenizer, source="generated", shard_size=shard_size)
     exclude = eval_prompt_texts()
     if prompts is None:
         source = [(rid, prompt) for rid, prompt, _ in sharegpt_exchanges(seed, exclude)]

@@ -15,10 +15,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import set_seed
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_diffspec.hub import save_drafter
 from hf_diffspec.modeling import DiffusionDrafter
 from hf_diffspec.prompts import chat_prompt, eval_prompt_texts, load_prompts, load_prompts_file
+from hf_diffspec.runtime.files import atomic_write, pad_token_id
 
 from .block_diffusion import (
     BlockDiffusionCollator,
@@ -74,9 +77,18 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
                   command: str | None = None) -> Path:
     """Train a drafter on the data directories `data` and save it to `args.output_dir` (Trainer checkpoints under
     its `checkpoints/`); returns that folder. The configuration's class picks the Trainer: `DrafterTrainingArguments`
-    (KD), `VariablePrefixConfig`, `LengthHeadConfig` or `ReverseKLConfig`."""
+    (KD), `VariablePrefixConfig`, `LengthHeadConfig` or `ReverseKLConfig`. With `args.resume`, training continues
+    from the newest complete checkpoint there (`last_complete_checkpoint`)."""
     set_seed(args.seed)
     out = Path(args.output_dir)
+    resume_from = None
+    if args.resume:
+        resume_from = last_complete_checkpoint(out / "checkpoints")
+        if resume_from is None:
+            raise FileNotFoundError(
+                f"--resume: no checkpoint under {out / 'checkpoints'} to resume from (only a checkpoint-N folder "
+                "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
+            )
     dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length)
     drafter = build_drafter(target, args)
     model = drafter
@@ -89,13 +101,15 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
             raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
         model = get_peft_model(drafter, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                                                    target_modules=LORA_TARGETS, lora_dropout=0.0))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an EOS token to pad batches with: set its pad_token")
     trainer = trainer_class_for(args)(
         model=model, args=replace(args, output_dir=str(out / "checkpoints")), train_dataset=dataset, target=target,
         data_collator=BlockDiffusionCollator(pad, num_anchors=args.num_anchors, seed=args.seed),
     )
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=_last_checkpoint(out) if args.resume else None)
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
 
     if args.lora:
@@ -145,11 +159,30 @@ def length_head_summary(history: list[dict]) -> dict:
             "predicted_acceptance": mean("predicted_rate"), "observed_acceptance": mean("acceptance_rate")}
 
 
-def _last_checkpoint(out: Path) -> str | None:
-    checkpoints = sorted((out / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    if not checkpoints:
-        raise FileNotFoundError(f"--resume: no checkpoint under {out / 'checkpoints'} to resume from")
-    return str(checkpoints[-1])
+def last_complete_checkpoint(checkpoints_dir) -> Path | None:
+    """The highest-numbered complete Trainer checkpoint (`checkpoint-N`) in `checkpoints_dir`, or None.
+
+    A checkpoint is complete when its `trainer_state.json` exists and parses: the Trainer writes that file last, after
+    the weights, optimizer, scheduler and RNG states, and not atomically. A run killed while saving leaves a newer
+    folder without it or with it cut short; such a folder is skipped (the resumed run saves that step again over it).
+    """
+    numbered = []
+    for folder in Path(checkpoints_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        step = folder.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if folder.is_dir() and step.isdigit():
+            numbered.append((int(step), folder))
+    for _, folder in sorted(numbered, reverse=True):
+        if _read_json(folder / TRAINER_STATE_NAME) is not None:
+            return folder
+    return None
+
+
+def _read_json(path: Path):
+    """The parsed content of `path`, or None when it is missing or cut short."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 # ----- on-policy distillation (AdaFlash OPD) -----------------------------------------------------------------------
@@ -192,7 +225,9 @@ def run_opd(target, tokenizer, target_name: str, prompts: list[dict], args: OnPo
     A round generates trajectories with `target.generate(..., assistant_model=current_drafter)` (our own loop, so the
     data is exactly what the deployed system produces), writes them as data shards under `OUT/round-N/data`, and
     trains the drafter on them with the reverse-KL loss into `OUT/round-N/drafter`; the next round decodes with the
-    updated drafter. An interrupted run resumes at the first unfinished round.
+    updated drafter. `round.json` is written last and marks a round finished: an interrupted run resumes at the first
+    round without it, keeping that round's data shards and continuing its training from its newest complete
+    checkpoint.
     """
     if not args.init:
         raise ValueError("on-policy distillation improves an existing drafter: pass --init DRAFTER")
@@ -206,21 +241,23 @@ def run_opd(target, tokenizer, target_name: str, prompts: list[dict], args: OnPo
     for r in range(args.rounds):
         round_dir = out / f"round-{r}"
         drafter_dir = round_dir / "drafter"
-        if (drafter_dir / "config.json").is_file():  # finished earlier: resume after it
+        finished = _read_json(round_dir / "round.json")
+        if finished is not None:
             current = drafter_dir
-            history.append(json.loads((round_dir / "round.json").read_text()))
+            history.append(finished)
             continue
         drafter = DiffusionDrafter.from_pretrained(current, target=target)
         batch = prompts[r * args.samples_per_round : (r + 1) * args.samples_per_round]
         tau = write_trajectories(target, tokenizer, drafter, batch, round_dir / "data", target_name,
                                  args.max_new_tokens)
         last = r == args.rounds - 1
-        round_args = replace(args, output_dir=str(drafter_dir), init=str(current), resume=False,
+        resume = last_complete_checkpoint(drafter_dir / "checkpoints") is not None  # killed while training
+        round_args = replace(args, output_dir=str(drafter_dir), init=str(current), resume=resume,
                              eval_prompts=args.eval_prompts if last else 0)
         train_drafter(target, tokenizer, target_name, [str(round_dir / "data")], round_args, command=command)
         info = {"round": r, "tau_while_generating": tau, "init": str(current)}
-        (round_dir / "round.json").write_text(json.dumps(info, indent=2))
+        atomic_write(round_dir / "round.json", json.dumps(info, indent=2))
         history.append(info)
         current = drafter_dir
-    (out / "opd_history.json").write_text(json.dumps(history, indent=2))
+    atomic_write(out / "opd_history.json", json.dumps(history, indent=2))
     return current
