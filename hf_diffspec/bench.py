@@ -235,10 +235,15 @@ def _target_token_mask_reason(drafter, where: str) -> str | None:
     return None
 
 
+#: our drafter's tensors that transformers' and z-lab's DFlash drafters have no place for (both verify whole blocks
+#: and draft over the full vocabulary); `formats.export_for_engine` drops them too
+NOT_DFLASH = ("length_head.", "draft_vocab_ids")
+
+
 def native_dflash_drafter(drafter):
     """`drafter`'s weights as transformers' own DFlash drafter (`MuseGlimmerAssistantModel`): the config fields
-    mapped, `fc` / `hidden_norm` renamed as `formats.NATIVE_RENAMES` reads them, the length head left out (that path
-    verifies whole blocks). Raises ValueError when the weights cannot be expressed there."""
+    mapped, `fc` / `hidden_norm` renamed as `formats.NATIVE_RENAMES` reads them, `NOT_DFLASH` tensors left out.
+    Raises ValueError when the weights cannot be expressed there."""
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
     from .formats import NATIVE_RENAMES
@@ -261,7 +266,7 @@ def native_dflash_drafter(drafter):
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     ))
     ours_to_native = {ours: native_name for native_name, ours in NATIVE_RENAMES.items()}
-    state = {ours_to_native.get(k, k): v for k, v in drafter.state_dict().items() if not k.startswith("length_head.")}
+    state = {ours_to_native.get(k, k): v for k, v in drafter.state_dict().items() if not k.startswith(NOT_DFLASH)}
     try:
         native.load_state_dict(state)
     except RuntimeError as error:
@@ -718,14 +723,16 @@ def _cpu_record() -> tuple[str, list[str]]:
 
 def verify_cost_curve(target, sizes=CURVE_SIZES) -> dict | None:
     """T_verify(1, n) / T_verify(1, 1) for n in `sizes` from the target's verify-cost profile (measured now, once,
-    when this machine has none), and T_verify(1, 1) in ms; None when profiling is off and none is cached."""
-    from .runtime.cost_model import VerifyCost
+    when this machine has none), T_verify(1, 1) in ms and the profile's file (`hf-diffspec profile` re-measures it);
+    None when profiling is off and none is cached."""
+    from .runtime.cost_model import VerifyCost, profile_dir, profile_key
 
     cost = VerifyCost.for_target(target)
     if cost is None:
         return None
     one = cost(1, 1)
-    return {"ms_one_token": round(one * 1000, 2), "ratio": {str(n): round(cost(n, 1) / one, 3) for n in sizes}}
+    return {"ms_one_token": round(one * 1000, 2), "ratio": {str(n): round(cost(n, 1) / one, 3) for n in sizes},
+            "profile": str(profile_dir() / f"{profile_key(target)}.json")}
 
 
 def machine_description(target=None) -> dict:
@@ -759,7 +766,7 @@ def machine_markdown(machine: dict) -> str:
             measured = "not measured (HF_DIFFSPEC_AUTO_PROFILE=0 and no profile: run `hf-diffspec profile`)"
         else:
             measured = ", ".join(f"n={n}: {r:.2f}" for n, r in curve["ratio"].items())
-            measured += f" (T_verify(1, 1) = {curve['ms_one_token']:.1f} ms)"
+            measured += f" (T_verify(1, 1) = {curve['ms_one_token']:.1f} ms; profile {curve['profile']})"
         lines.append(f"**Target:** {machine['dtype']} on {machine['target_device']}; verify cost "
                      f"T_verify(1, n) / T_verify(1, 1): {measured}")
     return "\n\n".join(lines)

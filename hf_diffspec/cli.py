@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from .bench import SPECULATIVE_METHODS
+from .bench import PEER_METHODS, SPECULATIVE_METHODS
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -32,18 +32,36 @@ def cmd_demo(args) -> None:
 
 def cmd_bench(args) -> None:
     from . import load_target
-    from .bench import build_method_drafters, markdown_table, plot, run_benchmark, summarize, write_json
+    from .bench import (
+        build_method_drafters, machine_description, machine_markdown, markdown_table, oracle_efficiency,
+        oracle_markdown_table, oracle_methods, plot, run_benchmark, summarize, write_json,
+    )
     from .drafters import shipped_drafter
     from .prompts import load_prompts, load_prompts_file
+    from .runtime.cost_model import VerifyCost
 
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise SystemExit(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
+    try:
+        taus = [float(t) for t in args.oracle_taus.split(",") if t.strip()] if args.oracle_taus else []
+    except ValueError:
+        raise SystemExit(f"--oracle-taus takes comma-separated numbers, got {args.oracle_taus!r}") from None
     torch.manual_seed(args.seed)
     target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
+    machine = machine_description(target)
+    print(machine_markdown(machine) + "\n")
     methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "ar"]
     try:
-        drafters = build_method_drafters(
-            methods, target, args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
-            dflash_length=args.dflash_length, num_branches=args.branches, tree_budget=args.tree_budget,
-            max_depth=args.tree_depth, branch_length=args.branch_length)
+        if taus:
+            drafters = oracle_methods(target, taus, drafts=args.oracle_drafts, seed=args.seed)
+        else:
+            drafters = build_method_drafters(
+                methods, target, args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
+                dflash_length=args.dflash_length, num_branches=args.branches, tree_budget=args.tree_budget,
+                max_depth=args.tree_depth, branch_length=args.branch_length, assistant_model=args.assistant_model,
+                prompt_lookup_tokens=args.pld_tokens)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from None
     if args.prompts_file:
@@ -51,19 +69,22 @@ def cmd_bench(args) -> None:
     else:
         domains = [d.strip() for d in args.domains.split(",") if d.strip()]
         prompts = load_prompts(domains, n_per_domain=args.prompts, tokenizer=tok)
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    except ValueError:
-        raise SystemExit(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
     rows = []
     for batch_size in batch_sizes:
         results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens, batch_size=batch_size)
         rows += summarize(results)
     print(markdown_table(rows))
+    extra = {}
+    if taus:
+        extra["oracle"] = oracle_efficiency(rows, drafters, VerifyCost.for_target(target))
+        print("\nLoop efficiency: an oracle drafter (the target's own greedy continuation, corrupted to the oracle "
+              "tau) through our loop; predicted = achieved tau x T_verify(rows, 1) / T_verify(rows, n), "
+              "efficiency = speedup vs ar / predicted\n")
+        print(oracle_markdown_table(extra["oracle"]))
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["drafter"] = args.drafter or str(shipped_drafter(args.target))
     if args.json:
-        write_json(args.json, rows, config)
+        write_json(args.json, rows, config, machine, **extra)
         print(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.plot)
@@ -238,7 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="tau, tokens/s and speedup per method and domain")
     bench.add_argument("--target", default=DEFAULT_TARGET)
     bench.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
-    bench.add_argument("--methods", default="ar,dflash", help=f"ar and any of {', '.join(SPECULATIVE_METHODS)}")
+    bench.add_argument("--methods", default="ar,dflash",
+                       help=f"ar and any of {', '.join(SPECULATIVE_METHODS)}; peers: {', '.join(PEER_METHODS)}")
+    bench.add_argument("--assistant-model", default=None,
+                       help="ar-assistant: the smaller model (name or path; default: the target's built-in sibling)")
+    bench.add_argument("--pld-tokens", type=int, default=10, help="pld: prompt_lookup_num_tokens")
+    bench.add_argument("--oracle-taus", default=None,
+                       help="loop efficiency instead of --methods: an oracle drafter at these tau, e.g. 2,4,8")
+    bench.add_argument("--oracle-drafts", type=int, default=None,
+                       help="oracle: drafts verified per step (default 2 x tau - 1)")
     bench.add_argument("--vp-drafter", default=None, help="VP drafter for d2sd (default: the shipped one)")
     bench.add_argument("--branches", type=int, default=4, help="D²SD: K prefix lengths re-drafted")
     bench.add_argument("--tree-budget", type=int, default=16, help="D²SD: most tree nodes verified per step")
@@ -248,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
     bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16")
+    bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16,64")
     bench.add_argument("--dflash-length", type=int, default=None,
                        help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

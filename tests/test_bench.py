@@ -178,3 +178,45 @@ def test_machine_record_says_when_no_profile_was_measured(tmp_path, monkeypatch)
     machine = machine_description(target_for_bench())
     assert machine["verify_cost_curve"] is None
     assert "not measured" in machine_markdown(machine)
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch, tmp_path):
+    """`hf-diffspec bench` on a tiny target: the loaders the command calls return the tiny target and prompts."""
+    import hf_diffspec
+    import hf_diffspec.prompts
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = target_for_bench()
+    monkeypatch.setattr(hf_diffspec, "load_target", lambda name, dtype=None, **kwargs: (target, CharTokenizer()))
+    monkeypatch.setattr(hf_diffspec.prompts, "load_prompts", lambda *args, **kwargs: PROMPTS[:2])
+    return target
+
+
+def test_bench_cli_prints_the_machine_first_and_reports_peers(tiny_cli, tmp_path, capsys):
+    from hf_diffspec.cli import main
+
+    out = tmp_path / "bench.json"
+    main(["bench", "--target", "tiny", "--drafter", "random", "--methods", "ar,dflash," + ",".join(PEER_METHODS),
+          "--max-new-tokens", "6", "--batch-sizes", "1,2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.index("**Machine:**") < printed.index("| method |")
+    payload = json.loads(out.read_text())
+    rows = {(r["method"], r["batch_size"], r["domain"]): r for r in payload["results"]}
+    assert rows[("pld", 1, "all")]["identical_to_ar"] and "batch size 1" in rows[("pld", 2, "all")]["skipped"]
+    assert "MASK embedding" in rows[("hf-dflash", 1, "all")]["skipped"]  # a random drafter owns its MASK too
+    assert "no smaller sibling" in rows[("ar-assistant", 1, "all")]["skipped"]
+    assert {"isa_flags", "native_bf16", "avx512", "amx", "dtype", "verify_cost_curve"} <= set(payload["machine"])
+
+
+def test_bench_cli_oracle_mode(tiny_cli, tmp_path, capsys):
+    from hf_diffspec.cli import main
+
+    save_profile(tiny_cli, {1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0}})
+    out = tmp_path / "oracle.json"
+    main(["bench", "--target", "tiny", "--oracle-taus", "2", "--max-new-tokens", "12", "--json", str(out)])
+    assert "| oracle tau |" in capsys.readouterr().out
+    oracle = json.loads(out.read_text())["oracle"]
+    assert [r["oracle_tau"] for r in oracle] == [2.0] and oracle[0]["efficiency"] is not None
+    with pytest.raises(SystemExit, match="oracle-taus"):
+        main(["bench", "--target", "tiny", "--oracle-taus", "two"])
