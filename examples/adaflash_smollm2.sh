@@ -23,5 +23,5 @@ hf-diffspec train length-head --init "$DRAFTER" --data "$RUNS/opd/round-0/data" 
 # 5. Per-domain acceptance before/after OPD (whole blocks verified), and throughput against batch size.
 hf-diffspec bench --methods dflash-block --drafter "$DRAFTER" --prompts 10 --json "$RUNS/eval_kd.json"
 hf-diffspec bench --methods dflash-block --drafter "$RUNS/opd/round-0/drafter" --prompts 10 --json "$RUNS/eval_opd.json"
-hf-diffspec bench --drafter "$RUNS/lenhead" --methods ar,dflash,dflash-block,dflash-adaptive,adaflash \
+hf-diffspec bench --drafter "$RUNS/lenhead" --methods ar,dflash-fixed,dflash-block,dflash,adaflash \
     --batch-sizes 1,4,16 --prompts 6 --json "$RUNS/batch_bench.json" --plot "$RUNS/batch_bench.png"

@@ -45,7 +45,8 @@ from .runtime.drafting import DiffusionCandidateGenerator, default_policy
 from .runtime.files import atomic_write, pad_token_id
 from .runtime.tree import CandidateTree
 
-SPECULATIVE_METHODS = ("dflash", "dflash-block", "dflash-adaptive", "adaflash", "d2sd", "d2sd-reuse", "d2sd-resample")
+SPECULATIVE_METHODS = ("dflash", "dflash-fixed", "dflash-block", "adaflash", "tree", "d2sd", "d2sd-reuse",
+                       "d2sd-resample")
 PEER_METHODS = ("pld", "hf-dflash", "zlab", "ar-assistant")
 #: built-in target -> the smaller model of its family that `ar-assistant` drafts with (same tokenizer)
 ASSISTANT_SIBLINGS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
@@ -130,11 +131,15 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
                           tree_budget: int = 16, max_depth: int = 8, branch_length: int = 4,
                           assistant_model=None, prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS) -> dict[str, Method]:
     """Method name -> `Method`, for `ar` and any of `SPECULATIVE_METHODS` and `PEER_METHODS`:
-    - `dflash`: the first drafter verifying a fixed number of drafts per step (`dflash_length`, default the
-      drafter's `num_draft_tokens`, else its whole block);
-    - `dflash-block`: the same drafter verifying its whole block every step, DFlash's own fixed length;
-    - `dflash-adaptive`: the same drafter, lengths chosen per step by the measured cost model from its confidences;
-    - `adaflash`: the same drafter, lengths chosen by the cost model from its length head's acceptance predictions;
+    - `dflash`: what `target.generate(**inputs, assistant_model=drafter)` does by default (its length head left
+      out): per step the measured cost model sizes the drafts from the drafter's confidences, and the policy decodes
+      plainly where speculation does not pay;
+    - `dflash-fixed`: the same drafter verifying a fixed number of drafts every step (`dflash_length`, default the
+      drafter's `num_draft_tokens`, else its whole block), always speculating;
+    - `dflash-block`: the same drafter verifying its whole block every step, DFlash's own fixed length (its tau is
+      the drafter's acceptance length, independent of how fast a machine verifies);
+    - `adaflash`: the default path with the drafter's length head sizing the drafts;
+    - `tree`: the default path drafting best-first trees of at most `tree_budget` nodes from the same single pass;
     - `d2sd` first + VP drafter, `d2sd-reuse` the first drafter re-drafting its own branches (the paper's
       DFlash -> DFlash ablation), `d2sd-resample` branches taken from the first pass's own distributions;
     - peers, see `peer_methods` (`assistant_model`, `prompt_lookup_tokens`).
@@ -156,10 +161,11 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
                          f"{', '.join(PEER_METHODS)}")
     needs_drafter = set(methods) & {*SPECULATIVE_METHODS, "hf-dflash", "zlab"}
     first = load_drafter(drafter, target, target_name) if needs_drafter else None
-    if {"dflash-adaptive", "adaflash"} & set(methods) and VerifyCost.for_target(target) is None:
+    if {"dflash", "adaflash", "tree"} & set(methods) and VerifyCost.for_target(target) is None:
         dtype = str(target.dtype).replace("torch.", "")
-        raise ValueError("dflash-adaptive and adaflash size drafts with the measured cost model: run "
-                         f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first")
+        raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
+                         f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first (or leave "
+                         "HF_DIFFSPEC_AUTO_PROFILE unset so that it is measured on first use)")
     tree = dict(num_branches=num_branches, tree_budget=tree_budget, max_depth=max_depth, branch_length=branch_length)
     peers = peer_methods([m for m in methods if m in PEER_METHODS], target, target_name, first,
                          assistant_model=assistant_model, prompt_lookup_tokens=prompt_lookup_tokens)
@@ -167,12 +173,12 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
     for method in methods:
         if method in peers:
             drafters[method] = peers[method]
-        elif method == "dflash":
+        elif method == "dflash-fixed":
             length = dflash_length or first.config.num_draft_tokens or first.config.block_size - 1
             drafters[method] = Method(first, {"num_assistant_tokens": length})
         elif method == "dflash-block":
             drafters[method] = Method(first, {"num_assistant_tokens": first.config.block_size - 1})
-        elif method in ("dflash-adaptive", "adaflash"):
+        elif method in ("dflash", "adaflash"):
             with_head = method == "adaflash"
             if with_head and first.length_head is None:
                 raise ValueError("adaflash needs a drafter with a trained length head: train one with `hf-diffspec "
@@ -181,6 +187,9 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
             if not with_head and first.length_head is not None:  # the same weights, the head left out
                 chosen = load_drafter(drafter, target, target_name, length_head=False)
             drafters[method] = Method(chosen)
+        elif method == "tree":
+            trees = load_drafter(drafter, target, target_name, length_head=False, draft_tree_budget=tree_budget)
+            drafters[method] = Method(trees)
         elif method == "d2sd-reuse":
             drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, **tree))
         elif method == "d2sd-resample":

@@ -43,7 +43,7 @@ def load_drafter(spec: str | None, target, target_name: str, block_size: int = 1
     """
     if spec == "random":
         torch.manual_seed(seed)
-        return DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size)
+        return DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size, **config_overrides)
     if spec is None:
         shipped = shipped_drafter(target_name)
         if shipped is None:

@@ -196,6 +196,7 @@ def tiny_cli(monkeypatch, tmp_path):
 def test_bench_cli_prints_the_machine_first_and_reports_peers(tiny_cli, tmp_path, capsys):
     from hf_diffspec.cli import main
 
+    save_profile(tiny_cli, {1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0}})  # `dflash` sizes drafts with it
     out = tmp_path / "bench.json"
     main(["bench", "--target", "tiny", "--drafter", "random", "--methods", "ar,dflash," + ",".join(PEER_METHODS),
           "--max-new-tokens", "6", "--batch-sizes", "1,2", "--json", str(out)])

@@ -47,7 +47,8 @@ def test_stop_strings_and_eos_on_smollm2(real_target):
     assert tok.decode(out[0, inputs["input_ids"].shape[1]:]).endswith("Paris")
 
 
-def test_bench_cli_writes_json_with_honest_fields(tmp_path, real_target, capsys):
+def test_bench_cli_writes_json_with_honest_fields(tmp_path, real_target, capsys, monkeypatch):
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "1")  # `dflash` sizes drafts with the cost model, as users get it
     out = tmp_path / "bench.json"
     main(["bench", "--drafter", "random", "--domains", "code", "--prompts", "2", "--max-new-tokens", "8",
           "--dtype", "fp32", "--batch-sizes", "1,2", "--json", str(out)])
