@@ -10,8 +10,7 @@ per second. At batch 1 with a flat cost curve it verifies long drafts; when veri
 rows, or a slow target) it verifies only the confident heads of the drafts. No hand-set concurrency gate.
 
 A quick profile (a few points, seconds) is measured automatically the first time a target speculates on a machine,
-dtype and thread count, and cached as JSON; the loop's own forwards refine it online. `hf-diffspec profile` measures
-the full grid. With HF_DIFFSPEC_AUTO_PROFILE=0 and no cached profile, drafts are verified at the drafter's configured
+dtype and thread count, and cached as JSON; `hf-diffspec profile` measures the full grid. With HF_DIFFSPEC_AUTO_PROFILE=0 and no cached profile, drafts are verified at the drafter's configured
 length and a warning says how to measure one.
 """
 
@@ -105,8 +104,7 @@ def _interpolate(points: dict[int, float], x: float) -> float:
 
 class VerifyCost:
     """T_verify(n, rows): seconds of one target forward over `rows` x n tokens, interpolated from a measured profile
-    {rows: {n: seconds}} (linear in n, then linear in rows). `observe` refines it with the loop's own forwards, so
-    batch sizes the quick profile did not measure become measured as they are used."""
+    {rows: {n: seconds}} (linear in n, then linear in rows)."""
 
     def __init__(self, costs: dict[int, dict[int, float]]):
         self.costs = costs
@@ -139,15 +137,10 @@ class VerifyCost:
     def __call__(self, n: int, rows: int = 1) -> float:
         return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
 
-    def observe(self, n: int, rows: int, seconds: float) -> None:
-        """One verify forward of `rows` x `n` tokens took `seconds` in the loop: blend it into the profile."""
-        row = self.costs.setdefault(rows, {})
-        row[n] = seconds if n not in row else 0.9 * row[n] + 0.1 * seconds
 
-
-_loaded: dict[str, tuple[int, VerifyCost]] = {}  # profiles in use by this process (by file and mtime), refined online
+_loaded: dict[str, tuple[int, VerifyCost]] = {}  # profiles in use by this process (by file and mtime)
 # what a first run measures before speculating (seconds); `hf-diffspec profile` measures the full grid
-QUICK_PROFILE = dict(sizes=(1, 2, 4, 8, 16), batches=(1, 4), context_length=128, repeats=2)
+QUICK_PROFILE = dict(sizes=(1, 2, 4, 8, 16), batches=(1, 4, 16), context_length=128, repeats=1)
 
 
 _warned: set[str] = set()

@@ -181,8 +181,6 @@ def speculative_generate(
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
         out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                     cache=cache, use_cache=True, output_hidden_states=layers)
-        t2 = time.perf_counter()
-        policy.record_verify(tokens.shape[1], rows, t2 - t1)
         stats.target_forwards += 1
         stats.verified_tokens += sum(len(t) for t in trees)
         stats.verified_slots += tokens.numel()

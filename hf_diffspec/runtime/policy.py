@@ -45,11 +45,6 @@ class DraftLengthPolicy:
         if self.gate is not None:
             self.gate.record(speculated, rows, committed, seconds)
 
-    def record_verify(self, n: int, rows: int, seconds: float) -> None:
-        """A verify forward of `rows` x `n` tokens took `seconds`: refines the measured cost model."""
-        if self.verify_cost is not None:
-            self.verify_cost.observe(n, rows, seconds)
-
     @property
     def uses_cost_model(self) -> bool:
         """True when the length is chosen per step from reach probabilities (drafting must provide them)."""
