@@ -184,9 +184,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
             return [self._root_only(root) for root in root_tokens]
         start = time.perf_counter()
-        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
-        positions = torch.tensor(root_positions, device=roots.device)
-        draft_hidden = self.first.draft_block(roots, positions, self.block_size)[:, 1:]
+        _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         if self.policy.uses_cost_model and self.length_head is not None:
             # the head sizes the drafts from hidden states: only the slots to verify go through the LM head
             self.policy.record_draft_time(time.perf_counter() - start)
@@ -209,6 +207,13 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             trees.append(CandidateTree.chain(root_tokens[row], drafts[row, :k], confidences=confidences[row, :k],
                                              draft_probs=draft_probs))
         return trees
+
+    def _draft_block(self, root_tokens: list[int], root_positions: list[int]):
+        """One first-drafter pass over `[anchor, MASK...]` per row: (anchors, their positions, hidden states of the
+        block's draft slots (rows, block - 1, hidden))."""
+        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
+        positions = torch.tensor(root_positions, device=roots.device)
+        return roots, positions, self.first.draft_block(roots, positions, self.block_size)[:, 1:]
 
     def _root_only(self, root: int) -> CandidateTree:
         return CandidateTree.chain(root, torch.empty(0, dtype=torch.long, device=self.first.drafter.device))
@@ -262,9 +267,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         sample = self.sample_temperature is not None
         rows = len(root_tokens)
         start = time.perf_counter()
-        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
-        positions = torch.tensor(root_positions, device=roots.device)
-        draft_hidden = self.first.draft_block(roots, positions, self.block_size)[:, 1:]
+        roots, positions, draft_hidden = self._draft_block(root_tokens, root_positions)
         probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
         # a row with no room left (limit 0) plans no branches and verifies its root alone
         plans = [plan_branches(probs[r, : limits[r]], config.num_branches, sample) if limits[r] > 0
@@ -310,9 +313,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         config = self.first.drafter.config
         rows = len(root_tokens)
         start = time.perf_counter()
-        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
-        positions = torch.tensor(root_positions, device=roots.device)
-        draft_hidden = self.first.draft_block(roots, positions, self.block_size)[:, 1:]
+        _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
         self.policy.record_draft_time(time.perf_counter() - start)
 
