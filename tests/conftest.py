@@ -34,3 +34,12 @@ def speculate_every_step(request, monkeypatch):
         from hf_diffspec.runtime.policy import SpeculationGate
 
         monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: True)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and far slower on several when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

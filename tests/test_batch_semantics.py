@@ -9,42 +9,23 @@ B: rows stopped by a stopping criterion with no EOS criterion: plain `generate` 
 import pytest
 import torch
 from transformers import EosTokenCriteria, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
-from differential import char_tokenizer
+from differential import RecordingStreamer, char_tokenizer
 from helpers import tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models: one thread is faster than several and leaves the other cores alone
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def models(one_thread):
+def models(one_torch_thread):
     target = tiny_target("llama", seed=0, vocab_size=VOCAB)
     return target, tiny_drafter(target, block_size=4)
 
 
 def prompts(rows: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(2, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-class Recorder(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.tolist())
-
-    def end(self):
-        self.ended = True
 
 
 class StopOnToken(StoppingCriteria):
@@ -97,7 +78,7 @@ def test_a_scores_at_batch_2_without_padding_have_the_batch_shape_or_are_refused
 
 
 def _streamed(target, drafter, ids, mask):
-    streamer = Recorder()
+    streamer = RecordingStreamer()
     kwargs = dict(max_new_tokens=4, do_sample=False, streamer=streamer)
     if mask is not None:
         kwargs["attention_mask"] = mask
@@ -109,7 +90,7 @@ def _streamed(target, drafter, ids, mask):
 
 
 def _plain_chunks(target, ids, mask):
-    streamer = Recorder()
+    streamer = RecordingStreamer()
     target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, streamer=streamer)
     return streamer.chunks
 

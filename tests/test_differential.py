@@ -9,6 +9,8 @@ The long run (`python tests/differential.py --cases 1000 --seed 0`) covers many 
 import pytest
 import torch
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 from differential import make_case, run_case
 
 SEED = 1
@@ -27,15 +29,6 @@ def _numbers(sampling: bool, count: int) -> list[int]:
             found.append(number)
         number += 1
     return found
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models: one thread is faster than several and leaves the other cores alone
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _check(number: int):

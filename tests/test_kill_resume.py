@@ -29,7 +29,8 @@ from hf_diffspec.trainers.pipeline import last_complete_checkpoint, run_opd, tra
 from differential import char_tokenizer
 from helpers import tiny_target
 
-pytestmark = pytest.mark.skipif(os.name != "posix", reason="SIGKILL is POSIX")
+pytestmark = [pytest.mark.skipif(os.name != "posix", reason="SIGKILL is POSIX"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 TESTS = Path(__file__).resolve().parent
 VOCAB = 96
@@ -61,15 +62,6 @@ def train_config(out, **kw) -> DrafterTrainingArguments:
 def opd_config(out, init) -> OnPolicyDistillationConfig:
     return OnPolicyDistillationConfig(output_dir=str(out), init=str(init), rounds=2, samples_per_round=2,
                                       max_new_tokens=8, max_steps=2, save_steps=1, **TRAIN)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and far slower on several when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----- the killed runs (subprocesses) -------------------------------------------------------------------------------
