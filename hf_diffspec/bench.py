@@ -41,6 +41,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from .drafters import load_drafter, shipped_drafter
+from .machine import cpu_record
 from .runtime.drafting import DiffusionCandidateGenerator, default_policy
 from .runtime.files import atomic_write, pad_token_id
 from .runtime.tree import CandidateTree
@@ -708,28 +709,6 @@ def markdown_table(rows: list[dict]) -> str:
 
 # ----- the machine record ---------------------------------------------------------------------------------------
 
-#: /proc/cpuinfo flags that decide how a forward over several tokens costs against a one-token forward
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-             "amx_int8", "asimd", "sve", "bf16")
-
-
-def _cpu_record() -> tuple[str, list[str]]:
-    """CPU model name and which of `ISA_FLAGS` it has (x86 `flags`, Arm `Features`)."""
-    model, flags = None, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and model is None:
-                model = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    cpu = model or platform.processor() or platform.machine()
-    return cpu, [f for f in ISA_FLAGS if f in flags]
-
-
 def verify_cost_curve(target, sizes=CURVE_SIZES) -> dict | None:
     """T_verify(1, n) / T_verify(1, 1) for n in `sizes` from the target's verify-cost profile (measured now, once,
     when this machine has none), T_verify(1, 1) in ms and the profile's file (`hf-diffspec profile` re-measures it);
@@ -747,7 +726,7 @@ def verify_cost_curve(target, sizes=CURVE_SIZES) -> dict | None:
 def machine_description(target=None) -> dict:
     """What decides the result: CPU model and ISA features, GPU, threads, versions; with `target`, its device and
     dtype and its measured verify-cost curve."""
-    cpu, isa = _cpu_record()
+    cpu, isa = cpu_record()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     machine = {
         "cpu": cpu, "cpu_count": os.cpu_count(), "isa_flags": isa,

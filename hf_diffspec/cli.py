@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from .bench import PEER_METHODS, SPECULATIVE_METHODS
+from .machine import fast_bf16
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -118,7 +119,9 @@ class TargetArguments:
     """The target a `hf-diffspec train` command loads (the training configuration is its own dataclass)."""
 
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "Built-in target name, model folder or Hub id."})
-    dtype: Literal["bf16", "bfloat16", "fp32", "float32"] = field(default="bf16", metadata={"help": "Target dtype."})
+    dtype: Literal["auto", "bf16", "bfloat16", "fp32", "float32"] = field(
+        default="auto", metadata={"help": "Target dtype (auto: bf16 where it is native, else fp32)."}
+    )
     device: str | None = field(default=None, metadata={"help": "Device of the target, e.g. cuda (default: cpu)."})
 
 
@@ -147,7 +150,8 @@ def cmd_train(args) -> None:
         config = args.config_class(**{f.name: getattr(args, f.name) for f in fields(args.config_class) if f.init})
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if fast_bf16(args.device) else torch.float32)
+    target, tok = load_target(args.target, dtype=dtype, device=args.device)
     command = "hf-diffspec " + " ".join(sys.argv[1:])
     if args.train_command == "opd":
         prompts = on_policy_prompts(args.prompts_file, seed=config.seed, skip=args.skip)

@@ -126,6 +126,25 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     assert fast.should_speculate(16)  # another batch size is measured anew
 
 
+def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
+    """What one call measured (speculation loses here) is where the next call starts, so it does not pay for the
+    probes again; another target, thread count or method starts afresh."""
+    from hf_diffspec.runtime.drafting import candidate_generator_for
+
+    target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
+    drafter = tiny_drafter(target, block_size=4)
+    gate = candidate_generator_for(drafter, target).policy.gate
+    assert candidate_generator_for(drafter, target).policy.gate is gate
+    assert candidate_generator_for(drafter, other).policy.gate is not gate
+    assert candidate_generator_for(drafter, target, num_draft_tokens=2).policy.gate is None  # fixed: no gate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert candidate_generator_for(drafter, target).policy.gate is not gate
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.speculation_gate
 @pytest.mark.parametrize("seed", [0, 1])
 def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, seed):

@@ -117,6 +117,24 @@ def test_block_mask_sees_strictly_earlier_context_and_its_own_block_only():
     assert allowed[3:, 6:].tolist() == [[False] * 3 + [True] * 3] * 3
 
 
+def test_target_consistent_labels_stop_at_the_first_disagreement():
+    """A slot is supervised only while the text between the anchor and it is the target's own greedy choice."""
+    from hf_diffspec.trainers.block_diffusion import BlockDiffusionTrainer
+
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    labels_at = torch.tensor([[0, 6, 7, 1, 9, 10]])  # the target would have written 1 where the text has 8
+    slots = torch.tensor([[[0, 1, 2, 3], [2, 3, 4, 5]]])  # blocks anchored at 0 and 2
+    given = torch.zeros_like(slots, dtype=torch.bool)
+    given[..., 0] = True  # the anchor itself
+    consistent = BlockDiffusionTrainer.consistent_with_target(input_ids, labels_at, slots, given)
+    # anchor 0: text 6, 7 agree, so slot 3's label follows the target's chain; anchor 2: 8 disagrees at slot 1,
+    # so slot 1 (the target's choice after 7: the first token, always its own) is kept and slots 2, 3 are not
+    assert consistent.tolist() == [[[True, True, True, True], [True, True, False, False]]]
+    given[0, 1, 1] = True  # a real prefix token (variable-prefix blocks) is given, not drafted: it never disagrees
+    consistent = BlockDiffusionTrainer.consistent_with_target(input_ids, labels_at, slots, given)
+    assert consistent[0, 1].tolist() == [True, True, True, True]
+
+
 def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer, tmp_path):
     target, data = target_and_data
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -298,3 +316,13 @@ def test_a_checkpoint_missing_its_length_head_says_so(tmp_path):
         hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
     plain = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "d", target=target, length_head=False)
     assert plain.length_head is None
+
+
+def test_bf16_training_is_the_default_only_where_bf16_is_native(monkeypatch, tmp_path):
+    """Emulated bf16 (a CPU without AVX512-BF16/AMX) trains many times slower than fp32, so it is not the default."""
+    from hf_diffspec.trainers import configs
+
+    for native in (False, True):
+        monkeypatch.setattr(configs, "fast_bf16", lambda device=None, native=native: native)
+        assert configs.DrafterTrainingArguments(output_dir=str(tmp_path), use_cpu=True).bf16 is native
+    assert configs.DrafterTrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=False).bf16 is False

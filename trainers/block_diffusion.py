@@ -208,8 +208,19 @@ class BlockDiffusionTrainer(Trainer):
         # slots to learn: after the prefix, inside the sequence, on response tokens, of real anchors
         slot_loss_mask = loss_mask.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
         selected = (~is_real) & in_range & slot_loss_mask & anchor_mask[:, :, None]
+        if self.args.target_consistent_labels:
+            selected &= self.consistent_with_target(input_ids, labels_at, slot_positions, is_real | ~in_range)
         labels = labels_at.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
         return BlockForward(hidden, labels, selected, prefix, slot_positions, target_logits)
+
+    @staticmethod
+    def consistent_with_target(input_ids, labels_at, slot_positions, given) -> torch.Tensor:
+        """(B, n, size) True where every token between the anchor (and its `given` real prefix) and the slot is the
+        target's own greedy choice, so that the slot's label is what greedy verification from the anchor accepts."""
+        agrees = (input_ids == labels_at).gather(1, slot_positions.flatten(1)).view_as(slot_positions) | given
+        consistent = torch.ones_like(agrees)
+        consistent[..., 1:] = torch.cumprod(agrees[..., :-1].long(), -1).bool()
+        return consistent
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         blocks = self.block_forward(model, inputs)

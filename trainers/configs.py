@@ -13,6 +13,8 @@ import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import SchedulerType
 
+from hf_diffspec.machine import fast_bf16
+
 
 @dataclass
 class DrafterTrainingArguments(TrainingArguments):
@@ -40,7 +42,12 @@ class DrafterTrainingArguments(TrainingArguments):
     )
     logging_steps: float = field(default=10, metadata={"help": "Log loss, train_tau and accuracy every N steps."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Trainer checkpoints kept under OUT/checkpoints."})
-    bf16: bool = field(default=True, metadata={"help": "Train in bfloat16 mixed precision."})
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "Train in bfloat16 mixed precision (default: where bf16 is native: a CUDA GPU that supports "
+                          "it, a CPU with AVX512-BF16/AMX; elsewhere torch emulates it and training is over 10x "
+                          "slower than fp32)."},
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the weights' initialisation, the anchors and the data order."})
     report_to: None | str | list[str] = field(default="none", metadata={"help": "Experiment trackers to log to."})
     remove_unused_columns: bool = field(
@@ -74,6 +81,13 @@ class DrafterTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Decay of the position weights exp(-(k-1)/decay) (default: DFlash's for the block size)."},
     )
+    target_consistent_labels: bool = field(
+        default=True,
+        metadata={"help": "Supervise a block slot only while the text from the anchor to it is the target's own greedy "
+                          "continuation: deeper slots after the first disagreement are labelled with the target's "
+                          "choice after text it would not have written, which verification never accepts "
+                          "(--no-target-consistent-labels keeps them, as DFlash does)."},
+    )
 
     # ----- running ------------------------------------------------------------------------------------------------
     time_budget_minutes: float | None = field(
@@ -92,6 +106,8 @@ class DrafterTrainingArguments(TrainingArguments):
     def __post_init__(self):
         if self.use_cpu is None:
             self.use_cpu = not torch.cuda.is_available()
+        if self.bf16 is None:
+            self.bf16 = fast_bf16("cpu" if self.use_cpu else None)
         super().__post_init__()
 
 

@@ -23,7 +23,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .best_first_tree import build_best_first_tree
 from .cost_model import VerifyCost
-from .policy import DraftLengthPolicy
+from .policy import DraftLengthPolicy, speculation_gate_for
 from .prefix_tree import build_prefix_tree, plan_branches
 from .tree import CandidateTree
 
@@ -329,9 +329,10 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
                          "(or set drafter.config.draft_tree_budget = None)")
 
 
-def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None) -> DraftLengthPolicy:
+def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None, method: str = "chain") -> DraftLengthPolicy:
     """The draft-length policy for `drafter` on `target`: `fixed` drafts per step when given, else the measured cost
-    model when this machine has a profile for the target, else the drafter's configured length."""
+    model when this machine has a profile for the target, else the drafter's configured length. `method` names the
+    candidate generator, whose speculation gate persists across calls."""
     config = first_drafter(drafter).config
     is_dual = drafter.config.model_type == "dual_diffusion_drafter"
     # trees (D²SD, best-first) are sized by their node budget and the cost model, not by a chain length
@@ -343,6 +344,7 @@ def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None) -
         verify_cost=VerifyCost.for_target(target) if fixed is None else None,
         tree_depth=tree_depth,
         max_positions=getattr(target.config.get_text_config(), "max_position_embeddings", None),
+        gate=speculation_gate_for(drafter, target, method) if fixed is None else None,
     )
 
 
@@ -358,4 +360,5 @@ def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: 
         cls = BestFirstTreeCandidateGenerator
     else:
         cls = DiffusionCandidateGenerator
-    return cls(drafter, target, default_policy(drafter, target, num_draft_tokens), sample_temperature, max_length)
+    policy = default_policy(drafter, target, num_draft_tokens, method=cls.__name__)
+    return cls(drafter, target, policy, sample_temperature, max_length)

@@ -7,14 +7,20 @@
 - neither: the drafter's configured `num_draft_tokens` (a one-time warning says how to measure a profile).
 
 And whether to speculate at all: unless the length is fixed, each step is either a speculative step or a plain decode
-step (the anchor alone, no drafter forward). The policy measures both on this machine, in this call, per batch size:
-tokens committed per second of whole loop steps. It speculates while that beats plain decoding and otherwise decodes
-plainly, probing speculation again after 1, 2, 4, ... 64 plain steps (acceptance changes with the text). So a weak
+step (the anchor alone, no drafter forward). The policy measures both on this machine, per batch size: tokens
+committed per second of whole loop steps. It speculates while that beats plain decoding and otherwise decodes
+plainly, probing speculation again after 1, 2, 4, ... 64 plain steps (acceptance changes with the text). The
+measurements outlive one `generate` call (`speculation_gate_for`: one gate per drafter, target, dtype, thread count
+and method), so a second call starts from what the first learned instead of paying for the probes again. So a weak
 drafter, a slow verify (a CPU without native bf16) or a compute-bound batch never costs more than the probes.
 
 Every answer is capped by what is left to generate and by the target's context. Losslessness never depends on the
 answer: the target alone picks every committed token.
 """
+
+import weakref
+
+import torch
 
 from .cost_model import VerifyCost, best_node_count
 
@@ -26,7 +32,7 @@ class DraftLengthPolicy:
 
     def __init__(self, block_size: int, default_length: int | None = None, fixed: int | None = None,
                  verify_cost: VerifyCost | None = None, tree_depth: int | None = None,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, gate: "SpeculationGate | None" = None):
         self.block_size = block_size
         self.fixed = fixed
         self.verify_cost = verify_cost if fixed is None else None
@@ -34,7 +40,7 @@ class DraftLengthPolicy:
         self.tree_depth = tree_depth
         self.max_positions = max_positions
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
-        self.gate = SpeculationGate() if fixed is None else None
+        self.gate = (gate or SpeculationGate()) if fixed is None else None
 
     def should_speculate(self, rows: int) -> bool:
         """Draft this step (True), or decode plainly (False)? Always True with a fixed length."""
@@ -123,3 +129,16 @@ class SpeculationGate:
             self.backoff[rows] = min(2 * self.backoff.get(rows, 1), self.max_backoff)
         else:
             self.backoff[rows] = 1
+
+
+_GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def speculation_gate_for(drafter, target, method: str) -> SpeculationGate:
+    """The gate that `drafter` decoding for `target` with `method` keeps across `generate` calls. Its measurements
+    hold for one setup only: a new target, dtype, device or thread count gets a new gate."""
+    key = (id(target), target.dtype, target.device, torch.get_num_threads(), method)
+    gates = _GATES.setdefault(drafter, {})
+    if key not in gates:
+        gates[key] = SpeculationGate()
+    return gates[key]
