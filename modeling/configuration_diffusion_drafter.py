@@ -60,6 +60,13 @@ class DiffusionDrafterConfig(PreTrainedConfig):
             `draft_vocab_ids` buffer (sorted; e.g. the most frequent tokens of the training data). Only their rows of
             the target's LM head are computed, which is most of a draft's cost on a CPU; a token outside the subset is
             never drafted, so verification stays exact. `None` (default): the full vocabulary.
+        block_conv (`bool`): DFlash 2's grouped dynamic causal convolution over the block's positions, before and after
+            every attention and MLP sublayer: out_t = sum_o (base[o] + delta_t[o, group]) * x_{t-o}, o < kernel,
+            zero-padded at the block's start, delta_t a bias-free projection of the sublayer's normed input. It lets a
+            slot see what the slots before it became, so the block is drafted coherently. Initialised as an exact
+            no-op, so a DFlash drafter is the special case. Default False.
+        block_conv_kernel (`int`): positions each convolution reaches back (DFlash 2: 2).
+        block_conv_group_size (`int`): channels sharing one dynamic weight (DFlash 2: 16); divides hidden_size.
     """
 
     model_type = "diffusion_drafter"
@@ -92,6 +99,9 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         draft_tree_budget: int | None = None,
         draft_tree_width: int = 4,
         draft_vocab_size: int | None = None,
+        block_conv: bool = False,
+        block_conv_kernel: int = 2,
+        block_conv_group_size: int = 16,
         **kwargs,
     ):
         if block_size < 2:
@@ -144,6 +154,14 @@ class DiffusionDrafterConfig(PreTrainedConfig):
                 f"got {draft_vocab_size}"
             )
         self.draft_vocab_size = draft_vocab_size
+        if block_conv and (block_conv_kernel < 1 or hidden_size % block_conv_group_size):
+            raise ValueError(
+                f"block_conv needs block_conv_kernel >= 1 and block_conv_group_size dividing hidden_size={hidden_size}, "
+                f"got kernel {block_conv_kernel} and group size {block_conv_group_size}"
+            )
+        self.block_conv = bool(block_conv)
+        self.block_conv_kernel = block_conv_kernel
+        self.block_conv_group_size = block_conv_group_size
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

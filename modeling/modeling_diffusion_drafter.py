@@ -127,6 +127,33 @@ class DiffusionDrafterMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class DiffusionDrafterBlockConv(nn.Module):
+    """DFlash 2's grouped dynamic causal convolution over the positions of each block (see `block_conv` in the
+    config). Queries arrive as whole blocks of `block_size` positions, one after another."""
+
+    def __init__(self, config: DiffusionDrafterConfig):
+        super().__init__()
+        self.config = config  # block_size is read per call: a trainer may change it on a loaded drafter
+        self.kernel = config.block_conv_kernel
+        self.group_size = config.block_conv_group_size
+        self.base = nn.Parameter(torch.zeros(self.kernel, config.hidden_size))  # base[0] = 1: identity (_init_weights)
+        self.delta = nn.Linear(config.hidden_size, self.kernel * config.hidden_size // self.group_size, bias=False)
+
+    def forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        batch, q_len, hidden = x.shape
+        size = self.config.block_size
+        if q_len % size:
+            raise ValueError(f"block_conv needs whole blocks of {size} positions, got {q_len}")
+        blocks = x.view(batch, -1, size, hidden)
+        delta = self.delta(normed).view(batch, -1, size, self.kernel, hidden // self.group_size)
+        delta = delta.repeat_interleave(self.group_size, dim=-1)
+        out = torch.zeros_like(blocks)
+        for offset in range(self.kernel):  # x_{t - offset}, zero before the block's first position
+            shifted = F.pad(blocks, (0, 0, offset, 0))[:, :, :size]
+            out = out + (self.base[offset] + delta[..., offset, :]) * shifted
+        return out.view(batch, q_len, hidden)
+
+
 class DiffusionDrafterDecoderLayer(nn.Module):
     def __init__(self, config: DiffusionDrafterConfig, layer_idx: int):
         super().__init__()
@@ -134,12 +161,22 @@ class DiffusionDrafterDecoderLayer(nn.Module):
         self.mlp = DiffusionDrafterMLP(config)
         self.input_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # DFlash 2: a convolution before (prepare) and after (finish) each sublayer; None for DFlash
+        convs = 4 if config.block_conv else 0
+        self.block_convs = nn.ModuleList(DiffusionDrafterBlockConv(config) for _ in range(convs)) if convs else None
+
+    def _sublayer(self, index: int, sublayer, normed: torch.Tensor) -> torch.Tensor:
+        if self.block_convs is None:
+            return sublayer(normed)
+        prepare, finish = self.block_convs[2 * index], self.block_convs[2 * index + 1]
+        return finish(sublayer(prepare(normed, normed)), normed)
 
     def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None, extend_cache=True):
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), context, cos, sin, attention_mask, cache, extend_cache
-        )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        def attend(x):
+            return self.self_attn(x, context, cos, sin, attention_mask, cache, extend_cache)
+
+        hidden_states = hidden_states + self._sublayer(0, attend, self.input_layernorm(hidden_states))
+        return hidden_states + self._sublayer(1, self.mlp, self.post_attention_layernorm(hidden_states))
 
 
 class DiffusionDrafterLengthHead(nn.Module):
@@ -189,6 +226,10 @@ class DiffusionDrafterPreTrainedModel(PreTrainedModel):
         elif isinstance(module, DiffusionDrafterRotaryEmbedding):
             # a non-persistent buffer: from_pretrained materialises it empty, so it is (re)computed here
             module.inv_freq.copy_(module.compute_inv_freq(self.config))
+        elif isinstance(module, DiffusionDrafterBlockConv):  # an exact no-op until trained
+            module.base.zero_()
+            module.base[0].fill_(1.0)
+            module.delta.weight.zero_()
         elif isinstance(module, DiffusionDrafter) and module.mask_embedding is not None:
             module.mask_embedding.normal_(0.0, std)
 
@@ -327,6 +368,7 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         if target is not None:
             kwargs.setdefault("dtype", target.dtype)
         wants_info = kwargs.pop("output_loading_info", False)
+        adding_block_conv = bool(kwargs.get("block_conv"))  # a DFlash checkpoint turned into a DFlash 2 one
         # mismatched shapes are reported below, naming the tensors
         kwargs.setdefault("ignore_mismatched_sizes", True)
         try:
@@ -342,6 +384,9 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             ) from error
         # a drafter with randomly initialised parts would draft garbage silently: refuse incomplete checkpoints
         broken = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+        if adding_block_conv:  # new convolutions start as exact no-ops (_init_weights): the drafter is unchanged
+            broken["missing_keys"] = [k for k in broken.get("missing_keys", []) if ".block_convs." not in k]
+            broken = {k: v for k, v in broken.items() if v}
         missing_head = [k for k in broken.get("missing_keys", []) if k.startswith("length_head.")]
         if missing_head:
             raise OSError(

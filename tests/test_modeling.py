@@ -69,6 +69,37 @@ def test_save_and_load_round_trip_gives_identical_drafts(tmp_path):
     assert AutoConfig.from_pretrained(tmp_path).block_size == 6
 
 
+def test_block_conv_starts_as_an_exact_no_op_and_reaches_back_within_the_block_only(tmp_path):
+    """DFlash 2's causal convolution: a DFlash checkpoint loaded with block_conv=True drafts exactly as before; once
+    trained, position t mixes in x_{t-1} of its own block and nothing of the next block."""
+    from hf_diffspec.modeling.modeling_diffusion_drafter import DiffusionDrafterBlockConv
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.save_pretrained(tmp_path)
+    with_conv = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target, block_conv=True)
+    assert len(with_conv.layers[0].block_convs) == 4  # before and after attention and MLP
+    noise = torch.randn(2, 8, drafter.config.hidden_size)
+    context = torch.randn(2, 5, drafter.fc.in_features)
+    same = [m(noise_embeds=noise, context_hidden_states=context).last_hidden_state for m in (drafter, with_conv)]
+    assert torch.equal(same[0], same[1])
+
+    conv = with_conv.layers[0].block_convs[0]
+    assert isinstance(conv, DiffusionDrafterBlockConv)
+    with torch.no_grad():
+        conv.base[1].fill_(0.5)
+        conv.delta.weight.normal_()
+    x = torch.randn(1, 8, drafter.config.hidden_size)  # two blocks of 4
+    later = x.clone()
+    later[:, 2] += 1.0
+    moved = (conv(later, x) - conv(x, x)).abs().sum(-1)[0]
+    assert moved[2] > 0 and moved[3] > 0  # the position itself and the next one
+    assert moved[[0, 1, 4, 5, 6, 7]].eq(0).all()  # nothing earlier, nothing in the next block
+    with pytest.raises(ValueError, match="block_conv_group_size"):
+        hf_diffspec.DiffusionDrafterConfig(block_conv=True, hidden_size=40, block_conv_group_size=16,
+                                           num_attention_heads=4, num_key_value_heads=4)
+
+
 def test_corrupt_or_partial_checkpoints_are_refused(tmp_path):
     target = tiny_target("llama")
     tiny_drafter(target).save_pretrained(tmp_path)

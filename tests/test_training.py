@@ -326,3 +326,17 @@ def test_bf16_training_is_the_default_only_where_bf16_is_native(monkeypatch, tmp
         monkeypatch.setattr(configs, "fast_bf16", lambda device=None, native=native: native)
         assert configs.DrafterTrainingArguments(output_dir=str(tmp_path), use_cpu=True).bf16 is native
     assert configs.DrafterTrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=False).bf16 is False
+
+
+def test_block_conv_is_added_to_a_dflash_drafter_and_trained(target_and_data, tokenizer, tmp_path):
+    """--block-conv on --init: the DFlash drafter gains DFlash 2's convolutions (no-ops at first) and trains them."""
+    target, data = target_and_data
+    cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "dflash"), num_layers=1, block_size=4, num_anchors=8,
+                                   per_device_train_batch_size=2, max_steps=2, learning_rate=3e-3, bf16=False,
+                                   save_steps=1000)
+    first = train_drafter(target, tokenizer, "tiny", [str(data)], cfg, command="test")
+    cfg2 = replace(cfg, output_dir=str(tmp_path / "dflash2"), init=str(first), block_conv=True, max_steps=3)
+    second = hf_diffspec.DiffusionDrafter.from_pretrained(
+        train_drafter(target, tokenizer, "tiny", [str(data)], cfg2, command="test"), target=target)
+    assert second.config.block_conv
+    assert any(conv.delta.weight.abs().sum() > 0 for conv in second.layers[0].block_convs)

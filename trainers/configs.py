@@ -70,6 +70,11 @@ class DrafterTrainingArguments(TrainingArguments):
     init_from_target_layers: bool = field(
         default=False, metadata={"help": "Start a new drafter's layers from evenly spaced target decoder layers."}
     )
+    block_conv: bool = field(
+        default=False,
+        metadata={"help": "DFlash 2's causal convolution over block positions: in a new drafter, or added to --init "
+                          "as an exact no-op that training then shapes."},
+    )
     lora: bool = field(default=False, metadata={"help": "LoRA fine-tuning of --init through peft."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (alpha is twice the rank)."})
 

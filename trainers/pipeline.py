@@ -46,12 +46,13 @@ def trainer_class_for(args: DrafterTrainingArguments) -> type[BlockDiffusionTrai
 def build_drafter(target, args: DrafterTrainingArguments) -> DiffusionDrafter:
     """The drafter to train: `args.init` loaded, or a new one sized to `target`, in float32."""
     if args.init:
-        drafter = DiffusionDrafter.from_pretrained(args.init, target=target, dtype=torch.float32)
+        overrides = {"block_conv": True} if args.block_conv else {}
+        drafter = DiffusionDrafter.from_pretrained(args.init, target=target, dtype=torch.float32, **overrides)
         if drafter.config.block_size != args.block_size:
             drafter.config.block_size = args.block_size  # a block-diffusion drafter can be trained on other sizes
     else:
         drafter = DiffusionDrafter.from_target(target, num_hidden_layers=args.num_layers,
-                                               block_size=args.block_size).float()
+                                               block_size=args.block_size, block_conv=args.block_conv).float()
         if args.init_from_target_layers:
             copy_target_layers(drafter, target)
     drafter.config.draft_role = "variable_prefix" if isinstance(args, VariablePrefixConfig) else "first"
