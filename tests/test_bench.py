@@ -13,9 +13,10 @@ import torch
 from transformers import BatchEncoding
 
 from hf_diffspec.bench import (
-    ISA_FLAGS, PEER_METHODS, Method, machine_description, machine_markdown, markdown_table, oracle_acceptance,
+    PEER_METHODS, Method, machine_description, machine_markdown, markdown_table, oracle_acceptance,
     oracle_efficiency, oracle_markdown_table, oracle_methods, peer_methods, run_benchmark, summarize,
 )
+from hf_diffspec.machine import ISA_FLAGS
 from hf_diffspec.runtime.cost_model import VerifyCost, save_profile
 from helpers import tiny_drafter, tiny_target
 
