@@ -22,7 +22,7 @@ from hf_diffspec.runtime.cost_model import VerifyCost
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--target", default="smollm2-135m-instruct")
 parser.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
-parser.add_argument("--sizes", default="2,4,8,16", help="nodes verified per step (anchor included)")
+parser.add_argument("--sizes", default="2,4,8,16", help="nodes verified per step, anchor included (>= 2)")
 parser.add_argument("--domains", default="code,math,chat")
 parser.add_argument("--prompts", type=int, default=1, help="prompts per domain")
 parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -36,7 +36,8 @@ block = chain.config.block_size
 methods = {}
 for n in sizes:
     methods[f"chain-{n}"] = Method(chain, {"num_assistant_tokens": n - 1})
-    tree = load_drafter(args.drafter, target, args.target, length_head=False, draft_tree_budget=n)
+    # the budget counts drafted nodes; the anchor (root) is the n-th node, as in the chain
+    tree = load_drafter(args.drafter, target, args.target, length_head=False, draft_tree_budget=n - 1)
     methods[f"tree-{n}"] = Method(tree, {"num_assistant_tokens": block - 1})
 prompts = load_prompts(args.domains.split(","), n_per_domain=args.prompts, tokenizer=tokenizer)
 rows = {r["method"]: r for r in summarize(run_benchmark(target, tokenizer, methods, prompts, args.max_new_tokens))

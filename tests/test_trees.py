@@ -107,3 +107,21 @@ def test_best_first_tree_sampling_is_the_targets_distribution(monkeypatch):
         assert two_sample_chi2(plain[slot], ours[slot]) < 33
     out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
     assert out.speculation_stats.drafted_tokens > 0
+
+
+def test_a_small_tree_computes_distributions_only_for_the_slots_it_can_reach(monkeypatch):
+    """A tree of B drafted nodes is at most B deep: the drafter's LM head runs over B slots, not the whole block."""
+    target = tiny_target("llama", seed=0, vocab_size=24)
+    drafter = tiny_drafter(target, block_size=8, draft_tree_budget=2)
+    depths = []
+    original = BestFirstTreeCandidateGenerator._distributions
+
+    def distributions(self, logits):
+        depths.append(logits.shape[1])
+        return original(self, logits)
+
+    monkeypatch.setattr(BestFirstTreeCandidateGenerator, "_distributions", distributions)
+    ids = torch.randint(2, 24, (1, 6), generator=torch.Generator().manual_seed(0))
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False), ref)
+    assert depths and max(depths) <= 2

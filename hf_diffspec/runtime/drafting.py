@@ -307,10 +307,12 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
 
     @torch.no_grad()
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
-        limits = [self.policy.depth_limit(p, r) for p, r in zip(root_positions, remaining)]
+        config = self.first.drafter.config
+        # a tree of B drafted nodes is at most B deep: distributions for deeper slots would never be used
+        limits = [min(self.policy.depth_limit(p, r), config.draft_tree_budget)
+                  for p, r in zip(root_positions, remaining)]
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
-        config = self.first.drafter.config
         rows = len(root_tokens)
         start = time.perf_counter()
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)

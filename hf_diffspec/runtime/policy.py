@@ -97,7 +97,9 @@ class DraftLengthPolicy:
 class SpeculationGate:
     """Speculative or plain steps, from measured throughput (tokens committed per second of loop step) of each, per
     batch size. Unmeasured arms are tried first (speculation, then plain); after that the faster arm is taken, and a
-    losing speculation is probed again after a back-off that doubles up to `max_backoff` plain steps."""
+    losing speculation is probed again after a back-off that doubles up to `max_backoff` plain steps. Batch sizes
+    share measurements within powers of two (rows leave a batch one by one as they finish; measuring 64, 63, 62 ...
+    rows anew would probe at every departure)."""
 
     def __init__(self, max_backoff: int = 64, smoothing: float = 0.3):
         self.max_backoff = max_backoff
@@ -106,7 +108,12 @@ class SpeculationGate:
         self.backoff: dict[int, int] = {}
         self.plain_steps_left: dict[int, int] = {}
 
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return 1 << (rows - 1).bit_length()
+
     def should_speculate(self, rows: int) -> bool:
+        rows = self._bucket(rows)
         if (rows, True) not in self.rates:
             return True
         if (rows, False) not in self.rates:
@@ -119,6 +126,7 @@ class SpeculationGate:
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rate = committed / max(seconds, 1e-9)
+        rows = self._bucket(rows)
         key = (rows, speculated)
         self.rates[key] = rate if key not in self.rates else (1 - self.smoothing) * self.rates[key] + self.smoothing * rate
         plain = self.rates.get((rows, False))
