@@ -125,8 +125,8 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     assert all(fast.should_speculate(4) for _ in range(10))  # speculation pays at 4 rows: always on
     assert fast.should_speculate(16)  # another batch size is measured anew
     slow = SpeculationGate()
-    slow.record(True, 64, committed=40, seconds=1.0)
     slow.record(False, 64, committed=64, seconds=0.5)
+    slow.record(True, 64, committed=40, seconds=1.0)  # speculation loses: plain steps for a while
     assert not slow.should_speculate(63)  # a row left the batch: still the 64-row measurements, no new probe
 
 
