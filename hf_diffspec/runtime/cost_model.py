@@ -10,8 +10,9 @@ per second. At batch 1 with a flat cost curve it verifies long drafts; when veri
 rows, or a slow target) it verifies only the confident heads of the drafts. No hand-set concurrency gate.
 
 A quick profile (a few points, seconds) is measured automatically the first time a target speculates on a machine,
-dtype and thread count, and cached as JSON; `hf-diffspec profile` measures the full grid. With HF_DIFFSPEC_AUTO_PROFILE=0 and no cached profile, drafts are verified at the drafter's configured
-length and a warning says how to measure one.
+dtype and thread count, and cached as JSON; `hf-diffspec profile` measures the full grid. With
+HF_DIFFSPEC_AUTO_PROFILE=0 and no cached profile, drafts are verified at the drafter's configured length and a
+warning says how to measure one.
 """
 
 import hashlib

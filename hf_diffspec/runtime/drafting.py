@@ -331,7 +331,8 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
                          "(or set drafter.config.draft_tree_budget = None)")
 
 
-def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None, method: str = "chain") -> DraftLengthPolicy:
+def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None,
+                   method: str = "DiffusionCandidateGenerator") -> DraftLengthPolicy:
     """The draft-length policy for `drafter` on `target`: `fixed` drafts per step when given, else the measured cost
     model when this machine has a profile for the target, else the drafter's configured length. `method` names the
     candidate generator, whose speculation gate persists across calls."""
