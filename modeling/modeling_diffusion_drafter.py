@@ -491,6 +491,17 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             self.length_head = head
         return self
 
+    def use_mask_token(self, mask_token_id: int) -> "DiffusionDrafter":
+        """Embed MASK as the target's token `mask_token_id` from now on (`config.mask_token_id`), as DFlash engines
+        (vLLM, SGLang, z-lab, transformers' DFlash path) do, and drop the drafter's own MASK embedding. The drafter
+        drafts differently afterwards: fine-tune it with the new MASK before use."""
+        if not 0 <= mask_token_id < self.config.vocab_size:
+            raise ValueError(f"mask_token_id must be a target token id in [0, {self.config.vocab_size}), "
+                             f"got {mask_token_id}")
+        self.config.mask_token_id = int(mask_token_id)
+        self.mask_embedding = None
+        return self
+
     def draft_vocab_head(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(weight, bias, ids): the rows `draft_vocab_ids` of the target's LM head, detached (the head is frozen),
         and those ids on the head's device. Sliced once and kept until the target's head or the ids change: on a CPU

@@ -340,3 +340,39 @@ def test_block_conv_is_added_to_a_dflash_drafter_and_trained(target_and_data, to
         train_drafter(target, tokenizer, "tiny", [str(data)], cfg2, command="test"), target=target)
     assert second.config.block_conv
     assert any(conv.delta.weight.abs().sum() > 0 for conv in second.layers[0].block_convs)
+
+
+def test_a_drafter_learns_to_embed_mask_as_an_unused_target_token(target_and_data, tokenizer, tmp_path):
+    """--mask-token-id auto on --init: the drafter's own MASK embedding is replaced by a target token that the target
+    never reads (what DFlash engines load), training adapts it, and transformers' DFlash path can then load it."""
+    from hf_diffspec.bench import native_dflash_drafter
+    from hf_diffspec.trainers.pipeline import resolve_mask_token_id, unused_target_token
+
+    target, data = target_and_data
+    vocab = target.get_input_embeddings().num_embeddings
+    unused = unused_target_token(tokenizer, vocab)
+    template = tokenizer.chat_template
+    assert unused not in tokenizer.all_special_ids and tokenizer.convert_ids_to_tokens(unused) not in template
+    assert tokenizer.added_tokens_decoder[unused].special
+    assert unused_target_token(tokenizer, vocab + 8) == len(tokenizer)  # a padding row beyond the tokenizer
+    assert resolve_mask_token_id("7", tokenizer, vocab) == 7 and resolve_mask_token_id(None, tokenizer, vocab) is None
+    with pytest.raises(ValueError, match="token id or 'auto'"):
+        resolve_mask_token_id("mask", tokenizer, vocab)
+
+    cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "own"), num_layers=1, block_size=4, num_anchors=8,
+                                   per_device_train_batch_size=2, max_steps=2, learning_rate=3e-3, bf16=False,
+                                   save_steps=1000)
+    own = train_drafter(target, tokenizer, "tiny", [str(data)], cfg, command="test")
+    with pytest.raises(ValueError, match="MASK embedding"):
+        native_dflash_drafter(hf_diffspec.DiffusionDrafter.from_pretrained(own, target=target))
+    cfg2 = replace(cfg, output_dir=str(tmp_path / "token"), init=str(own), mask_token_id="auto", max_steps=3)
+    out = train_drafter(target, tokenizer, "tiny", [str(data)], cfg2, command="test")
+    assert "mask_embedding" not in load_file(out / "model.safetensors")
+    drafter = hf_diffspec.DiffusionDrafter.from_pretrained(out, target=target)
+    assert drafter.config.mask_token_id == unused and drafter.mask_embedding is None
+    # MASK is the target's embedding row now
+    assert torch.equal(drafter.mask_embeds(1, 2)[0, 0], target.get_input_embeddings().weight[unused])
+    native_dflash_drafter(drafter)  # loads as transformers' own DFlash drafter
+    prompt = DrafterDataset(data)[0]["input_ids"][:6][None]
+    ref = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ref, target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False))

@@ -75,6 +75,13 @@ class DrafterTrainingArguments(TrainingArguments):
         metadata={"help": "DFlash 2's causal convolution over block positions: in a new drafter, or added to --init "
                           "as an exact no-op that training then shapes."},
     )
+    mask_token_id: str | None = field(
+        default=None,
+        metadata={"help": "Embed MASK as this target token (an id, or 'auto': a token the target never reads, see "
+                          "`trainers.pipeline.unused_target_token`) instead of a drafter-owned embedding, so the "
+                          "drafter also runs in vLLM, SGLang, z-lab's loop and transformers' DFlash path. With --init "
+                          "of a drafter that owns its MASK, that embedding is dropped and training adapts the drafter."},
+    )
     lora: bool = field(default=False, metadata={"help": "LoRA fine-tuning of --init through peft."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (alpha is twice the rank)."})
 

@@ -43,16 +43,19 @@ def trainer_class_for(args: DrafterTrainingArguments) -> type[BlockDiffusionTrai
     return next(trainer for trainer in TRAINERS if isinstance(args, trainer.config_class))
 
 
-def build_drafter(target, args: DrafterTrainingArguments) -> DiffusionDrafter:
-    """The drafter to train: `args.init` loaded, or a new one sized to `target`, in float32."""
+def build_drafter(target, args: DrafterTrainingArguments, mask_token_id: int | None = None) -> DiffusionDrafter:
+    """The drafter to train: `args.init` loaded, or a new one sized to `target`, in float32; with `mask_token_id`,
+    embedding MASK as that target token."""
     if args.init:
         overrides = {"block_conv": True} if args.block_conv else {}
         drafter = DiffusionDrafter.from_pretrained(args.init, target=target, dtype=torch.float32, **overrides)
         if drafter.config.block_size != args.block_size:
             drafter.config.block_size = args.block_size  # a block-diffusion drafter can be trained on other sizes
+        if mask_token_id is not None and drafter.config.mask_token_id != mask_token_id:
+            drafter.use_mask_token(mask_token_id)
     else:
-        drafter = DiffusionDrafter.from_target(target, num_hidden_layers=args.num_layers,
-                                               block_size=args.block_size, block_conv=args.block_conv).float()
+        drafter = DiffusionDrafter.from_target(target, num_hidden_layers=args.num_layers, block_size=args.block_size,
+                                               block_conv=args.block_conv, mask_token_id=mask_token_id).float()
         if args.init_from_target_layers:
             copy_target_layers(drafter, target)
     drafter.config.draft_role = "variable_prefix" if isinstance(args, VariablePrefixConfig) else "first"
@@ -61,6 +64,34 @@ def build_drafter(target, args: DrafterTrainingArguments) -> DiffusionDrafter:
             raise ValueError("train length-head adds a head to an existing drafter: pass --init DRAFTER")
         drafter.add_length_head()
     return drafter
+
+
+def unused_target_token(tokenizer, vocab_size: int) -> int:
+    """A target token that the target never reads, to embed MASK with: the first embedding row beyond the
+    tokenizer's vocabulary (padding rows, where the model has them), else the last special token that neither the
+    tokenizer's special roles (BOS, EOS, PAD, UNK) nor its chat template use."""
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+    used = set(tokenizer.all_special_ids)
+    candidates = [i for i, token in tokenizer.added_tokens_decoder.items()
+                  if token.special and i < vocab_size and i not in used and token.content not in template]
+    if not candidates:
+        raise ValueError("the tokenizer has no special token that its roles and chat template leave unused, and no "
+                         "spare embedding rows: pass --mask-token-id ID with a token id the target never reads")
+    return max(candidates)
+
+
+def resolve_mask_token_id(value: str | int | None, tokenizer, vocab_size: int) -> int | None:
+    """`--mask-token-id`: None, an id, or "auto" (`unused_target_token`)."""
+    if value is None:
+        return None
+    if str(value) == "auto":
+        return unused_target_token(tokenizer, vocab_size)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--mask-token-id takes a token id or 'auto', got {value!r}") from None
 
 
 def copy_target_layers(drafter: DiffusionDrafter, target) -> None:
@@ -91,7 +122,8 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
                 "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
             )
     dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length)
-    drafter = build_drafter(target, args)
+    vocab_size = target.get_input_embeddings().num_embeddings
+    drafter = build_drafter(target, args, resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size))
     model = drafter
     if args.lora:
         from peft import LoraConfig, get_peft_model
