@@ -107,18 +107,36 @@ def test_a_missing_profile_is_measured_once(tmp_path, monkeypatch):
 def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     from hf_diffspec.runtime.policy import SpeculationGate
 
-    gate = SpeculationGate(max_backoff=8)
+    def simulate(gate, steps, spec_tokens, spec_seconds, plain_seconds=0.25):
+        """Decode `steps` steps (speculative ones commit `spec_tokens`); returns (choices, seconds, tokens)."""
+        choices, seconds, tokens = [], 0.0, 0
+        for _ in range(steps):
+            speculate = gate.should_speculate(1)
+            committed, took = (spec_tokens, spec_seconds) if speculate else (1, plain_seconds)
+            gate.record(speculate, 1, committed=committed, seconds=took)
+            choices.append(speculate)
+            seconds, tokens = seconds + took, tokens + committed
+        return choices, seconds, tokens
+
+    gate = SpeculationGate(probe_budget=0.02)
     assert gate.should_speculate(1)          # unmeasured: speculation is tried first,
     gate.record(True, 1, committed=2, seconds=1.0)
     assert not gate.should_speculate(1)      # then a plain step
     gate.record(False, 1, committed=1, seconds=0.25)
-    choices = []
-    for _ in range(40):  # speculation earns 2 tokens/s, plain 4: 1, 2, 4, 8, 8 plain steps between probes
-        speculate = gate.should_speculate(1)
-        choices.append(speculate)
-        gate.record(speculate, 1, committed=2 if speculate else 1, seconds=1.0 if speculate else 0.25)
+    # speculation earns 2 tokens/s, plain 4: a probe costs 0.5 s more than 2 plain steps, i.e. 2% of 100 plain steps
+    choices, seconds, tokens = simulate(gate, 1000, spec_tokens=2, spec_seconds=1.0)
     probes = [i for i, s in enumerate(choices) if s]
-    assert [b - a for a, b in zip(probes, probes[1:])][:5] == [2, 3, 5, 9, 9]
+    assert [b - a for a, b in zip(probes, probes[1:])] == [101] * (len(probes) - 1) and len(probes) >= 9
+    assert tokens / seconds > 0.98 * 4  # the probes cost at most the budget
+    # a near tie (3.9 vs 4 tokens/s) is probed far more often, for as little
+    near = SpeculationGate(probe_budget=0.02)
+    choices, seconds, tokens = simulate(near, 1000, spec_tokens=2, spec_seconds=2 / 3.9)
+    assert sum(choices) > 50 and tokens / seconds > 0.98 * 4
+    # a gate never waits longer than max_wait plain steps
+    hopeless = SpeculationGate(probe_budget=0.02, max_wait=64)
+    choices, _, _ = simulate(hopeless, 300, spec_tokens=1, spec_seconds=10.0)
+    probes = [i for i, s in enumerate(choices) if s]
+    assert [b - a for a, b in zip(probes, probes[1:])][1:] == [65] * (len(probes) - 2)
     fast = SpeculationGate()
     fast.record(True, 4, committed=12, seconds=1.0)
     fast.record(False, 4, committed=4, seconds=0.8)

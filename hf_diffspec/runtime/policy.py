@@ -9,15 +9,17 @@
 And whether to speculate at all: unless the length is fixed, each step is either a speculative step or a plain decode
 step (the anchor alone, no drafter forward). The policy measures both on this machine, per batch size: tokens
 committed per second of whole loop steps. It speculates while that beats plain decoding and otherwise decodes
-plainly, probing speculation again after 1, 2, 4, ... 64 plain steps (acceptance changes with the text). The
-measurements outlive one `generate` call (`speculation_gate_for`: one gate per drafter, target, dtype, thread count
-and method), so a second call starts from what the first learned instead of paying for the probes again. So a weak
-drafter, a slow verify (a CPU without native bf16) or a compute-bound batch never costs more than the probes.
+plainly, probing speculation again now and then (acceptance changes with the text), so rarely that the probes cost at
+most ~2% of the decoding time. The measurements outlive one `generate` call (`speculation_gate_for`: one gate per
+drafter, target, dtype, thread count and method), so a second call starts from what the first learned instead of
+paying for the first measurements again. So a weak drafter, a slow verify (a CPU without native bf16) or a
+compute-bound batch never costs more than the probes.
 
 Every answer is capped by what is left to generate and by the target's context. Losslessness never depends on the
 answer: the target alone picks every committed token.
 """
 
+import math
 import weakref
 
 import torch
@@ -96,21 +98,28 @@ class DraftLengthPolicy:
 
 class SpeculationGate:
     """Speculative or plain steps, from measured throughput (tokens committed per second of loop step) of each, per
-    batch size. Unmeasured arms are tried first (speculation, then plain); after that the faster arm is taken, and a
-    losing speculation is probed again after a back-off that doubles up to `max_backoff` plain steps. Batch sizes
-    share measurements within powers of two (rows leave a batch one by one as they finish; measuring 64, 63, 62 ...
-    rows anew would probe at every departure)."""
+    batch size. Unmeasured arms are tried first (speculation, then plain); after that the faster arm is taken. While
+    speculation loses, it is probed again only after enough plain steps that probing costs at most `probe_budget` of
+    the decoding time: a probe that cost `extra` seconds more than plain steps committing as many tokens is followed
+    by extra / (probe_budget x plain step time) plain steps (at least 1, at most `max_wait`). A near tie is probed
+    often (each probe costs little), a clear loss rarely. Batch sizes share measurements within powers of two (rows
+    leave a batch one by one as they finish; measuring 64, 63, 62 ... rows anew would probe at every departure)."""
 
-    def __init__(self, max_backoff: int = 64, smoothing: float = 0.3):
-        self.max_backoff = max_backoff
+    def __init__(self, probe_budget: float = 0.02, max_wait: int = 256, smoothing: float = 0.3):
+        self.probe_budget = probe_budget
+        self.max_wait = max_wait
         self.smoothing = smoothing
         self.rates: dict[tuple[int, bool], float] = {}  # (rows, speculated) -> tokens per second
-        self.backoff: dict[int, int] = {}
+        self.plain_step_seconds: dict[int, float] = {}
         self.plain_steps_left: dict[int, int] = {}
 
     @staticmethod
     def _bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
+
+    def _smooth(self, table: dict, key, value: float) -> float:
+        table[key] = value if key not in table else (1 - self.smoothing) * table[key] + self.smoothing * value
+        return table[key]
 
     def should_speculate(self, rows: int) -> bool:
         rows = self._bucket(rows)
@@ -125,18 +134,19 @@ class SpeculationGate:
         return True
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
-        rate = committed / max(seconds, 1e-9)
+        seconds = max(seconds, 1e-9)
         rows = self._bucket(rows)
-        key = (rows, speculated)
-        self.rates[key] = rate if key not in self.rates else (1 - self.smoothing) * self.rates[key] + self.smoothing * rate
-        plain = self.rates.get((rows, False))
-        if not speculated or plain is None:
+        rate = self._smooth(self.rates, (rows, speculated), committed / seconds)
+        if not speculated:
+            self._smooth(self.plain_step_seconds, rows, seconds)
             return
-        if self.rates[key] < plain:  # speculation loses here now: decode plainly for a while, then look again
-            self.plain_steps_left[rows] = self.backoff.get(rows, 1)
-            self.backoff[rows] = min(2 * self.backoff.get(rows, 1), self.max_backoff)
-        else:
-            self.backoff[rows] = 1
+        plain = self.rates.get((rows, False))
+        if plain is None or rate >= plain:
+            return
+        # speculation loses here now: decode plainly until this probe's extra cost is a budgeted share of the time
+        extra = seconds - committed / plain
+        wait = extra / (self.probe_budget * self.plain_step_seconds[rows])
+        self.plain_steps_left[rows] = min(self.max_wait, max(1, math.ceil(wait)))
 
 
 _GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
