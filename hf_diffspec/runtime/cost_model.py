@@ -141,7 +141,7 @@ class VerifyCost:
 
 _loaded: dict[str, tuple[int, VerifyCost]] = {}  # profiles in use by this process (by file and mtime)
 # what a first run measures before speculating (seconds); `hf-diffspec profile` measures the full grid
-QUICK_PROFILE = dict(sizes=(1, 2, 4, 8, 16), batches=(1, 4, 16), context_length=128, repeats=1)
+QUICK_PROFILE = dict(sizes=(1, 2, 4, 8, 16), batches=(1, 4, 16), context_length=128, repeats=3)
 
 
 _warned: set[str] = set()
