@@ -248,8 +248,8 @@ def _target_token_mask_reason(drafter, where: str) -> str | None:
 
 
 #: our drafter's tensors that transformers' and z-lab's DFlash drafters have no place for (both verify whole blocks
-#: and draft over the full vocabulary); `formats.export_for_engine` drops them too
-NOT_DFLASH = ("length_head.", "draft_vocab_ids")
+#: of argmax drafts over the full vocabulary); `formats.export_for_engine` drops them too
+NOT_DFLASH = ("length_head.", "draft_vocab_ids", "selector.")
 
 
 def native_dflash_drafter(drafter):

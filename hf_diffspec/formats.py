@@ -8,6 +8,7 @@ layouts vLLM and SGLang load. The math of all of them is the DFlash drafter; onl
 | layers.N.*, norm.weight   | same                         | same                                         |
 | mask_embedding (optional) | - (mask_token_id row)        | - (mask_token_id row)                        |
 | draft_vocab_ids (optional)| - (full vocabulary)          | - (full vocabulary)                          |
+| selector.* (optional)     | - (argmax drafts)            | - (argmax drafts)                            |
 
 `reduce_vocabulary` turns one of our drafters into one drafting over a reduced vocabulary (same weights).
 """
@@ -140,6 +141,11 @@ def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
     if extra:
         notes.append(f"dropped the adaptive length head ({len(extra)} tensors): {engine} verifies fixed lengths")
         state = {k: v for k, v in state.items() if k not in extra}
+    selector = sorted(k for k in state if k.startswith("selector."))
+    if selector:
+        notes.append(f"dropped the candidate selector ({len(selector)} tensors): {engine}'s DFlash loader drafts "
+                     "each slot's argmax")
+        state = {k: v for k, v in state.items() if k not in selector}
     if "draft_vocab_ids" in state:
         notes.append(f"dropped the reduced draft vocabulary ({config.draft_vocab_size} tokens): {engine}'s DFlash "
                      "loader drafts over the full vocabulary")

@@ -67,6 +67,12 @@ class DiffusionDrafterConfig(PreTrainedConfig):
             no-op, so a DFlash drafter is the special case. Default False.
         block_conv_kernel (`int`): positions each convolution reaches back (DFlash 2: 2).
         block_conv_group_size (`int`): channels sharing one dynamic weight (DFlash 2: 16); divides hidden_size.
+        selector_rank (`int`, *optional*): DFlash 2's candidate selector, with token codebooks of this rank: slot t's
+            top `selector_top_k` tokens b are rescored with the token a drafted at slot t-1 (the anchor before slot
+            1), S_t(a, b) = U_t(b) + <A[a] * W h_t, B[b]> with U_t the drafter's logits, and the block is drafted
+            left to right from those scores. Initialised as an exact no-op (B = 0), so a DFlash drafter is the
+            special case. `None` (default): no selector.
+        selector_top_k (`int`): candidates per slot the selector chooses among (DFlash 2: 16).
     """
 
     model_type = "diffusion_drafter"
@@ -102,6 +108,8 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         block_conv: bool = False,
         block_conv_kernel: int = 2,
         block_conv_group_size: int = 16,
+        selector_rank: int | None = None,
+        selector_top_k: int = 16,
         **kwargs,
     ):
         if block_size < 2:
@@ -162,6 +170,11 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         self.block_conv = bool(block_conv)
         self.block_conv_kernel = block_conv_kernel
         self.block_conv_group_size = block_conv_group_size
+        if selector_rank is not None and (selector_rank < 1 or not 1 <= selector_top_k <= vocab_size):
+            raise ValueError(f"the selector needs selector_rank >= 1 and 1 <= selector_top_k <= vocab_size, got rank "
+                             f"{selector_rank} and top-k {selector_top_k}")
+        self.selector_rank = selector_rank
+        self.selector_top_k = selector_top_k
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -205,6 +205,26 @@ class DiffusionDrafterLengthHead(nn.Module):
         return self.out(h).squeeze(-1)
 
 
+class DiffusionDrafterSelector(nn.Module):
+    """DFlash 2's candidate selector: drafts in a block are predicted independently, so the drafter's argmax path
+    can be incoherent even when the right tokens are among its top candidates. Per slot t, the top-k tokens b are
+    rescored given the token a chosen at slot t-1: S_t(a, b) = U_t(b) + <A[a] * W h_t, B[b]>, U_t the drafter's
+    logits, h_t its hidden state, A and B rank-r token codebooks. B starts at zero: a fresh selector is a no-op."""
+
+    def __init__(self, config: DiffusionDrafterConfig):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+        self.previous_codes = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))  # A
+        self.candidate_codes = nn.Parameter(torch.zeros(config.vocab_size, config.selector_rank))  # B
+
+    def forward(self, hidden: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor,
+                candidate_logits: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H), previous (...) token ids, candidates and their logits (..., k) -> scores (..., k)."""
+        query = F.embedding(previous, self.previous_codes) * self.proj(hidden.to(self.proj.weight.dtype))
+        pair = (F.embedding(candidates, self.candidate_codes) * query[..., None, :]).sum(-1)
+        return candidate_logits.float() + pair.float()
+
+
 class DiffusionDrafterPreTrainedModel(PreTrainedModel):
     config_class = DiffusionDrafterConfig
     base_model_prefix = "drafter"
@@ -230,6 +250,9 @@ class DiffusionDrafterPreTrainedModel(PreTrainedModel):
             module.base.zero_()
             module.base[0].fill_(1.0)
             module.delta.weight.zero_()
+        elif isinstance(module, DiffusionDrafterSelector):  # B = 0: an exact no-op until trained
+            module.previous_codes.normal_(0.0, std)
+            module.candidate_codes.zero_()
         elif isinstance(module, DiffusionDrafter) and module.mask_embedding is not None:
             module.mask_embedding.normal_(0.0, std)
 
@@ -276,6 +299,7 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         self.norm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DiffusionDrafterRotaryEmbedding(config)
         self.length_head = DiffusionDrafterLengthHead(config) if config.length_head else None
+        self.selector = DiffusionDrafterSelector(config) if config.selector_rank is not None else None
         # A drafter-owned MASK embedding keeps the target's vocabulary untouched.
         self.mask_embedding = (
             nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
@@ -368,7 +392,9 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         if target is not None:
             kwargs.setdefault("dtype", target.dtype)
         wants_info = kwargs.pop("output_loading_info", False)
-        adding_block_conv = bool(kwargs.get("block_conv"))  # a DFlash checkpoint turned into a DFlash 2 one
+        # a DFlash checkpoint turned into a DFlash 2 one: the new parts start as exact no-ops (_init_weights)
+        added = ([".block_convs."] if kwargs.get("block_conv") else []) + (
+            ["selector."] if kwargs.get("selector_rank") is not None else [])
         # mismatched shapes are reported below, naming the tensors
         kwargs.setdefault("ignore_mismatched_sizes", True)
         try:
@@ -384,8 +410,8 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             ) from error
         # a drafter with randomly initialised parts would draft garbage silently: refuse incomplete checkpoints
         broken = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
-        if adding_block_conv:  # new convolutions start as exact no-ops (_init_weights): the drafter is unchanged
-            broken["missing_keys"] = [k for k in broken.get("missing_keys", []) if ".block_convs." not in k]
+        if added:  # the drafter is unchanged until they are trained
+            broken["missing_keys"] = [k for k in broken.get("missing_keys", []) if not any(a in k for a in added)]
             broken = {k: v for k, v in broken.items() if v}
         missing_head = [k for k in broken.get("missing_keys", []) if k.startswith("length_head.")]
         if missing_head:
@@ -525,6 +551,23 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             return lm_head(hidden_states.to(lm_head.weight.dtype)), None
         weight, bias, ids = self.draft_vocab_head()
         return F.linear(hidden_states.to(weight.dtype), weight, bias), ids
+
+    def select_drafts(self, draft_hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+                      temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's drafts chosen left to right by the candidate selector: at slot t, among the drafter's top-k
+        tokens (of `logits` (rows, T, V)), by softmax(S_t(previous draft, .) / temperature), the argmax when
+        `temperature` is None, else a sample. Returns drafts (rows, T), candidates (rows, T, k) and the selector's
+        distribution over them (rows, T, k): the draft distribution rejection sampling must use."""
+        top = logits.float().topk(min(self.config.selector_top_k, logits.shape[-1]), dim=-1)
+        previous, drafts, distributions = anchors, [], []
+        for t in range(logits.shape[1]):
+            scores = self.selector(draft_hidden[:, t], previous, top.indices[:, t], top.values[:, t])
+            probs = (scores / max(temperature or 1.0, 1e-5)).softmax(-1)
+            pick = probs.argmax(-1) if temperature is None else torch.multinomial(probs, 1).squeeze(-1)
+            previous = top.indices[:, t].gather(-1, pick[:, None]).squeeze(-1)
+            drafts.append(previous)
+            distributions.append(probs)
+        return torch.stack(drafts, 1), top.indices, torch.stack(distributions, 1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's full vocabulary through the borrowed (frozen) target LM head; with a

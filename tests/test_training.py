@@ -328,8 +328,9 @@ def test_bf16_training_is_the_default_only_where_bf16_is_native(monkeypatch, tmp
     assert configs.DrafterTrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=False).bf16 is False
 
 
-def test_block_conv_is_added_to_a_dflash_drafter_and_trained(target_and_data, tokenizer, tmp_path):
-    """--block-conv on --init: the DFlash drafter gains DFlash 2's convolutions (no-ops at first) and trains them."""
+def test_dflash_2_parts_are_added_to_a_dflash_drafter_and_trained(target_and_data, tokenizer, tmp_path):
+    """--block-conv / --selector-rank on --init: the DFlash drafter gains DFlash 2's convolutions or candidate
+    selector (no-ops at first) and trains them."""
     target, data = target_and_data
     cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "dflash"), num_layers=1, block_size=4, num_anchors=8,
                                    per_device_train_batch_size=2, max_steps=2, learning_rate=3e-3, bf16=False,
@@ -340,6 +341,13 @@ def test_block_conv_is_added_to_a_dflash_drafter_and_trained(target_and_data, to
         train_drafter(target, tokenizer, "tiny", [str(data)], cfg2, command="test"), target=target)
     assert second.config.block_conv
     assert any(conv.delta.weight.abs().sum() > 0 for conv in second.layers[0].block_convs)
+    # the candidate selector likewise: added as a no-op, trained by its k-way cross-entropy
+    cfg3 = replace(cfg, output_dir=str(tmp_path / "selector"), init=str(first), selector_rank=8, max_steps=3)
+    third = train_drafter(target, tokenizer, "tiny", [str(data)], cfg3, command="test")
+    selector = hf_diffspec.DiffusionDrafter.from_pretrained(third, target=target).selector
+    assert selector is not None and selector.candidate_codes.abs().sum() > 0
+    history = json.loads((third / "training_info.json").read_text())
+    assert history["config"]["selector_rank"] == 8
 
 
 def test_a_drafter_learns_to_embed_mask_as_an_unused_target_token(target_and_data, tokenizer, tmp_path):

@@ -247,9 +247,29 @@ class BlockDiffusionTrainer(Trainer):
             # over V' columns a reverse KL keeps its gradient: it changes by log p_T(V'), a constant per slot
             return target_logits if vocab_ids is None else target_logits[:, vocab_ids]
 
-        loss = self.block_loss(logits[learnable], labels[learnable], weights_all[selected][learnable], target_logits_fn)
+        weights = weights_all[selected][learnable]
+        loss = self.block_loss(logits[learnable], labels[learnable], weights, target_logits_fn)
+        if getattr(self.drafter, "selector", None) is not None:
+            previous = inputs["input_ids"].gather(1, (slot_positions - 1).flatten(1)).view_as(slot_positions)
+            loss = loss + self.selector_loss(hidden[selected][learnable], previous[selected][learnable],
+                                             logits[learnable], labels[learnable], vocab_ids, weights)
         self._record_metrics(drafts, blocks.labels, selected, prefix)
         return (loss, {"hidden": hidden}) if return_outputs else loss
+
+    def selector_loss(self, hidden, previous, logits, labels, vocab_ids, weights) -> torch.Tensor:
+        """DFlash 2's selector loss: a k-way cross-entropy of S(previous token, .) over the slot's top-k candidates,
+        with the previous token the text's own (teacher forcing) and the label put in place of the k-th candidate
+        when it is not among them. `logits`/`labels` are over the draft vocabulary (columns `vocab_ids`, or all)."""
+        k = min(self.drafter.config.selector_top_k, logits.shape[-1])
+        candidates = logits.detach().topk(k, dim=-1).indices
+        hit = candidates == labels[:, None]
+        candidates[:, -1] = torch.where(hit.any(-1), candidates[:, -1], labels)
+        gold = (candidates == labels[:, None]).float().argmax(-1)
+        ids = candidates if vocab_ids is None else vocab_ids[candidates]
+        scores = self.drafter.selector(hidden, previous, ids, logits.gather(-1, candidates))
+        ce = F.cross_entropy(scores, gold, reduction="none")
+        self._metrics["selector_loss"].append(float((weights * ce).sum().detach() / weights.sum().clamp(min=1e-6)))
+        return (weights * ce).sum() / weights.sum().clamp(min=1e-6)
 
     def draft_vocab_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, width) logits of `hidden` (rows, H) over the drafter's draft vocabulary in chunks, and the target

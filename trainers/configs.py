@@ -75,6 +75,12 @@ class DrafterTrainingArguments(TrainingArguments):
         metadata={"help": "DFlash 2's causal convolution over block positions: in a new drafter, or added to --init "
                           "as an exact no-op that training then shapes."},
     )
+    selector_rank: int | None = field(
+        default=None,
+        metadata={"help": "DFlash 2's candidate selector with token codebooks of this rank (DFlash 2: 256), trained "
+                          "with a k-way cross-entropy over each slot's top-k candidates: in a new drafter, or added to "
+                          "--init as an exact no-op that training then shapes."},
+    )
     mask_token_id: str | None = field(
         default=None,
         metadata={"help": "Embed MASK as this target token (an id, or 'auto': a token the target never reads, see "

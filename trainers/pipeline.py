@@ -48,6 +48,8 @@ def build_drafter(target, args: DrafterTrainingArguments, mask_token_id: int | N
     embedding MASK as that target token."""
     if args.init:
         overrides = {"block_conv": True} if args.block_conv else {}
+        if args.selector_rank is not None:
+            overrides["selector_rank"] = args.selector_rank
         drafter = DiffusionDrafter.from_pretrained(args.init, target=target, dtype=torch.float32, **overrides)
         if drafter.config.block_size != args.block_size:
             drafter.config.block_size = args.block_size  # a block-diffusion drafter can be trained on other sizes
@@ -55,7 +57,8 @@ def build_drafter(target, args: DrafterTrainingArguments, mask_token_id: int | N
             drafter.use_mask_token(mask_token_id)
     else:
         drafter = DiffusionDrafter.from_target(target, num_hidden_layers=args.num_layers, block_size=args.block_size,
-                                               block_conv=args.block_conv, mask_token_id=mask_token_id).float()
+                                               block_conv=args.block_conv, selector_rank=args.selector_rank,
+                                               mask_token_id=mask_token_id).float()
         if args.init_from_target_layers:
             copy_target_layers(drafter, target)
     drafter.config.draft_role = "variable_prefix" if isinstance(args, VariablePrefixConfig) else "first"

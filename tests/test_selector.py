@@ -1,0 +1,85 @@
+"""DFlash 2's candidate selector: an exact no-op when fresh, lossless greedy and sampling once it changes the path,
+added to a DFlash checkpoint, and trained by the KD Trainer."""
+
+import pytest
+import torch
+
+import hf_diffspec
+from hf_diffspec.runtime.drafting import candidate_generator_for
+from helpers import marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
+
+
+def _with_selector(target, rank=8, top_k=4, seed=0, scramble=False, **kw):
+    plain = tiny_drafter(target, seed=seed, **kw)
+    drafter = tiny_drafter(target, seed=seed, selector_rank=rank, selector_top_k=top_k, **kw)
+    missing, unexpected = drafter.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("selector.") for k in missing)
+    if scramble:  # a selector that disagrees with the drafter's argmax
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(seed)
+            for codes in (drafter.selector.previous_codes, drafter.selector.candidate_codes):
+                codes.copy_(torch.randn(codes.shape, generator=generator) * 3)
+            drafter.selector.proj.weight.mul_(30)
+    return plain, drafter
+
+
+def _drafts(drafter, target, ids):
+    generator = candidate_generator_for(drafter, target, num_draft_tokens=3)
+    out = target(ids, output_hidden_states=drafter.target_feature_layers)
+    positions = torch.arange(ids.shape[1])[None]
+    generator.add_context(out.hidden_states, slice(None), positions)
+    return generator.propose([int(out.logits[0, -1].argmax())], [ids.shape[1]], [8])[0].tokens
+
+
+def test_a_fresh_selector_drafts_exactly_what_the_drafter_does():
+    target = tiny_target("llama", seed=0)
+    plain, drafter = _with_selector(target)
+    assert drafter.selector.candidate_codes.abs().sum() == 0
+    for seed in range(4):
+        ids = torch.randint(2, 128, (1, 7), generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(_drafts(plain, target, ids), _drafts(drafter, target, ids))
+
+
+def test_a_trained_selector_changes_the_path_and_greedy_stays_identical():
+    target = tiny_target("qwen3", seed=1)
+    plain, drafter = _with_selector(target, seed=1, scramble=True)
+    changed = 0
+    for seed in range(4):
+        ids = torch.randint(2, 128, (1, 7), generator=torch.Generator().manual_seed(seed))
+        changed += not torch.equal(_drafts(plain, target, ids), _drafts(drafter, target, ids))
+        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=16, do_sample=False), ref)
+    assert changed > 0
+
+
+def test_selector_sampling_is_the_targets_distribution():
+    """The draft distribution is the selector's over its top-k candidates (sparse); rejection sampling uses it."""
+    vocab = 12
+    target = tiny_target("llama", seed=3, vocab_size=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(5)
+    _, drafter = _with_selector(target, top_k=3, seed=3, scramble=True)
+    ids = torch.randint(2, vocab, (1, 5), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0, num_assistant_tokens=3)
+    n = 300
+    plain = marginal_counts(target, ids, vocab, n, 0, **{k: v for k, v in kwargs.items() if k != "num_assistant_tokens"})
+    ours = marginal_counts(target, ids, vocab, n, 90_000, assistant_model=drafter, **kwargs)
+    for slot in range(2):  # 0.999 quantile of chi2(11) ~ 31.3
+        assert two_sample_chi2(plain[slot], ours[slot]) < 33
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert out.speculation_stats.drafted_tokens > 0
+
+
+def test_a_selector_is_added_to_a_dflash_checkpoint_as_a_no_op(tmp_path):
+    target = tiny_target("llama", seed=2)
+    plain = tiny_drafter(target, seed=2)
+    plain.save_pretrained(tmp_path / "dflash")
+    drafter = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "dflash", target=target, selector_rank=4)
+    assert drafter.selector is not None and drafter.selector.candidate_codes.abs().sum() == 0
+    ids = torch.randint(2, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_drafts(plain, target, ids), _drafts(drafter, target, ids))
+    # a checkpoint whose config asks for a selector that its weights lack is refused unless adding one was asked
+    drafter.save_pretrained(tmp_path / "dflash2")
+    (tmp_path / "dflash2" / "model.safetensors").write_bytes((tmp_path / "dflash" / "model.safetensors").read_bytes())
+    with pytest.raises(OSError, match="incomplete"):
+        hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "dflash2", target=target)
