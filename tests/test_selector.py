@@ -83,3 +83,30 @@ def test_a_selector_is_added_to_a_dflash_checkpoint_as_a_no_op(tmp_path):
     (tmp_path / "dflash2" / "model.safetensors").write_bytes((tmp_path / "dflash" / "model.safetensors").read_bytes())
     with pytest.raises(OSError, match="incomplete"):
         hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "dflash2", target=target)
+
+
+def test_selector_trees_branch_coherently_and_greedy_stays_identical():
+    """With a tree budget, the selector gives the branches: each node's children are its slot's candidates ranked
+    by the selector given that node's own token."""
+    from hf_diffspec.runtime.best_first_tree import build_selector_tree
+
+    target = tiny_target("llama", seed=4)
+    _, drafter = _with_selector(target, seed=4, scramble=True, block_size=6, draft_tree_budget=8, draft_tree_width=2)
+    torch.manual_seed(0)
+    hidden, logits = torch.randn(5, drafter.config.hidden_size), torch.randn(5, 128)
+    tree = build_selector_tree(7, hidden, logits, drafter.selector, 4, budget=8, max_children=2)
+    assert len(tree) == 9 and tree.parents[1] == 0
+    top = logits.topk(4, dim=-1)
+    for node in range(len(tree)):
+        kids = [i for i, p in enumerate(tree.parents) if p == node]
+        if kids:
+            depth = tree.depths[node]
+            scores = drafter.selector(hidden[depth], tree.tokens[node], top.indices[depth], top.values[depth])
+            ranked = top.indices[depth][scores.argsort(descending=True)].tolist()
+            assert tree.tokens[kids].tolist() == ranked[: len(kids)]
+    for seed in range(3):
+        ids = torch.randint(2, 128, (1, 7), generator=torch.Generator().manual_seed(seed))
+        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=16, do_sample=False,
+                              return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref) and out.speculation_stats.drafted_tokens > 0

@@ -74,3 +74,40 @@ def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, nod
     return CandidateTree(torch.tensor(tokens, device=probs.device), parents,
                          draft_probs=torch.stack(node_probs) if sample else None,
                          confidences=torch.tensor(scores))
+
+
+def build_selector_tree(root_token: int, draft_hidden: torch.Tensor, logits: torch.Tensor, selector, top_k: int,
+                        budget: int, node_count=None, max_children: int = 4) -> CandidateTree:
+    """Greedy drafting with DFlash 2's candidate selector: the best-first tree whose children are coherent with
+    their parent. A node at depth d gets as children slot d's top-`top_k` candidates (of `logits` (depth, vocab))
+    ranked by the selector's distribution given the node's own token, softmax(S_d(token, .)); a path's score is
+    the product of those conditional probabilities. `draft_hidden` (depth, hidden): the block's draft slots.
+
+    Greedy only: when sampling, a node's children would depend on its drawn token, and with a shared budget the number
+    of its siblings too, which rejection sampling over siblings cannot allow (the marginal tree is used instead)."""
+    top = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1)
+    depth = logits.shape[0]
+
+    def children(token: int, d: int) -> tuple[list[float], list[int]]:
+        scores = selector(draft_hidden[d], torch.tensor(token, device=logits.device), top.indices[d], top.values[d])
+        probs, order = scores.softmax(-1).sort(descending=True)
+        return probs[:max_children].tolist(), top.indices[d][order[:max_children]].tolist()
+
+    tokens, parents, depths, scores = [root_token], [-1], [0], [1.0]
+    tables = {0: children(root_token, 0)}  # node -> its children's (probabilities, tokens), best first
+    heap = [(-tables[0][0][0], 0, 0)]  # (-score, parent node, rank among the parent's children)
+    while heap and len(tokens) - 1 < budget:
+        negative, parent, rank = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(tables[parent][1][rank])
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+        scores.append(-negative)
+        if depths[node] < depth:
+            tables[node] = children(tokens[node], depths[node])
+            heapq.heappush(heap, (negative * tables[node][0][0], node, 0))
+        if rank + 1 < len(tables[parent][0]):
+            heapq.heappush(heap, (-scores[parent] * tables[parent][0][rank + 1], parent, rank + 1))
+    keep = len(tokens) if node_count is None else node_count(scores[1:])  # taken best first: ancestors come first
+    return CandidateTree(torch.tensor(tokens[:keep], device=logits.device), parents[:keep],
+                         confidences=torch.tensor(scores[1:keep]))

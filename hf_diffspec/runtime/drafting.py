@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .best_first_tree import build_best_first_tree
+from .best_first_tree import build_best_first_tree, build_selector_tree
 from .cost_model import VerifyCost
 from .policy import DraftLengthPolicy, speculation_gate_for
 from .prefix_tree import build_prefix_tree, plan_branches
@@ -327,14 +327,25 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         rows = len(root_tokens)
         start = time.perf_counter()
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
-        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
-        self.policy.record_draft_time(time.perf_counter() - start)
+        drafter = self.first.drafter
+        logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
+        sample = self.sample_temperature is not None
+        selector = getattr(drafter, "selector", None)
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
+        if selector is not None and not sample:  # DFlash 2: branches from the selector's candidates
+            trees = [build_selector_tree(root_tokens[r], draft_hidden[r, : limits[r]], logits[r, : limits[r]],
+                                         selector, drafter.config.selector_top_k, config.draft_tree_budget,
+                                         node_count, config.draft_tree_width)
+                     if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
+            self.policy.record_draft_time(time.perf_counter() - start)
+            return trees
+        probs = self._distributions(logits)
+        self.policy.record_draft_time(time.perf_counter() - start)
         return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], config.draft_tree_budget, node_count,
-                                      sample=self.sample_temperature is not None, max_children=config.draft_tree_width)
+                                      sample=sample, max_children=config.draft_tree_width)
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
     def get_candidates(self, *args, **kwargs):
