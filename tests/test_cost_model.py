@@ -103,6 +103,22 @@ def test_a_missing_profile_is_measured_once(tmp_path, monkeypatch):
     assert VerifyCost.for_target(target) is cost  # cached: measured once per process and machine
 
 
+def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
+    """A curve where 2 tokens cost 13x one token (seen here while another process held the cores) is re-measured."""
+    from hf_diffspec.runtime import cost_model
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "1")
+    disturbed = {1: {1: 0.306, 2: 4.052, 4: 4.063, 8: 4.091, 16: 4.126}}
+    quiet = {1: {1: 0.05, 2: 0.06, 4: 0.094, 8: 0.169, 16: 0.305}}
+    assert not cost_model.plausible_costs(disturbed) and cost_model.plausible_costs(quiet)
+    measured = iter([disturbed, quiet])
+    monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: next(measured))
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+        cost = VerifyCost.for_target(tiny_target("llama"))
+    assert cost.costs == quiet and "disturbed" in caplog.text
+
+
 @pytest.mark.speculation_gate
 def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     from hf_diffspec.runtime.policy import SpeculationGate

@@ -129,7 +129,14 @@ class VerifyCost:
                 return None
             logger.warning("measuring this target's verify cost on %s in %s (%d threads), once; cached in %s",
                            target.device, target.dtype, torch.get_num_threads(), profile_dir())
-            save_profile(target, measure_verify_cost(target, **QUICK_PROFILE))
+            costs = measure_verify_cost(target, **QUICK_PROFILE)
+            if not plausible_costs(costs):  # another process took the cores for part of it: once more
+                logger.warning("the verify-cost measurement looks disturbed (a forward over more tokens cost far "
+                               "more than proportionally more): measuring again")
+                costs = measure_verify_cost(target, **QUICK_PROFILE)
+                if not plausible_costs(costs):
+                    logger.warning("still disturbed; kept. Re-measure on a quiet machine: hf-diffspec profile")
+            save_profile(target, costs)
             data = json.loads(path.read_text())
         cost = cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()})
         _loaded[str(path)] = (path.stat().st_mtime_ns, cost)
@@ -137,6 +144,17 @@ class VerifyCost:
 
     def __call__(self, n: int, rows: int = 1) -> float:
         return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
+
+
+def plausible_costs(costs: dict[int, dict[int, float]], slack: float = 1.5) -> bool:
+    """False when a forward over n2 > n1 tokens cost more than `slack` x n2/n1 times one over n1 tokens: a forward's
+    cost grows at most in proportion to its tokens, so such a curve was disturbed by another process."""
+    for row in costs.values():
+        sizes = sorted(row)
+        for n1, n2 in zip(sizes, sizes[1:]):
+            if row[n2] > slack * (n2 / n1) * row[n1]:
+                return False
+    return True
 
 
 _loaded: dict[str, tuple[int, VerifyCost]] = {}  # profiles in use by this process (by file and mtime)
