@@ -247,18 +247,14 @@ def _target_token_mask_reason(drafter, where: str) -> str | None:
     return None
 
 
-#: our drafter's tensors that transformers' and z-lab's DFlash drafters have no place for (both verify whole blocks
-#: of argmax drafts over the full vocabulary); `formats.export_for_engine` drops them too
-NOT_DFLASH = ("length_head.", "draft_vocab_ids", "selector.")
-
-
 def native_dflash_drafter(drafter):
     """`drafter`'s weights as transformers' own DFlash drafter (`MuseGlimmerAssistantModel`): the config fields
-    mapped, `fc` / `hidden_norm` renamed as `formats.NATIVE_RENAMES` reads them, `NOT_DFLASH` tensors left out.
+    mapped, `fc` / `hidden_norm` renamed as `formats.NATIVE_RENAMES` reads them, `formats.NOT_IN_DFLASH_ENGINES`
+    tensors left out.
     Raises ValueError when the weights cannot be expressed there."""
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-    from .formats import NATIVE_RENAMES
+    from .formats import NATIVE_RENAMES, NOT_IN_DFLASH_ENGINES
 
     reason = _target_token_mask_reason(drafter, "transformers' DFlash path")
     if reason is not None:
@@ -278,7 +274,8 @@ def native_dflash_drafter(drafter):
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     ))
     ours_to_native = {ours: native_name for native_name, ours in NATIVE_RENAMES.items()}
-    state = {ours_to_native.get(k, k): v for k, v in drafter.state_dict().items() if not k.startswith(NOT_DFLASH)}
+    state = {ours_to_native.get(k, k): v for k, v in drafter.state_dict().items()
+             if not k.startswith(NOT_IN_DFLASH_ENGINES)}
     try:
         native.load_state_dict(state)
     except RuntimeError as error:

@@ -126,6 +126,11 @@ def reduce_vocabulary(drafter_dir, out, token_ids) -> Path:
     return save_drafter(drafter.set_draft_vocabulary(token_ids), out)
 
 
+#: our tensors that DFlash engines (vLLM, SGLang, z-lab, transformers' DFlash path) have no place for: they verify
+#: whole blocks of argmax drafts over the full vocabulary
+NOT_IN_DFLASH_ENGINES = ("length_head.", "draft_vocab_ids", "selector.")
+
+
 def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
     """Write the z-lab layout that vLLM's and SGLang's DFlash loaders read. Returns (folder, notes on what was
     dropped or needs care); raises when the drafter cannot run on that engine at all."""

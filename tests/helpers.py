@@ -119,3 +119,13 @@ def marginal_counts(target, ids, vocab, n, seed_offset, **kwargs) -> torch.Tenso
         counts[0, out[0, ids.shape[1] + 1]] += 1
         counts[1, out[0, -1]] += 1
     return counts
+
+
+def assert_sampling_matches_plain(target, ids, vocab, drafter, limit: float, n: int = 300, drafter_kwargs=None,
+                                  **kwargs) -> None:
+    """Plain sampling against sampling with `drafter` (`drafter_kwargs` added), independent seeds: the 2nd and the
+    last generated token's marginals must pass a two-sample chi-square at `limit` (~ its 0.999 quantile)."""
+    plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
+    ours = marginal_counts(target, ids, vocab, n, 90_000, assistant_model=drafter, **(drafter_kwargs or {}), **kwargs)
+    for slot in range(2):
+        assert two_sample_chi2(plain[slot], ours[slot]) < limit

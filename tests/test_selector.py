@@ -6,7 +6,7 @@ import torch
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import candidate_generator_for
-from helpers import marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
+from helpers import assert_sampling_matches_plain, tiny_drafter, tiny_target
 
 
 def _with_selector(target, rank=8, top_k=4, seed=0, scramble=False, **kw):
@@ -60,13 +60,10 @@ def test_selector_sampling_is_the_targets_distribution():
         target.lm_head.weight.mul_(5)
     _, drafter = _with_selector(target, top_k=3, seed=3, scramble=True)
     ids = torch.randint(2, vocab, (1, 5), generator=torch.Generator().manual_seed(3))
-    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0, num_assistant_tokens=3)
-    n = 300
-    plain = marginal_counts(target, ids, vocab, n, 0, **{k: v for k, v in kwargs.items() if k != "num_assistant_tokens"})
-    ours = marginal_counts(target, ids, vocab, n, 90_000, assistant_model=drafter, **kwargs)
-    for slot in range(2):  # 0.999 quantile of chi2(11) ~ 31.3
-        assert two_sample_chi2(plain[slot], ours[slot]) < 33
-    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0)
+    fixed = dict(num_assistant_tokens=3)
+    assert_sampling_matches_plain(target, ids, vocab, drafter, limit=33, drafter_kwargs=fixed, **kwargs)  # chi2(11)
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **fixed, **kwargs)
     assert out.speculation_stats.drafted_tokens > 0
 
 

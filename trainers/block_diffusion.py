@@ -267,9 +267,9 @@ class BlockDiffusionTrainer(Trainer):
         gold = (candidates == labels[:, None]).float().argmax(-1)
         ids = candidates if vocab_ids is None else vocab_ids[candidates]
         scores = self.drafter.selector(hidden, previous, ids, logits.gather(-1, candidates))
-        ce = F.cross_entropy(scores, gold, reduction="none")
-        self._metrics["selector_loss"].append(float((weights * ce).sum().detach() / weights.sum().clamp(min=1e-6)))
-        return (weights * ce).sum() / weights.sum().clamp(min=1e-6)
+        loss = (weights * F.cross_entropy(scores, gold, reduction="none")).sum() / weights.sum().clamp(min=1e-6)
+        self._metrics["selector_loss"].append(float(loss.detach()))
+        return loss
 
     def draft_vocab_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, width) logits of `hidden` (rows, H) over the drafter's draft vocabulary in chunks, and the target

@@ -194,8 +194,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
                 return [self._root_only(root) for root in root_tokens]
         drafter, span = self.first.drafter, max(limits)
         logits = drafter.compute_logits(draft_hidden[:, :span])
-        probs = self._distributions(logits)
-        confidences, drafts = probs.max(-1)
+        # when sampling, confidences are the drafter's own maxima: what is verified must not depend on draws
         if getattr(drafter, "selector", None) is not None:  # DFlash 2: the path is chosen left to right
             roots = torch.tensor(root_tokens, device=logits.device)
             drafts, candidates, chosen = drafter.select_drafts(draft_hidden[:, :span], logits, roots,
@@ -203,10 +202,13 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             if self.sample_temperature is None:
                 confidences = chosen.max(-1).values
             else:  # the draft distribution is the selector's, over its candidates
-                probs = torch.zeros_like(probs).scatter_(-1, candidates, chosen)
-        elif self.sample_temperature is not None:
-            drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
-        # when sampling, confidences stay the drafter's own maxima: what is verified must not depend on draws
+                confidences = self._distributions(logits).max(-1).values
+                probs = logits.new_zeros(logits.shape, dtype=chosen.dtype).scatter_(-1, candidates, chosen)
+        else:
+            probs = self._distributions(logits)
+            confidences, drafts = probs.max(-1)
+            if self.sample_temperature is not None:
+                drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
         if self.policy.uses_cost_model and self.length_head is None:
             self.policy.record_draft_time(time.perf_counter() - start)
             limits = self.policy.chain_lengths(torch.cumprod(confidences, dim=-1).tolist(), limits)
