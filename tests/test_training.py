@@ -348,6 +348,18 @@ def test_dflash_2_parts_are_added_to_a_dflash_drafter_and_trained(target_and_dat
     assert selector is not None and selector.candidate_codes.abs().sum() > 0
     history = json.loads((third / "training_info.json").read_text())
     assert history["config"]["selector_rank"] == 8
+    # --train-only-added: the selector learns, the drafter it was added to stays exactly as it was
+    before = load_file(first / "model.safetensors")
+    cfg4 = replace(cfg3, output_dir=str(tmp_path / "selector-only"), train_only_added=True)
+    fourth = load_file(train_drafter(target, tokenizer, "tiny", [str(data)], cfg4, command="test") / "model.safetensors")
+    assert fourth["selector.candidate_codes"].abs().sum() > 0
+    assert all(torch.equal(fourth[name], tensor) for name, tensor in before.items())
+    with pytest.raises(ValueError, match="--train-only-added"):
+        train_drafter(target, tokenizer, "tiny", [str(data)], replace(cfg, train_only_added=True), command="test")
+    # under LoRA the new parts are trained whole (peft would freeze them as no-ops otherwise)
+    cfg5 = replace(cfg3, output_dir=str(tmp_path / "selector-lora"), lora=True, lora_rank=4)
+    fifth = load_file(train_drafter(target, tokenizer, "tiny", [str(data)], cfg5, command="test") / "model.safetensors")
+    assert fifth["selector.candidate_codes"].abs().sum() > 0
 
 
 def test_a_drafter_learns_to_embed_mask_as_an_unused_target_token(target_and_data, tokenizer, tmp_path):

@@ -269,6 +269,8 @@ class BlockDiffusionTrainer(Trainer):
         scores = self.drafter.selector(hidden, previous, ids, logits.gather(-1, candidates))
         loss = (weights * F.cross_entropy(scores, gold, reduction="none")).sum() / weights.sum().clamp(min=1e-6)
         self._metrics["selector_loss"].append(float(loss.detach()))
+        # teacher-forced: how often the selector's pick is the label (draft_accuracy is the drafter's argmax alone)
+        self._metrics["selector_accuracy"].append(float((scores.detach().argmax(-1) == gold).float().mean()))
         return loss
 
     def draft_vocab_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -88,6 +88,11 @@ class DrafterTrainingArguments(TrainingArguments):
                           "drafter also runs in vLLM, SGLang, z-lab's loop and transformers' DFlash path. With --init "
                           "of a drafter that owns its MASK, that embedding is dropped and training adapts the drafter."},
     )
+    train_only_added: bool = field(
+        default=False,
+        metadata={"help": "With --init: train only the DFlash 2 parts that --selector-rank / --block-conv add, the "
+                          "drafter itself frozen (no backward through it, so a step costs a fraction of a full one)."},
+    )
     lora: bool = field(default=False, metadata={"help": "LoRA fine-tuning of --init through peft."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank (alpha is twice the rank)."})
 

@@ -69,6 +69,18 @@ def build_drafter(target, args: DrafterTrainingArguments, mask_token_id: int | N
     return drafter
 
 
+def added_modules(drafter: DiffusionDrafter, args: DrafterTrainingArguments) -> list[str]:
+    """Names of the drafter's DFlash 2 modules that the command names (`--selector-rank`, `--block-conv`): trained
+    whole, also under LoRA (where peft would otherwise freeze them at their no-op initialisation)."""
+    names = []
+    for name, module in drafter.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        if (leaf == "selector" and args.selector_rank is not None) or (
+                parent.endswith("block_convs") and args.block_conv):  # each convolution (peft wraps modules it calls)
+            names.append(name)
+    return names
+
+
 def unused_target_token(tokenizer, vocab_size: int) -> int:
     """A target token that the target never reads, to embed MASK with: the first embedding row beyond the
     tokenizer's vocabulary (padding rows, where the model has them), else the last special token that neither the
@@ -128,6 +140,14 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
     vocab_size = target.get_input_embeddings().num_embeddings
     drafter = build_drafter(target, args, resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size))
     model = drafter
+    added = added_modules(drafter, args)
+    if args.train_only_added:
+        if not args.init or not added:
+            raise ValueError("--train-only-added trains what --selector-rank / --block-conv add to an --init drafter: "
+                             "pass --init DRAFTER and at least one of them")
+        drafter.requires_grad_(False)
+        for name in added:
+            drafter.get_submodule(name).requires_grad_(True)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -136,7 +156,8 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         if isinstance(args, LengthHeadConfig):
             raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
         model = get_peft_model(drafter, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                   target_modules=LORA_TARGETS, lora_dropout=0.0))
+                                                   target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                                   modules_to_save=added or None))
     pad = pad_token_id(tokenizer)
     if pad is None:
         raise ValueError("the tokenizer has neither a pad nor an EOS token to pad batches with: set its pad_token")
