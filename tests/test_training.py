@@ -342,7 +342,9 @@ def test_dflash_2_parts_are_added_to_a_dflash_drafter_and_trained(target_and_dat
     assert second.config.block_conv
     assert any(conv.delta.weight.abs().sum() > 0 for conv in second.layers[0].block_convs)
     # the candidate selector likewise: added as a no-op, trained by its k-way cross-entropy
-    cfg3 = replace(cfg, output_dir=str(tmp_path / "selector"), init=str(first), selector_rank=8, max_steps=3)
+    # more anchors than response tokens: padding anchors sit at position 0, which has no token before it
+    cfg3 = replace(cfg, output_dir=str(tmp_path / "selector"), init=str(first), selector_rank=8, max_steps=3,
+                   num_anchors=64)
     third = train_drafter(target, tokenizer, "tiny", [str(data)], cfg3, command="test")
     selector = hf_diffspec.DiffusionDrafter.from_pretrained(third, target=target).selector
     assert selector is not None and selector.candidate_codes.abs().sum() > 0

@@ -250,7 +250,9 @@ class BlockDiffusionTrainer(Trainer):
         weights = weights_all[selected][learnable]
         loss = self.block_loss(logits[learnable], labels[learnable], weights, target_logits_fn)
         if getattr(self.drafter, "selector", None) is not None:
-            previous = inputs["input_ids"].gather(1, (slot_positions - 1).flatten(1)).view_as(slot_positions)
+            # the token before each slot (an anchor at position 0 has none; it is never a selected slot)
+            before = (slot_positions - 1).clamp(min=0)
+            previous = inputs["input_ids"].gather(1, before.flatten(1)).view_as(slot_positions)
             loss = loss + self.selector_loss(hidden[selected][learnable], previous[selected][learnable],
                                              logits[learnable], labels[learnable], vocab_ids, weights)
         self._record_metrics(drafts, blocks.labels, selected, prefix)
