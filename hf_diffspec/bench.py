@@ -730,8 +730,8 @@ def verify_cost_curve(target, sizes=CURVE_SIZES) -> dict | None:
     cost = VerifyCost.for_target(target)
     if cost is None:
         return None
-    one = cost(1, 1)
-    return {"ms_one_token": round(one * 1000, 2), "ratio": {str(n): round(cost(n, 1) / one, 3) for n in sizes},
+    one = cost.profiled(1, 1)
+    return {"ms_one_token": round(one * 1000, 2), "ratio": {str(n): round(cost.profiled(n, 1) / one, 3) for n in sizes},
             "profile": str(profile_dir() / f"{profile_key(target)}.json")}
 
 

@@ -251,7 +251,9 @@ class DiffusionDrafterPreTrainedModel(PreTrainedModel):
             module.base[0].fill_(1.0)
             module.delta.weight.zero_()
         elif isinstance(module, DiffusionDrafterSelector):  # B = 0: an exact no-op until trained
-            module.previous_codes.normal_(0.0, std)
+            # unit-scale A: with both A and W h at initializer scale, <A[a] * W h, B[b]> would take thousands of steps
+            # to reach the scale of the logits it corrects
+            module.previous_codes.normal_(0.0, 1.0)
             module.candidate_codes.zero_()
         elif isinstance(module, DiffusionDrafter) and module.mask_embedding is not None:
             module.mask_embedding.normal_(0.0, std)

@@ -21,6 +21,22 @@ def test_interpolation_and_extrapolation():
     assert cost(1, rows=8) == pytest.approx(2.0 + (2.0 - 1.0) / 3 * 4)  # beyond the profile: linear in rows
 
 
+def test_the_profile_is_refined_by_what_steps_cost():
+    """A profile measured on a short context, and steps that cost twice that at 1 slot and three times at 8 (a long
+    context): the cost follows what is observed, between observed sizes too, per batch-size bucket."""
+    cost = VerifyCost({1: {1: 1.0, 8: 2.0, 16: 4.0}, 4: {1: 2.0, 16: 8.0}})
+    for _ in range(60):
+        cost.observe(1, 1, 2.0)
+        cost.observe(8, 1, 6.0)
+    assert cost(1) == pytest.approx(2.0, rel=0.01) and cost(8) == pytest.approx(6.0, rel=0.01)
+    assert cost(4) == pytest.approx(cost.profiled(4) * 2.43, rel=0.01)  # ratio interpolated between 2 and 3
+    assert cost(16) == pytest.approx(12.0, rel=0.01)  # flat beyond the largest observed size
+    assert cost(1, 4) == 2.0 and cost.profiled(8) == 2.0  # other buckets and the profile itself untouched
+    cost.observe(2, 3, 2.2)  # 3 rows share the bucket of 4
+    assert cost(2, 3) == pytest.approx(2.2)
+    assert cost(2, 4) / cost.profiled(2, 4) == pytest.approx(2.2 / cost.profiled(2, 3))
+
+
 def test_verify_more_only_when_it_pays():
     flat = VerifyCost({1: {1: 1.0, 16: 1.0}})           # verifying is free: take every node with any chance
     steep = VerifyCost({1: {1: 1.0, 2: 2.0, 16: 16.0}})  # each token costs a full forward: never worth it

@@ -103,12 +103,33 @@ def _interpolate(points: dict[int, float], x: float) -> float:
     return points[last] + (points[last] - points[before]) * (x - last) / (last - before)
 
 
+def rows_bucket(rows: int) -> int:
+    """Batch sizes that share measurements: the next power of two (rows leave a batch one by one as they finish)."""
+    return 1 << (rows - 1).bit_length()
+
+
 class VerifyCost:
     """T_verify(n, rows): seconds of one target forward over `rows` x n tokens, interpolated from a measured profile
-    {rows: {n: seconds}} (linear in n, then linear in rows)."""
+    {rows: {n: seconds}} (linear in n, then linear in rows), refined online.
 
-    def __init__(self, costs: dict[int, dict[int, float]]):
+    The profile is measured once, on a short context, without the loop around the forward. What a decoding step
+    really costs (a longer context, the loop's own work, other load) is observed at every step: `observe` keeps, per
+    batch-size bucket and slot count, the smoothed ratio of observed to profiled seconds, and the cost at n is the
+    profile times that ratio interpolated between the slot counts observed (flat beyond them)."""
+
+    def __init__(self, costs: dict[int, dict[int, float]], smoothing: float = 0.1):
         self.costs = costs
+        self.smoothing = smoothing
+        self.corrections: dict[int, dict[int, float]] = {}  # rows bucket -> {n: observed / profiled}
+
+    def profiled(self, n: int, rows: int = 1) -> float:
+        return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
+
+    def observe(self, n: int, rows: int, seconds: float) -> None:
+        """A decoding step verified `rows` x `n` slots in `seconds` (forward and commit)."""
+        ratios = self.corrections.setdefault(rows_bucket(rows), {})
+        ratio = seconds / self.profiled(n, rows)
+        ratios[n] = ratio if n not in ratios else (1 - self.smoothing) * ratios[n] + self.smoothing * ratio
 
     @classmethod
     def for_target(cls, target) -> "VerifyCost | None":
@@ -143,7 +164,10 @@ class VerifyCost:
         return cost
 
     def __call__(self, n: int, rows: int = 1) -> float:
-        return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
+        ratios = self.corrections.get(rows_bucket(rows))
+        if not ratios:
+            return self.profiled(n, rows)
+        return self.profiled(n, rows) * _interpolate(ratios, min(max(n, min(ratios)), max(ratios)))
 
 
 def plausible_costs(costs: dict[int, dict[int, float]], slack: float = 1.5) -> bool:

@@ -11,7 +11,8 @@ target itself picks.
         batch.commit(paths, hidden) ──► accepted paths kept in the KV cache; their target features become the
                                         drafter's new context
         batch.drop_finished()        ──► finished rows leave the batch and every cache
-        policy.record_step           ──► measured tokens per second of speculative and plain steps
+        policy.record_step           ──► measured tokens per second of speculative and plain steps, and the
+                                        verify cost observed (it refines the profiled one)
 
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
 criteria, the cache and the generation config (see `generation.py`), so every standard generate option applies.
@@ -189,7 +190,7 @@ def speculative_generate(
         stats.committed_per_step.extend(len(p) for p in paths)
         batch.commit(paths, out.hidden_states, tokens.shape[1])
         t3 = time.perf_counter()
-        policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0)
+        policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1)
         stats.plain_steps += not speculate
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t3 - t1

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from .cost_model import VerifyCost, best_node_count
+from .cost_model import VerifyCost, best_node_count, rows_bucket
 
 
 class DraftLengthPolicy:
@@ -48,10 +48,14 @@ class DraftLengthPolicy:
         """Draft this step (True), or decode plainly (False)? Always True with a fixed length."""
         return self.gate is None or self.gate.should_speculate(rows)
 
-    def record_step(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
-        """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`."""
+    def record_step(self, speculated: bool, rows: int, committed: int, seconds: float, slots: int,
+                    verify_seconds: float) -> None:
+        """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`, of
+        which `verify_seconds` verified `slots` slots per row."""
         if self.gate is not None:
             self.gate.record(speculated, rows, committed, seconds)
+        if self.verify_cost is not None:
+            self.verify_cost.observe(slots, rows, verify_seconds)
 
     @property
     def uses_cost_model(self) -> bool:
@@ -113,16 +117,12 @@ class SpeculationGate:
         self.plain_step_seconds: dict[int, float] = {}
         self.plain_steps_left: dict[int, int] = {}
 
-    @staticmethod
-    def _bucket(rows: int) -> int:
-        return 1 << (rows - 1).bit_length()
-
     def _smooth(self, table: dict, key, value: float) -> float:
         table[key] = value if key not in table else (1 - self.smoothing) * table[key] + self.smoothing * value
         return table[key]
 
     def should_speculate(self, rows: int) -> bool:
-        rows = self._bucket(rows)
+        rows = rows_bucket(rows)
         if (rows, True) not in self.rates:
             return True
         if (rows, False) not in self.rates:
@@ -135,7 +135,7 @@ class SpeculationGate:
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         seconds = max(seconds, 1e-9)
-        rows = self._bucket(rows)
+        rows = rows_bucket(rows)
         rate = self._smooth(self.rates, (rows, speculated), committed / seconds)
         if not speculated:
             self._smooth(self.plain_step_seconds, rows, seconds)
