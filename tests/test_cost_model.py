@@ -2,6 +2,7 @@
 
 import json
 import logging
+import random
 
 import pytest
 import torch
@@ -169,6 +170,18 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     choices, _, _ = simulate(hopeless, 300, spec_tokens=1, spec_seconds=10.0)
     probes = [i for i, s in enumerate(choices) if s]
     assert [b - a for a, b in zip(probes, probes[1:])][1:] == [65] * (len(probes) - 2)
+    # acceptance is random: speculation that pays on average (1.7 tokens per 1.3 s, vs 1 per second) is kept on
+    # through unlucky steps; one that loses on average (per 2 s) costs little more than the probe budget
+    for spec_seconds, least in ((1.3, 0.95 * 1.7 / 1.3), (2.0, 0.975)):
+        rng = random.Random(0)
+        gate, seconds, tokens = SpeculationGate(), 0.0, 0
+        for _ in range(3000):
+            speculate = gate.should_speculate(1)
+            committed = rng.choices([1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1])[0] if speculate else 1
+            took = (spec_seconds if speculate else 1.0) * rng.uniform(0.9, 1.1)
+            gate.record(speculate, 1, committed, took)
+            seconds, tokens = seconds + took, tokens + committed
+        assert tokens / seconds > least
     fast = SpeculationGate()
     fast.record(True, 4, committed=12, seconds=1.0)
     fast.record(False, 4, committed=4, seconds=0.8)
