@@ -49,7 +49,7 @@ print("| nodes per step | chain tau | chain tokens/s | tree tau | tree tokens/s 
 print("|---|---|---|---|---|---|---|")
 for n in sizes:
     c, t = rows[f"chain-{n}"], rows[f"tree-{n}"]
-    ratio = f"{cost(n, 1) / cost(1, 1):.2f}" if cost is not None else "no profile"
+    ratio = f"{cost.profiled(n, 1) / cost.profiled(1, 1):.2f}" if cost is not None else "no profile"
     print(f"| {n} | {c['tau']:.2f} | {c['tokens_per_s']:.1f} | {t['tau']:.2f} | {t['tokens_per_s']:.1f} | "
           f"{t['tokens_per_s'] / c['tokens_per_s']:.2f}x | {ratio} |")
 
