@@ -121,11 +121,6 @@ class SpeculationGate:
         self.steps: dict[tuple[int, bool], tuple[float, float]] = {}  # (rows, speculated) -> (tokens, seconds)
         self.plain_steps_left: dict[int, int] = {}
 
-    def rate(self, rows: int, speculated: bool) -> float | None:
-        """Tokens per second of that arm at `rows` rows (None: not measured yet)."""
-        step = self.steps.get((rows_bucket(rows), speculated))
-        return None if step is None else step[0] / step[1]
-
     def should_speculate(self, rows: int) -> bool:
         rows = rows_bucket(rows)
         if (rows, True) not in self.steps:
