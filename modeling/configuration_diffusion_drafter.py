@@ -103,7 +103,7 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         length_head: bool = False,
         length_head_size: int = 256,
         draft_tree_budget: int | None = None,
-        draft_tree_width: int = 4,
+        draft_tree_width: int = 8,
         draft_vocab_size: int | None = None,
         block_conv: bool = False,
         block_conv_kernel: int = 2,

@@ -549,10 +549,13 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         the full vocabulary, the target's logits and `None`. For callers that map columns back themselves (training's
         cross-entropy over V' logits): no full-vocabulary tensor is built."""
         lm_head = self.target_lm_head
+        # a slice of the block (its draft slots) is a strided view; CPU bf16 matmuls take a slow path on those
+        # (measured: 8192 rows x 15 slots, 3.1 ms strided against 0.5 ms contiguous)
+        hidden_states = hidden_states.to(lm_head.weight.dtype).contiguous()
         if self.draft_vocab_ids is None:
-            return lm_head(hidden_states.to(lm_head.weight.dtype)), None
+            return lm_head(hidden_states), None
         weight, bias, ids = self.draft_vocab_head()
-        return F.linear(hidden_states.to(weight.dtype), weight, bias), ids
+        return F.linear(hidden_states, weight, bias), ids
 
     def select_drafts(self, draft_hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
                       temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
