@@ -121,3 +121,68 @@ def test_a_small_tree_computes_distributions_only_for_the_slots_it_can_reach(mon
     ref = target.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False), ref)
     assert depths and max(depths) <= 2
+
+
+def _record_proposals(monkeypatch, cls):
+    """Trees proposed and slots whose draft logits were computed, per step."""
+    trees, slots = [], []
+    propose, slot_logits = cls.propose, cls._slot_logits
+
+    def recording_propose(self, *args):
+        out = propose(self, *args)
+        trees.append([(t.tokens.tolist(), t.parents) for t in out])
+        return out
+
+    def recording_slot_logits(self, *args):
+        logits = slot_logits(self, *args)
+        slots.append(logits.shape[1])
+        return logits
+
+    monkeypatch.setattr(cls, "propose", recording_propose)
+    monkeypatch.setattr(cls, "_slot_logits", recording_slot_logits)
+    return trees, slots
+
+
+def test_trees_from_slot_by_slot_logits_are_the_trees_of_the_whole_block(monkeypatch):
+    """The LM head runs over the block's slots in chunks (4, 8, 15) and stops once the budget's tree stays above the
+    deepest slot computed: by best-first closure that is exactly the tree of the whole block, at less cost."""
+    target = tiny_target("llama", seed=1, vocab_size=24)
+    drafter = tiny_drafter(target, block_size=16, seed=1, draft_tree_budget=12, draft_tree_width=2)
+    # a sharpened drafter: some trees are deep (the later chunks are needed), some wide (they are not)
+    monkeypatch.setattr(BestFirstTreeCandidateGenerator, "_distributions",
+                        lambda self, logits: (logits.float() * 8).softmax(-1))
+    ids = torch.randint(2, 24, (2, 6), generator=torch.Generator().manual_seed(1))
+    ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+    trees, slots = _record_proposals(monkeypatch, BestFirstTreeCandidateGenerator)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False), ref)
+    chunked, chunked_slots = list(trees), list(slots)
+    monkeypatch.setattr(BestFirstTreeCandidateGenerator, "_slot_logits",
+                        lambda self, hidden, span, needs_more: self.first.drafter.compute_logits(hidden[:, :span]))
+    whole, _ = _record_proposals(monkeypatch, BestFirstTreeCandidateGenerator)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False), ref)
+    assert chunked == whole
+    assert 4 in chunked_slots and max(chunked_slots) > 4  # both ways out of the loop were taken
+
+
+@pytest.mark.parametrize("sharpness", [8.0, 60.0])
+def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(monkeypatch, sharpness):
+    from hf_diffspec.runtime.cost_model import VerifyCost
+    from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+
+    target = tiny_target("llama", seed=2, vocab_size=24)
+    drafter = tiny_drafter(target, block_size=16, seed=2)
+    # verifying costs little, so the chain length follows the drafter's confidences: a hesitant drafter (sharpness
+    # 8) drafts short chains, a confident one (60) long ones
+    monkeypatch.setattr(VerifyCost, "for_target", classmethod(lambda cls, t: VerifyCost({1: {1: 1.0, 16: 1.3}})))
+    monkeypatch.setattr(DiffusionCandidateGenerator, "_distributions",
+                        lambda self, logits: (logits.float() * sharpness).softmax(-1))
+    ids = torch.randint(2, 24, (2, 6), generator=torch.Generator().manual_seed(2))
+    ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+    trees, slots = _record_proposals(monkeypatch, DiffusionCandidateGenerator)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False), ref)
+    verified = [max(len(tokens) for tokens, _ in step) - 1 for step in trees]
+    assert all(v <= s for v, s in zip(verified, slots))
+    if sharpness < 10:  # chains of 1-2 drafts: the head never ran past its first chunk
+        assert max(slots) == 4 and len(slots) > 10
+    else:  # long chains: later chunks were computed when the chain reached them
+        assert max(slots) > 4 and max(verified) > 4

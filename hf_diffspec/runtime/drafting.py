@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .best_first_tree import build_best_first_tree, build_selector_tree
+from .best_first_tree import best_first_shape, build_best_first_tree, build_selector_tree
 from .cost_model import VerifyCost
 from .policy import DraftLengthPolicy, speculation_gate_for
 from .prefix_tree import build_prefix_tree, plan_branches
@@ -193,7 +193,19 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             if max(limits) == 0:
                 return [self._root_only(root) for root in root_tokens]
         drafter, span = self.first.drafter, max(limits)
-        logits = drafter.compute_logits(draft_hidden[:, :span])
+        if self.policy.uses_cost_model and getattr(drafter, "selector", None) is None:
+            # the cost model sizes the chains from these slots' confidences: more slots only while it wants them all
+            # (approximately: the rate is rarely best again past a slot count it has already passed)
+            def needs_more(logits):
+                computed = logits.shape[1]
+                confidences = torch.cumprod(self._distributions(logits).max(-1).values, dim=-1).tolist()
+                lengths = self.policy.chain_lengths(confidences, [min(k, computed) for k in limits])
+                return any(n == computed < k for n, k in zip(lengths, limits))
+
+            logits = self._slot_logits(draft_hidden, span, needs_more)
+            limits = [min(k, logits.shape[1]) for k in limits]
+        else:
+            logits = drafter.compute_logits(draft_hidden[:, :span])
         # when sampling, confidences are the drafter's own maxima: what is verified must not depend on draws
         if getattr(drafter, "selector", None) is not None:  # DFlash 2: the path is chosen left to right
             roots = torch.tensor(root_tokens, device=logits.device)
@@ -227,6 +239,19 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         roots = torch.tensor(root_tokens, device=self.first.drafter.device)
         positions = torch.tensor(root_positions, device=roots.device)
         return roots, positions, self.first.draft_block(roots, positions, self.block_size)[:, 1:]
+
+    def _slot_logits(self, draft_hidden: torch.Tensor, span: int, needs_more) -> torch.Tensor:
+        """Draft logits of the block's first slots, computed in growing chunks (4, 8, 16 ... slots, at most `span`)
+        until `needs_more(logits)` says the slots computed so far decide what is verified. The LM head is the
+        drafter's largest cost (49k rows per slot for SmolLM2), and steps usually verify only the first few slots."""
+        drafter, logits, end = self.first.drafter, None, 0
+        while end < span:
+            start, end = end, min(span, max(4, 2 * end))
+            chunk = drafter.compute_logits(draft_hidden[:, start:end])
+            logits = chunk if logits is None else torch.cat([logits, chunk], dim=1)
+            if end < span and not needs_more(logits):
+                break
+        return logits
 
     def _root_only(self, root: int) -> CandidateTree:
         return CandidateTree.chain(root, torch.empty(0, dtype=torch.long, device=self.first.drafter.device))
@@ -330,24 +355,36 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         start = time.perf_counter()
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         drafter = self.first.drafter
-        logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
         sample = self.sample_temperature is not None
         selector = getattr(drafter, "selector", None)
+        budget, width = config.draft_tree_budget, config.draft_tree_width
+        if selector is not None and not sample:
+            logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
+        else:
+            # best-first closure: a node deeper than every node of the budget's tree scores below one of them, so
+            # deeper slots matter only when that tree already reaches the deepest slot computed
+            def needs_more(logits):
+                computed = logits.shape[1]
+                top = self._distributions(logits).topk(min(width, logits.shape[-1]), dim=-1).values
+                return any(max(len(path) for path, _ in best_first_shape(top[r], budget)) == computed
+                           for r in range(rows) if limits[r] > computed)
+
+            logits = self._slot_logits(draft_hidden, max(limits), needs_more)
+            limits = [min(k, logits.shape[1]) for k in limits]
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
         if selector is not None and not sample:  # DFlash 2: branches from the selector's candidates
             trees = [build_selector_tree(root_tokens[r], draft_hidden[r, : limits[r]], logits[r, : limits[r]],
-                                         selector, drafter.config.selector_top_k, config.draft_tree_budget,
-                                         node_count, config.draft_tree_width)
+                                         selector, drafter.config.selector_top_k, budget, node_count, width)
                      if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
             self.policy.record_draft_time(time.perf_counter() - start)
             return trees
         probs = self._distributions(logits)
         self.policy.record_draft_time(time.perf_counter() - start)
-        return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], config.draft_tree_budget, node_count,
-                                      sample=sample, max_children=config.draft_tree_width)
+        return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], budget, node_count, sample=sample,
+                                      max_children=width)
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
     def get_candidates(self, *args, **kwargs):
