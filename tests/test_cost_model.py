@@ -186,11 +186,17 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     fast.record(True, 4, committed=12, seconds=1.0)
     fast.record(False, 4, committed=4, seconds=0.8)
     assert all(fast.should_speculate(4) for _ in range(10))  # speculation pays at 4 rows: always on
-    assert fast.should_speculate(16)  # another batch size is measured anew
+    assert fast.should_speculate(16)  # a batch size two sizes away is measured anew
+    assert (16, False) not in fast.steps
     slow = SpeculationGate()
     slow.record(False, 64, committed=64, seconds=0.5)
     slow.record(True, 64, committed=40, seconds=1.0)  # speculation loses: plain steps for a while
     assert not slow.should_speculate(63)  # a row left the batch: still the 64-row measurements, no new probe
+    # half the rows left: the 32-row size starts from the 64-row measurements (no probe), then refines its own
+    assert not slow.should_speculate(32)
+    assert slow.steps[(32, True)] == slow.steps[(64, True)]
+    slow.record(False, 32, committed=32, seconds=0.3)
+    assert slow.steps[(32, False)] != slow.steps[(64, False)]
 
 
 def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():

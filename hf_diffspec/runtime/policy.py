@@ -112,7 +112,8 @@ class SpeculationGate:
     committing as many tokens (on average) is followed by extra / (probe_budget x plain step time) plain steps (at
     least 1, at most `max_wait`). A near tie is probed often (each probe costs little), a clear loss rarely. Batch
     sizes share measurements within powers of two (rows leave a batch one by one as they finish; measuring 64, 63,
-    62 ... rows anew would probe at every departure)."""
+    62 ... rows anew would probe at every departure), and a size met for the first time starts from its
+    neighbour's measurements."""
 
     def __init__(self, probe_budget: float = 0.02, max_wait: int = 256, smoothing: float = 0.1):
         self.probe_budget = probe_budget
@@ -124,6 +125,8 @@ class SpeculationGate:
     def should_speculate(self, rows: int) -> bool:
         rows = rows_bucket(rows)
         if (rows, True) not in self.steps:
+            self._inherit(rows)
+        if (rows, True) not in self.steps:
             return True
         if (rows, False) not in self.steps:
             return False
@@ -132,6 +135,17 @@ class SpeculationGate:
             self.plain_steps_left[rows] = left - 1
             return False
         return True
+
+    def _inherit(self, rows: int) -> None:
+        """A batch size met for the first time starts from a neighbouring one's measurements (twice as many rows,
+        else half as many) and refines them: as rows finish, 64 -> 32 -> 16 ..., a first speculative probe at each
+        size cost several plain steps of a large batch for what its neighbour already showed."""
+        for near in (2 * rows, rows // 2):
+            if (near, True) in self.steps and (near, False) in self.steps:
+                for speculated in (True, False):
+                    self.steps[(rows, speculated)] = self.steps[(near, speculated)]
+                self.plain_steps_left[rows] = self.plain_steps_left.get(near, 0)
+                return
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rows = rows_bucket(rows)
