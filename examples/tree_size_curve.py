@@ -31,7 +31,7 @@ args = parser.parse_args()
 
 target, tokenizer = load_target(args.target, dtype=torch.bfloat16)
 sizes = [int(s) for s in args.sizes.split(",")]
-chain = load_drafter(args.drafter, target, args.target, length_head=False)
+chain = load_drafter(args.drafter, target, args.target, length_head=False, draft_tree_budget=None)
 block = chain.config.block_size
 methods = {}
 for n in sizes:

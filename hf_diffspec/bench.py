@@ -134,15 +134,17 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
                           tree_budget: int = 16, max_depth: int = 8, branch_length: int = 4,
                           assistant_model=None, prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS) -> dict[str, Method]:
     """Method name -> `Method`, for `ar` and any of `SPECULATIVE_METHODS` and `PEER_METHODS`:
-    - `dflash`: what `target.generate(**inputs, assistant_model=drafter)` does by default (its length head left
-      out): per step the measured cost model sizes the drafts from the drafter's confidences, and the policy decodes
-      plainly where speculation does not pay;
+    - `dflash`: chains, what `target.generate(**inputs, assistant_model=drafter)` does for a drafter without a tree
+      budget (its length head left out, a checkpoint's `draft_tree_budget` ignored): per step the measured cost
+      model sizes the drafts from the drafter's confidences, and the policy decodes plainly where speculation does
+      not pay;
     - `dflash-fixed`: the same drafter verifying a fixed number of drafts every step (`dflash_length`, default the
       drafter's `num_draft_tokens`, else its whole block), always speculating;
     - `dflash-block`: the same drafter verifying its whole block every step, DFlash's own fixed length (its tau is
       the drafter's acceptance length, independent of how fast a machine verifies);
     - `adaflash`: the default path with the drafter's length head sizing the drafts;
-    - `tree`: the default path drafting best-first trees of at most `tree_budget` nodes from the same single pass;
+    - `tree`: the default path drafting best-first trees of at most `tree_budget` nodes from the same single pass
+      (what the shipped SmolLM2 drafter does by default: its config sets `draft_tree_budget`);
     - `d2sd` first + VP drafter, `d2sd-reuse` the first drafter re-drafting its own branches (the paper's
       DFlash -> DFlash ablation), `d2sd-resample` branches taken from the first pass's own distributions;
     - peers, see `peer_methods` (`assistant_model`, `prompt_lookup_tokens`).
@@ -163,7 +165,8 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
         raise ValueError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)} and the peers "
                          f"{', '.join(PEER_METHODS)}")
     needs_drafter = set(methods) & {*SPECULATIVE_METHODS, "hf-dflash", "zlab"}
-    first = load_drafter(drafter, target, target_name) if needs_drafter else None
+    # chains for the chain methods, whatever the checkpoint's default (the shipped drafter drafts trees)
+    first = load_drafter(drafter, target, target_name, draft_tree_budget=None) if needs_drafter else None
     if {"dflash", "adaflash", "tree"} & set(methods) and VerifyCost.for_target(target) is None:
         dtype = str(target.dtype).replace("torch.", "")
         raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
@@ -188,7 +191,7 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
                                  "train length-head --init DRAFTER ...` and pass it as --drafter")
             chosen = first
             if not with_head and first.length_head is not None:  # the same weights, the head left out
-                chosen = load_drafter(drafter, target, target_name, length_head=False)
+                chosen = load_drafter(drafter, target, target_name, length_head=False, draft_tree_budget=None)
             drafters[method] = Method(chosen)
         elif method == "tree":
             trees = load_drafter(drafter, target, target_name, length_head=False, draft_tree_budget=tree_budget)

@@ -290,6 +290,9 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
     target's LM head are computed; `compute_logits` still returns logits over the full vocabulary, -inf elsewhere.
     """
 
+    # a checkpoint with a length head loads without it (`length_head=False`): its weights are dropped on purpose
+    _keys_to_ignore_on_load_unexpected = [r"^length_head\."]
+
     def __init__(self, config: DiffusionDrafterConfig):
         super().__init__(config)
         feature_size = len(config.target_layer_ids) * config.hidden_size
