@@ -199,6 +199,34 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     assert slow.steps[(32, False)] != slow.steps[(64, False)]
 
 
+@pytest.mark.speculation_gate
+def test_gate_probes_plain_decoding_while_speculation_wins():
+    """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
+    good: while speculation wins, plain steps are probed too, within the same budget."""
+    from hf_diffspec.runtime.policy import SpeculationGate
+
+    gate, seconds, tokens, plain_steps = SpeculationGate(probe_budget=0.02), 0.0, 0, 0
+    for step in range(3000):
+        speculate = gate.should_speculate(1)
+        if speculate:  # really 0.92 tokens/s
+            committed, took = 1.2, 1.3
+        else:  # really 1 token/s; the first plain step took twice as long
+            committed, took = 1, 2.0 if plain_steps == 0 else 1.0
+            plain_steps += 1
+        gate.record(speculate, 1, committed, took)
+        if step >= 2000:  # after the gate has settled
+            seconds, tokens = seconds + took, tokens + committed
+    assert tokens / seconds > 0.97  # plain decoding's 1.0 token/s, less the probes; speculating throughout: 0.92
+    # where speculation really wins, the plain probes cost about the budget
+    fast, seconds, tokens = SpeculationGate(probe_budget=0.02), 0.0, 0
+    for _ in range(2000):
+        speculate = fast.should_speculate(1)
+        committed, took = (2, 1.0) if speculate else (1, 1.0)
+        fast.record(speculate, 1, committed, took)
+        seconds, tokens = seconds + took, tokens + committed
+    assert tokens / seconds > 0.97 * 2
+
+
 def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
     """What one call measured (speculation loses here) is where the next call starts, so it does not pay for the
     probes again; another target, thread count or method starts afresh."""

@@ -110,7 +110,9 @@ class SpeculationGate:
     While speculation loses, it is probed again only after enough plain steps that probing costs at most
     `probe_budget` of the decoding time: a speculative step that costs `extra` seconds more than plain steps
     committing as many tokens (on average) is followed by extra / (probe_budget x plain step time) plain steps (at
-    least 1, at most `max_wait`). A near tie is probed often (each probe costs little), a clear loss rarely. Batch
+    least 1, at most `max_wait`). A near tie is probed often (each probe costs little), a clear loss rarely. While
+    speculation wins, plain decoding is probed the same way: without it, a plain measurement taken once (early, on
+    a short context, or while the machine was busy) would keep a losing speculation on for good. Batch
     sizes share measurements within powers of two (rows leave a batch one by one as they finish; measuring 64, 63,
     62 ... rows anew would probe at every departure), and a size met for the first time starts from its
     neighbour's measurements."""
@@ -120,7 +122,8 @@ class SpeculationGate:
         self.max_wait = max_wait
         self.smoothing = smoothing
         self.steps: dict[tuple[int, bool], tuple[float, float]] = {}  # (rows, speculated) -> (tokens, seconds)
-        self.plain_steps_left: dict[int, int] = {}
+        self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
+        self.speculative_steps_left: dict[int, int] = {}  # while it wins: speculative steps before a plain probe
 
     def should_speculate(self, rows: int) -> bool:
         rows = rows_bucket(rows)
@@ -134,7 +137,13 @@ class SpeculationGate:
         if left > 0:
             self.plain_steps_left[rows] = left - 1
             return False
-        return True
+        left = self.speculative_steps_left.get(rows)
+        if left is None or left > 0:
+            if left is not None:
+                self.speculative_steps_left[rows] = left - 1
+            return True
+        del self.speculative_steps_left[rows]  # a plain probe; the next plain record schedules the one after
+        return False
 
     def _inherit(self, rows: int) -> None:
         """A batch size met for the first time starts from a neighbouring one's measurements (twice as many rows,
@@ -145,6 +154,8 @@ class SpeculationGate:
                 for speculated in (True, False):
                     self.steps[(rows, speculated)] = self.steps[(near, speculated)]
                 self.plain_steps_left[rows] = self.plain_steps_left.get(near, 0)
+                if near in self.speculative_steps_left:
+                    self.speculative_steps_left[rows] = self.speculative_steps_left[near]
                 return
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
@@ -155,16 +166,26 @@ class SpeculationGate:
             a = self.smoothing
             committed, seconds = (1 - a) * tokens + a * committed, (1 - a) * took + a * seconds
         self.steps[key] = (committed, seconds)
-        if not speculated or (rows, False) not in self.steps:
+        if (rows, True) not in self.steps or (rows, False) not in self.steps:
             return
+        spec_tokens, spec_seconds = self.steps[(rows, True)]
         plain_tokens, plain_seconds = self.steps[(rows, False)]
-        plain = plain_tokens / plain_seconds
-        if committed / seconds >= plain:
-            return
-        # speculation loses here now: decode plainly until a speculative step's extra cost is a budgeted share
-        extra = seconds - committed / plain
-        wait = extra / (self.probe_budget * plain_seconds)
-        self.plain_steps_left[rows] = min(self.max_wait, max(1, math.ceil(wait)))
+        spec, plain = spec_tokens / spec_seconds, plain_tokens / plain_seconds
+        if spec >= plain:  # speculation wins: a plain step now and then, each costing a budgeted share
+            self.plain_steps_left.pop(rows, None)
+            if rows not in self.speculative_steps_left:
+                extra = plain_seconds - plain_tokens / spec
+                self.speculative_steps_left[rows] = self._wait(extra, spec_seconds)
+        else:  # it loses: plain steps until a speculative step's extra cost is a budgeted share
+            self.speculative_steps_left.pop(rows, None)
+            if speculated or rows not in self.plain_steps_left:
+                extra = spec_seconds - spec_tokens / plain
+                self.plain_steps_left[rows] = self._wait(extra, plain_seconds)
+
+    def _wait(self, extra: float, step_seconds: float) -> int:
+        """Steps of the winning arm before a probe of the other that costs `extra` seconds more than the winner
+        would take for its tokens: the probes cost `probe_budget` of the decoding time."""
+        return min(self.max_wait, max(1, math.ceil(extra / (self.probe_budget * step_seconds))))
 
 
 _GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
