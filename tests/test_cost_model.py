@@ -200,6 +200,25 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
 
 
 @pytest.mark.speculation_gate
+def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
+    from hf_diffspec.runtime.policy import SpeculationGate
+
+    gate = SpeculationGate()
+    assert gate.should_speculate(4)
+    gate.record(True, 4, committed=10, seconds=0.125)  # the first step after the prompt: 80 tokens/s
+    assert not gate.should_speculate(4)
+    gate.record(False, 4, committed=4, seconds=0.07)  # plain: 57 tokens/s
+    choices = []
+    for _ in range(12):  # speculation really commits 5 tokens per 0.105 s: 48 tokens/s
+        speculate = gate.should_speculate(4)
+        gate.record(speculate, 4, *((5, 0.105) if speculate else (4, 0.07)))
+        choices.append(speculate)
+    # a running mean drops it within 3 steps, then probes it now and then (a near tie: probes cost little); a first
+    # sample weighted 1 kept it on for all 12 steps
+    assert choices[:3] == [True, True, True] and not choices[3] and sum(choices) <= 6
+
+
+@pytest.mark.speculation_gate
 def test_gate_probes_plain_decoding_while_speculation_wins():
     """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
     good: while speculation wins, plain steps are probed too, within the same budget."""

@@ -104,7 +104,9 @@ class SpeculationGate:
     """Speculative or plain steps, from measured throughput of each (tokens committed per second of loop step), per
     batch size. Unmeasured arms are tried first (speculation, then plain); after that the faster arm is taken.
 
-    An arm's throughput is a ratio of means: smoothed tokens committed per step over smoothed seconds per step. One
+    An arm's throughput is a ratio of means: smoothed tokens committed per step over smoothed seconds per step (a
+    plain mean over an arm's first steps, then an exponential average, so one lucky first step does not decide the
+    next dozen: the first speculative step after a prompt often commits twice what the later ones do). One
     speculative step commits 1 token or several by chance, so a per-step rate would stop speculation after a few
     unlucky steps even where it pays on average (simulated: 1.10x instead of 1.27x where 1.31x was there to take).
     While speculation loses, it is probed again only after enough plain steps that probing costs at most
@@ -122,6 +124,7 @@ class SpeculationGate:
         self.max_wait = max_wait
         self.smoothing = smoothing
         self.steps: dict[tuple[int, bool], tuple[float, float]] = {}  # (rows, speculated) -> (tokens, seconds)
+        self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
         self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
         self.speculative_steps_left: dict[int, int] = {}  # while it wins: speculative steps before a plain probe
 
@@ -153,6 +156,7 @@ class SpeculationGate:
             if (near, True) in self.steps and (near, False) in self.steps:
                 for speculated in (True, False):
                     self.steps[(rows, speculated)] = self.steps[(near, speculated)]
+                    self.samples[(rows, speculated)] = 0  # this size's first own step replaces the estimate
                 self.plain_steps_left[rows] = self.plain_steps_left.get(near, 0)
                 if near in self.speculative_steps_left:
                     self.speculative_steps_left[rows] = self.speculative_steps_left[near]
@@ -161,9 +165,10 @@ class SpeculationGate:
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rows = rows_bucket(rows)
         key, seconds = (rows, speculated), max(seconds, 1e-9)
+        self.samples[key] = self.samples.get(key, 0) + 1
         if key in self.steps:
             tokens, took = self.steps[key]
-            a = self.smoothing
+            a = max(self.smoothing, 1 / self.samples[key])
             committed, seconds = (1 - a) * tokens + a * committed, (1 - a) * took + a * seconds
         self.steps[key] = (committed, seconds)
         if (rows, True) not in self.steps or (rows, False) not in self.steps:
