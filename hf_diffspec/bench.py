@@ -46,8 +46,8 @@ from .runtime.drafting import DiffusionCandidateGenerator, default_policy
 from .runtime.files import atomic_write, pad_token_id
 from .runtime.tree import CandidateTree
 
-SPECULATIVE_METHODS = ("dflash", "dflash-fixed", "dflash-block", "adaflash", "tree", "d2sd", "d2sd-reuse",
-                       "d2sd-resample")
+SPECULATIVE_METHODS = ("dflash", "dflash-fixed", "dflash-block", "adaflash", "tree", "tree-lookup", "d2sd",
+                       "d2sd-reuse", "d2sd-resample")
 PEER_METHODS = ("pld", "hf-dflash", "zlab", "ar-assistant")
 #: built-in target -> the smaller model of its family that `ar-assistant` drafts with (same tokenizer)
 ASSISTANT_SIBLINGS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
@@ -143,8 +143,11 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
     - `dflash-block`: the same drafter verifying its whole block every step, DFlash's own fixed length (its tau is
       the drafter's acceptance length, independent of how fast a machine verifies);
     - `adaflash`: the default path with the drafter's length head sizing the drafts;
-    - `tree`: the default path drafting best-first trees of at most `tree_budget` nodes from the same single pass
-      (what the shipped SmolLM2 drafter does by default: its config sets `draft_tree_budget`);
+    - `tree`: the default path drafting best-first trees of at most `tree_budget` nodes from the same single pass,
+      prompt lookup off;
+    - `tree-lookup`: `tree` plus up to `prompt_lookup_tokens` prompt-lookup drafts per step, grafted on as one more
+      branch or verified alone without a drafter forward (what the shipped SmolLM2 drafter does by default: its
+      config sets `draft_tree_budget` and `prompt_lookup_num_tokens`);
     - `d2sd` first + VP drafter, `d2sd-reuse` the first drafter re-drafting its own branches (the paper's
       DFlash -> DFlash ablation), `d2sd-resample` branches taken from the first pass's own distributions;
     - peers, see `peer_methods` (`assistant_model`, `prompt_lookup_tokens`).
@@ -166,8 +169,10 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
                          f"{', '.join(PEER_METHODS)}")
     needs_drafter = set(methods) & {*SPECULATIVE_METHODS, "hf-dflash", "zlab"}
     # chains for the chain methods, whatever the checkpoint's default (the shipped drafter drafts trees)
-    first = load_drafter(drafter, target, target_name, draft_tree_budget=None) if needs_drafter else None
-    if {"dflash", "adaflash", "tree"} & set(methods) and VerifyCost.for_target(target) is None:
+    # pure drafter methods: no prompt lookup, whatever the checkpoint's default
+    first = (load_drafter(drafter, target, target_name, draft_tree_budget=None, prompt_lookup_num_tokens=None)
+             if needs_drafter else None)
+    if {"dflash", "adaflash", "tree", "tree-lookup"} & set(methods) and VerifyCost.for_target(target) is None:
         dtype = str(target.dtype).replace("torch.", "")
         raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
                          f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first (or leave "
@@ -191,10 +196,13 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
                                  "train length-head --init DRAFTER ...` and pass it as --drafter")
             chosen = first
             if not with_head and first.length_head is not None:  # the same weights, the head left out
-                chosen = load_drafter(drafter, target, target_name, length_head=False, draft_tree_budget=None)
+                chosen = load_drafter(drafter, target, target_name, length_head=False, draft_tree_budget=None,
+                                      prompt_lookup_num_tokens=None)
             drafters[method] = Method(chosen)
-        elif method == "tree":
-            trees = load_drafter(drafter, target, target_name, length_head=False, draft_tree_budget=tree_budget)
+        elif method in ("tree", "tree-lookup"):
+            lookup = prompt_lookup_tokens if method == "tree-lookup" else None
+            trees = load_drafter(drafter, target, target_name, length_head=False, draft_tree_budget=tree_budget,
+                                 prompt_lookup_num_tokens=lookup)
             drafters[method] = Method(trees)
         elif method == "d2sd-reuse":
             drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, None, **tree))

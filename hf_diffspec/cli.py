@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"ar and any of {', '.join(SPECULATIVE_METHODS)}; peers: {', '.join(PEER_METHODS)}")
     bench.add_argument("--assistant-model", default=None,
                        help="ar-assistant: the smaller model (name or path; default: the target's built-in sibling)")
-    bench.add_argument("--pld-tokens", type=int, default=10, help="pld: prompt_lookup_num_tokens")
+    bench.add_argument("--pld-tokens", type=int, default=10, help="pld and tree-lookup: prompt-lookup drafts per step (prompt_lookup_num_tokens)")
     bench.add_argument("--oracle-taus", default=None,
                        help="loop efficiency instead of --methods: an oracle drafter at these tau, e.g. 2,4,8")
     bench.add_argument("--oracle-drafts", type=int, default=None,

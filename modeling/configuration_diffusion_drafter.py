@@ -56,6 +56,11 @@ class DiffusionDrafterConfig(PreTrainedConfig):
             a chain, from the same single drafter pass (DDTree-style: token paths ranked by the product of their
             slot probabilities); the cost model may verify fewer. `None` (default): chains.
         draft_tree_width (`int`): most children per tree node (the top-ranked tokens of a slot).
+        prompt_lookup_num_tokens (`int`, *optional*): when decoding greedily, also verify up to this many tokens
+            copied from the row's own text after an earlier occurrence of its last tokens (prompt lookup, as
+            transformers' `prompt_lookup_num_tokens`), as one more branch of each step's tree or, where the measured
+            cost model finds it faster, alone without a drafter forward. `generate(prompt_lookup_num_tokens=...)`
+            overrides it per call (0: off). `None` (default): off.
         draft_vocab_size (`int`, *optional*): draft over only this many target tokens, the ids in the checkpoint's
             `draft_vocab_ids` buffer (sorted; e.g. the most frequent tokens of the training data). Only their rows of
             the target's LM head are computed, which is most of a draft's cost on a CPU; a token outside the subset is
@@ -104,6 +109,7 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         length_head_size: int = 256,
         draft_tree_budget: int | None = None,
         draft_tree_width: int = 8,
+        prompt_lookup_num_tokens: int | None = None,
         draft_vocab_size: int | None = None,
         block_conv: bool = False,
         block_conv_kernel: int = 2,
@@ -156,6 +162,9 @@ class DiffusionDrafterConfig(PreTrainedConfig):
             raise ValueError(f"draft_tree_width must be >= 1, got {draft_tree_width}")
         self.draft_tree_budget = draft_tree_budget
         self.draft_tree_width = draft_tree_width
+        if prompt_lookup_num_tokens is not None and prompt_lookup_num_tokens < 0:
+            raise ValueError(f"prompt_lookup_num_tokens must be >= 0 (or None for no lookup), got {prompt_lookup_num_tokens}")
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be between 1 and vocab_size={vocab_size} (or None for the full vocabulary), "

@@ -2,9 +2,12 @@
 target itself picks.
 
     prefill (prompts) ──► first token per row (its anchor) ──► loop:
-        policy.should_speculate     ──► no: the anchors alone (a plain decode step, no drafter forward)
+        lookup.find(row's tokens)   ──► prompt-lookup drafts per row (free: copied from the row's own text)
+        policy.should_speculate     ──► no: the anchors alone (a plain decode step, no drafter forward), or with
+                                        their lookup drafts
         drafting.propose(anchors)   ──► one CandidateTree per row (a chain is a tree with one branch); how many
-                                        drafts: the DraftLengthPolicy (fixed, or the measured cost model)
+                                        drafts: the DraftLengthPolicy (fixed, or the measured cost model); lookup
+                                        drafts are grafted on as one more branch
         target(trees as a rectangle, 4D additive mask, depth positions, cached prefixes)
         batch.walk(trees, logits)   ──► commit token by token with the target's processed logits
                                         (logits processors, stopping criteria, streamer)
@@ -32,19 +35,23 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch import BatchState, RowCommitter, row_processors
 from .drafting import candidate_generator_for
 from .files import pad_token_id
+from .lookup import PromptLookup, graft
 from .tree import CandidateTree, tree_forward_inputs
 
 
 @dataclass
 class SpeculationStats:
     """What one speculative `generate` call did. `tau` is tokens committed per row per target forward (bonus
-    included); `committed_per_step` has one entry per row and step. `verified_tokens` counts real tree nodes,
+    included); `committed_per_step` has one entry per row and step. `drafted_tokens` counts every candidate after the
+    anchors, `lookup_tokens` those copied by prompt lookup (some may coincide with the drafter's). `verified_tokens`
+    counts real tree nodes,
     `verified_slots` the rectangle the target computed (rows x longest tree, padding included). `plain_steps`: steps
     the policy decoded without drafting (speculation did not pay there)."""
 
     target_forwards: int = 0
     draft_forwards: int = 0
     drafted_tokens: int = 0
+    lookup_tokens: int = 0
     verified_tokens: int = 0
     verified_slots: int = 0
     new_tokens: int = 0
@@ -127,10 +134,13 @@ def speculative_generate(
     drafter=None,
     streamer=None,
     num_draft_tokens: int | None = None,
+    prompt_lookup_tokens: int | None = None,
     **model_kwargs,
 ):
     """Speculative decoding with a diffusion drafter; called by `generate()` as a `custom_generate` callable.
-    `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide."""
+    `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide.
+    `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
+    decoding only); None or 0: none."""
     start_time = time.perf_counter()
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_positions is not None and input_ids.shape[1] >= max_positions:
@@ -166,18 +176,30 @@ def speculative_generate(
     stats.prefill_time_s = time.perf_counter() - start_time
 
     policy = drafting.policy
+    lookup = None
+    if prompt_lookup_tokens and not generation_config.do_sample:
+        lookup = PromptLookup(prompt_lookup_tokens, generation_config.max_matching_ngram_size or 2)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions
         t0 = time.perf_counter()
-        speculate = policy.should_speculate(rows)
+        lookups = None
+        if lookup is not None:
+            limits = [policy.depth_limit(p, r) for p, r in zip(root_positions, batch.max_drafts())]
+            lookups = [lookup.find(committers[row].input_ids[0], k) for row, k in zip(batch.active, limits)]
+            lookups = [d[: policy.lookup_length(lookup.reach(len(d)), rows)] for d in lookups]
+            if not any(len(d) for d in lookups):
+                lookups = None
+        speculate = policy.should_speculate(rows, lookup=lookups is not None)
         if speculate:
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
-        else:  # a plain decode step through the same loop: the anchors alone, no drafter forward
+        else:  # a step without a drafter forward: the anchors alone (a plain decode step), or their lookup drafts
             trees = [CandidateTree.chain(anchor, torch.empty(0, dtype=torch.long)) for anchor in batch.anchors]
+        if lookups is not None:
+            trees = [graft(tree, drafts) for tree, drafts in zip(trees, lookups)]
         t1 = time.perf_counter()
-        if any(len(t) > 1 for t in trees):
-            stats.draft_forwards += 1
-            stats.drafted_tokens += sum(len(t) - 1 for t in trees)
+        stats.draft_forwards += speculate and any(len(t) > 1 for t in trees)
+        stats.drafted_tokens += sum(len(t) - 1 for t in trees)
+        stats.lookup_tokens += 0 if lookups is None else sum(len(d) for d in lookups)
 
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
         out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
@@ -186,11 +208,16 @@ def speculative_generate(
         stats.verified_tokens += sum(len(t) for t in trees)
         stats.verified_slots += tokens.numel()
 
+        active = list(batch.active)
         paths = batch.walk(trees, out.logits)
         stats.committed_per_step.extend(len(p) for p in paths)
+        if lookups is not None:
+            for row, drafts, path in zip(active, lookups, paths):
+                lookup.record(drafts, committers[row].input_ids[0, -len(path) :])
         batch.commit(paths, out.hidden_states, tokens.shape[1])
         t3 = time.perf_counter()
-        policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1)
+        policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1,
+                           lookup=lookups is not None)
         stats.plain_steps += not speculate
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t3 - t1

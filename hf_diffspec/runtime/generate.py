@@ -11,7 +11,7 @@ the prompt) and then hands over. Two callers share it:
 
 from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
-from .drafting import is_diffusion_drafter
+from .drafting import first_drafter, is_diffusion_drafter
 from .decoding import speculative_generate
 
 _UNSUPPORTED = {
@@ -31,12 +31,14 @@ def run_speculative(model, args, kwargs, drafter, streamer, generate_fn):
             raise ValueError(f"speculative decoding with a DiffusionDrafter does not support {what} ({name}={value})")
     _move_stop_strings_into_criteria(config, kwargs)
     num_draft_tokens = _fixed_draft_length(config, kwargs)
+    prompt_lookup_tokens = _prompt_lookup_tokens(config, kwargs, drafter)
 
     # generate already streamed the prompt; the loop streams every committed token
     def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         return speculative_generate(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
-            drafter=drafter, streamer=streamer, num_draft_tokens=num_draft_tokens, **model_kwargs,
+            drafter=drafter, streamer=streamer, num_draft_tokens=num_draft_tokens,
+            prompt_lookup_tokens=prompt_lookup_tokens, **model_kwargs,
         )
 
     return generate_fn(model, *args, streamer=streamer, custom_generate=loop, **kwargs)
@@ -56,6 +58,20 @@ def _fixed_draft_length(config, kwargs) -> int | None:
     value = kwargs.get("num_assistant_tokens", config.num_assistant_tokens)
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"num_assistant_tokens must be a positive integer, got {value!r}")
+    return value
+
+
+def _prompt_lookup_tokens(config, kwargs, drafter) -> int:
+    """Prompt-lookup drafts per step beside the drafter's: `prompt_lookup_num_tokens` (transformers' knob for prompt
+    lookup) when the call or its generation config sets it, 0 to turn lookup off; else the drafter's config. Taken
+    out of the call, as generate would otherwise build its own prompt-lookup generator."""
+    value = kwargs.pop("prompt_lookup_num_tokens", None)
+    if value is None:
+        value = config.prompt_lookup_num_tokens
+    if value is None:
+        value = getattr(first_drafter(drafter).config, "prompt_lookup_num_tokens", None) or 0
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"prompt_lookup_num_tokens must be a non-negative integer (0: no lookup), got {value!r}")
     return value
 
 

@@ -34,7 +34,8 @@ class DraftLengthPolicy:
 
     def __init__(self, block_size: int, default_length: int | None = None, fixed: int | None = None,
                  verify_cost: VerifyCost | None = None, tree_depth: int | None = None,
-                 max_positions: int | None = None, gate: "SpeculationGate | None" = None):
+                 max_positions: int | None = None, gate: "SpeculationGate | None" = None,
+                 lookup_gate: "SpeculationGate | None" = None):
         self.block_size = block_size
         self.fixed = fixed
         self.verify_cost = verify_cost if fixed is None else None
@@ -43,17 +44,23 @@ class DraftLengthPolicy:
         self.max_positions = max_positions
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
         self.gate = (gate or SpeculationGate()) if fixed is None else None
+        # steps that have prompt-lookup drafts are measured apart: there a step without a drafter forward verifies
+        # the lookup drafts, which pays far more often than a plain step
+        self.lookup_gate = (lookup_gate or SpeculationGate()) if fixed is None else None
 
-    def should_speculate(self, rows: int) -> bool:
-        """Draft this step (True), or decode plainly (False)? Always True with a fixed length."""
-        return self.gate is None or self.gate.should_speculate(rows)
+    def should_speculate(self, rows: int, lookup: bool = False) -> bool:
+        """Draft this step (True), or not (False: a plain step, or the prompt-lookup drafts alone when `lookup`, the
+        step has some)? Always True with a fixed length."""
+        gate = self.lookup_gate if lookup else self.gate
+        return gate is None or gate.should_speculate(rows)
 
     def record_step(self, speculated: bool, rows: int, committed: int, seconds: float, slots: int,
-                    verify_seconds: float) -> None:
+                    verify_seconds: float, lookup: bool = False) -> None:
         """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`, of
-        which `verify_seconds` verified `slots` slots per row."""
-        if self.gate is not None:
-            self.gate.record(speculated, rows, committed, seconds)
+        which `verify_seconds` verified `slots` slots per row; `lookup`: the step had prompt-lookup drafts."""
+        gate = self.lookup_gate if lookup else self.gate
+        if gate is not None:
+            gate.record(speculated, rows, committed, seconds)
         if self.verify_cost is not None:
             self.verify_cost.observe(slots, rows, verify_seconds)
 
@@ -94,6 +101,13 @@ class DraftLengthPolicy:
         if self.verify_cost is None:
             return len(reach) + 1
         return best_node_count([reach], lambda n: self.verify_cost(n, rows), self.draft_seconds or 0.0)
+
+    def lookup_length(self, reach: list[float], rows: int) -> int:
+        """How many of a row's prompt-lookup drafts to verify, given their estimated reach probabilities: they cost no
+        drafting, only the verify slots they add."""
+        if self.verify_cost is None:
+            return len(reach)
+        return best_node_count([reach], lambda n: self.verify_cost(n, rows), 0.0) - 1
 
     def record_draft_time(self, seconds: float) -> None:
         """One drafting pass took `seconds` (both passes for D²SD); smoothed, it prices the next step's drafts."""

@@ -1,0 +1,93 @@
+"""Prompt-lookup drafts in our loop: finding them, grafting them onto draft trees, measuring their acceptance, and
+losslessness with them (grafted onto drafter trees and chains, and verified alone without a drafter forward)."""
+
+import pytest
+import torch
+
+from hf_diffspec.runtime.lookup import PromptLookup, graft
+from hf_diffspec.runtime.policy import DraftLengthPolicy
+from hf_diffspec.runtime.tree import CandidateTree
+from helpers import tiny_drafter, tiny_target
+
+
+def test_lookup_copies_what_followed_the_most_recent_earlier_occurrence_of_the_longest_suffix():
+    lookup = PromptLookup(num_tokens=3, max_ngram=2)
+    ids = torch.tensor([5, 6, 7, 8, 9, 1, 6, 2, 3, 4, 5, 6])
+    # suffix (5, 6) occurred once, at the start: 7 8 9 followed it
+    assert lookup.find(ids, limit=10).tolist() == [7, 8, 9]
+    assert lookup.find(ids, limit=2).tolist() == [7, 8]
+    # suffix (0, 6) never occurred: the 1-gram (6) did, most recently before 2
+    assert lookup.find(torch.tensor([5, 6, 7, 8, 6, 2, 0, 6]), limit=10).tolist() == [2, 0, 6]
+    assert lookup.find(torch.tensor([1, 2, 3]), limit=10).numel() == 0  # 3 never occurred before
+    assert lookup.find(torch.tensor([4]), limit=10).numel() == 0
+
+
+def test_lookup_acceptance_is_measured_per_depth():
+    lookup = PromptLookup(num_tokens=4, prior=0.5, prior_weight=2.0)
+    assert lookup.reach(3) == pytest.approx([0.5, 0.25, 0.125])
+    # drafts 1 2 3 4; the target committed 1 2 then 9 (3 rejected): depths 1-2 accepted, depth 3 rejected, 4 unseen
+    lookup.record(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 9]))
+    assert lookup.trials == [3, 3, 3, 2] and lookup.hits == [2, 2, 1, 1]
+    assert lookup.reach(4) == pytest.approx([2 / 3, 4 / 9, 4 / 27, 2 / 27])
+
+
+def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_differ():
+    tree = CandidateTree(torch.tensor([0, 1, 2, 3]), [-1, 0, 1, 0])  # 0 -> 1 -> 2, 0 -> 3
+    grafted = graft(tree, torch.tensor([1, 4, 5]))
+    assert grafted.tokens.tolist() == [0, 1, 2, 3, 4, 5]
+    assert grafted.parents == [-1, 0, 1, 0, 1, 4]  # 4 is a second child of node 1, 5 continues it
+    assert graft(tree, torch.tensor([1, 2])) is tree  # already in the tree: nothing to add
+    assert graft(CandidateTree.chain(7, torch.empty(0, dtype=torch.long)), torch.tensor([8, 9])).parents == [-1, 0, 1]
+
+
+def _repetitive_prompts(vocab, rows, seed):
+    """Prompts that repeat a phrase, so the target's continuation often copies it and lookup finds drafts."""
+    gen = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(2, vocab, (rows, 5), generator=gen)
+    return torch.cat([phrase, torch.randint(2, vocab, (rows, 2), generator=gen), phrase, phrase[:, :2]], dim=1)
+
+
+@pytest.mark.parametrize("tree_budget", [None, 6])
+@pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("qwen3", "eager")])
+def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tree_budget):
+    vocab = 24
+    target = tiny_target(kind, seed=1, vocab_size=vocab, attn=attn)
+    drafter = tiny_drafter(target, block_size=5, seed=1, draft_tree_budget=tree_budget, prompt_lookup_num_tokens=4)
+    ids = _repetitive_prompts(vocab, rows=3, seed=1)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    ref = target.generate(ids, attention_mask=mask, **kwargs)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref)
+    assert out.speculation_stats.lookup_tokens > 0
+    off = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True,
+                          prompt_lookup_num_tokens=0, **kwargs)
+    assert torch.equal(off.sequences, ref) and off.speculation_stats.lookup_tokens == 0
+
+
+def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkeypatch):
+    """Where the gate finds lookup drafts alone faster, those steps verify them without a drafter forward."""
+    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup=False: not lookup)
+    vocab = 24
+    target = tiny_target("llama", seed=2, vocab_size=vocab)
+    drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
+    ids = _repetitive_prompts(vocab, rows=2, seed=2)
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    ref = target.generate(ids, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref)
+    stats = out.speculation_stats
+    assert stats.lookup_tokens > 0 and stats.draft_forwards < stats.target_forwards - 1
+
+
+def test_sampling_does_not_look_up_and_bad_values_are_refused():
+    vocab = 24
+    target = tiny_target("llama", seed=0, vocab_size=vocab)
+    drafter = tiny_drafter(target, block_size=5, prompt_lookup_num_tokens=4)
+    ids = _repetitive_prompts(vocab, rows=1, seed=0)
+    out = target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=20,
+                          return_dict_in_generate=True)
+    assert out.speculation_stats.lookup_tokens == 0
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be a non-negative integer"):
+        target.generate(ids, assistant_model=drafter, prompt_lookup_num_tokens=-1, max_new_tokens=4)
