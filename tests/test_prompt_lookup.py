@@ -14,21 +14,26 @@ def test_lookup_copies_what_followed_the_most_recent_earlier_occurrence_of_the_l
     lookup = PromptLookup(num_tokens=3, max_ngram=2)
     ids = torch.tensor([5, 6, 7, 8, 9, 1, 6, 2, 3, 4, 5, 6])
     # suffix (5, 6) occurred once, at the start: 7 8 9 followed it
-    assert lookup.find(ids, limit=10).tolist() == [7, 8, 9]
-    assert lookup.find(ids, limit=2).tolist() == [7, 8]
+    drafts, ngram = lookup.find(ids, limit=10)
+    assert drafts.tolist() == [7, 8, 9] and ngram == 2
+    assert lookup.find(ids, limit=2)[0].tolist() == [7, 8]
     # suffix (0, 6) never occurred: the 1-gram (6) did, most recently before 2
-    assert lookup.find(torch.tensor([5, 6, 7, 8, 6, 2, 0, 6]), limit=10).tolist() == [2, 0, 6]
-    assert lookup.find(torch.tensor([1, 2, 3]), limit=10).numel() == 0  # 3 never occurred before
-    assert lookup.find(torch.tensor([4]), limit=10).numel() == 0
+    drafts, ngram = lookup.find(torch.tensor([5, 6, 7, 8, 6, 2, 0, 6]), limit=10)
+    assert drafts.tolist() == [2, 0, 6] and ngram == 1
+    drafts, ngram = lookup.find(torch.tensor([1, 2, 3]), limit=10)  # 3 never occurred before
+    assert drafts.numel() == 0 and ngram == 0
+    assert lookup.find(torch.tensor([4]), limit=10)[0].numel() == 0
 
 
 def test_lookup_acceptance_is_measured_per_depth():
-    lookup = PromptLookup(num_tokens=4, prior=0.5, prior_weight=2.0)
-    assert lookup.reach(3) == pytest.approx([0.5, 0.25, 0.125])
+    lookup = PromptLookup(num_tokens=4, prior=(0.5, 0.5), prior_weight=2.0)
+    assert lookup.reach(3, ngram=1) == pytest.approx([0.5, 0.25, 0.125])
+    assert PromptLookup(num_tokens=3, prior=(0.4, 0.8)).reach(3, ngram=1) == pytest.approx([0.4, 0.32, 0.256])
     # drafts 1 2 3 4; the target committed 1 2 then 9 (3 rejected): depths 1-2 accepted, depth 3 rejected, 4 unseen
-    lookup.record(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 9]))
-    assert lookup.trials == [3, 3, 3, 2] and lookup.hits == [2, 2, 1, 1]
-    assert lookup.reach(4) == pytest.approx([2 / 3, 4 / 9, 4 / 27, 2 / 27])
+    lookup.record(torch.tensor([1, 2, 3, 4]), 2, torch.tensor([1, 2, 9]))
+    assert lookup.trials[2] == [3, 3, 3, 2] and lookup.hits[2] == [2, 2, 1, 1]
+    assert lookup.reach(4, ngram=2) == pytest.approx([2 / 3, 4 / 9, 4 / 27, 2 / 27])
+    assert lookup.reach(2, ngram=1) == pytest.approx([0.5, 0.25])  # each match length is measured on its own
 
 
 def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_differ():
@@ -68,7 +73,7 @@ def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tr
 
 def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkeypatch):
     """Where the gate finds lookup drafts alone faster, those steps verify them without a drafter forward."""
-    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup=False: not lookup)
+    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup_ngram=0: not lookup_ngram)
     vocab = 24
     target = tiny_target("llama", seed=2, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)

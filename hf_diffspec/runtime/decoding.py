@@ -178,28 +178,28 @@ def speculative_generate(
     policy = drafting.policy
     lookup = None
     if prompt_lookup_tokens and not generation_config.do_sample:
-        lookup = PromptLookup(prompt_lookup_tokens, generation_config.max_matching_ngram_size or 2)
+        lookup = PromptLookup(prompt_lookup_tokens, generation_config.max_matching_ngram_size or 3)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions
         t0 = time.perf_counter()
-        lookups = None
+        lookups, ngram = None, 0
         if lookup is not None:
             limits = [policy.depth_limit(p, r) for p, r in zip(root_positions, batch.max_drafts())]
-            lookups = [lookup.find(committers[row].input_ids[0], k) for row, k in zip(batch.active, limits)]
-            lookups = [d[: policy.lookup_length(lookup.reach(len(d)), rows)] for d in lookups]
-            if not any(len(d) for d in lookups):
-                lookups = None
-        speculate = policy.should_speculate(rows, lookup=lookups is not None)
+            found = [lookup.find(committers[row].input_ids[0], k) for row, k in zip(batch.active, limits)]
+            lookups = [(d[: policy.lookup_length(lookup.reach(len(d), n), rows)], n) for d, n in found]
+            ngram = max(n for d, n in lookups if len(d)) if any(len(d) for d, _ in lookups) else 0
+            lookups = lookups if ngram else None
+        speculate = policy.should_speculate(rows, lookup_ngram=ngram)
         if speculate:
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
         else:  # a step without a drafter forward: the anchors alone (a plain decode step), or their lookup drafts
             trees = [CandidateTree.chain(anchor, torch.empty(0, dtype=torch.long)) for anchor in batch.anchors]
         if lookups is not None:
-            trees = [graft(tree, drafts) for tree, drafts in zip(trees, lookups)]
+            trees = [graft(tree, drafts) for tree, (drafts, _) in zip(trees, lookups)]
         t1 = time.perf_counter()
         stats.draft_forwards += speculate and any(len(t) > 1 for t in trees)
         stats.drafted_tokens += sum(len(t) - 1 for t in trees)
-        stats.lookup_tokens += 0 if lookups is None else sum(len(d) for d in lookups)
+        stats.lookup_tokens += 0 if lookups is None else sum(len(d) for d, _ in lookups)
 
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
         out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
@@ -212,12 +212,13 @@ def speculative_generate(
         paths = batch.walk(trees, out.logits)
         stats.committed_per_step.extend(len(p) for p in paths)
         if lookups is not None:
-            for row, drafts, path in zip(active, lookups, paths):
-                lookup.record(drafts, committers[row].input_ids[0, -len(path) :])
+            for row, (drafts, n), path in zip(active, lookups, paths):
+                if len(drafts):
+                    lookup.record(drafts, n, committers[row].input_ids[0, -len(path) :])
         batch.commit(paths, out.hidden_states, tokens.shape[1])
         t3 = time.perf_counter()
         policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1,
-                           lookup=lookups is not None)
+                           lookup_ngram=ngram)
         stats.plain_steps += not speculate
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t3 - t1

@@ -21,23 +21,35 @@ class PromptLookup:
     Args:
         num_tokens: most tokens copied per step (transformers' `prompt_lookup_num_tokens`).
         max_ngram: longest suffix matched (transformers' `max_matching_ngram_size`); shorter suffixes are tried when
-            it does not occur earlier.
-        prior: acceptance probability assumed at every depth before any measurement, held as `prior_weight` pseudo
-            steps, so the first steps neither trust nor dismiss lookup drafts outright.
+            it does not occur earlier. The loop uses 3 unless the generation config sets one: after 1-, 2- and
+            3-token matches, 0.7, 1.7 and 3.7 lookup drafts were accepted per step on the built-in prompts, so the
+            match length tells steps worth a drafter forward from steps that are not.
+        prior: acceptance probabilities assumed before any measurement, of the first lookup draft and of each later
+            one given the one before it was accepted, held as `prior_weight` pseudo steps. A copy, once right, tends
+            to stay right (measured on SmolLM2's greedy outputs for the built-in prompts: 0.39 for the first, then
+            0.62, 0.74, 0.81 ... 0.9), and a depth that is never verified is never measured, so the later ones start
+            high rather than at a guess that would keep them unverified.
     """
 
-    def __init__(self, num_tokens: int, max_ngram: int = 2, prior: float = 0.5, prior_weight: float = 2.0):
+    def __init__(self, num_tokens: int, max_ngram: int = 3, prior: tuple[float, float] = (0.4, 0.8),
+                 prior_weight: float = 2.0):
         if num_tokens < 1 or max_ngram < 1:
             raise ValueError(f"prompt lookup needs num_tokens >= 1 and max_ngram >= 1, got {num_tokens}, {max_ngram}")
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
-        # per depth d: steps whose lookup draft reached depth d (d-1 accepted), and those that accepted depth d too
-        self.trials = [prior_weight] * num_tokens
-        self.hits = [prior * prior_weight] * num_tokens
+        # per matched n-gram length n and depth d: steps whose lookup draft reached depth d (d-1 accepted), and those
+        # that accepted depth d too. A longer match is right more often (first draft: 0.6 after a 2-gram, 0.34 after
+        # a 1-gram, on the measurements above), so each length is measured on its own
+        self.prior = [prior[min(d, 1)] for d in range(num_tokens)]
+        self.prior_weight = prior_weight
+        self.trials: dict[int, list[float]] = {}
+        self.hits: dict[int, list[float]] = {}
 
-    def find(self, ids: torch.Tensor, limit: int) -> torch.Tensor:
+    def find(self, ids: torch.Tensor, limit: int) -> tuple[torch.Tensor, int]:
         """Up to `limit` tokens that followed the most recent earlier occurrence of the longest suffix of `ids` (1-D,
-        the row's committed tokens, its anchor last) that occurred earlier; empty when none did."""
+        the row's committed tokens, its anchor last) that occurred earlier, and that suffix's length; (empty, 0) when
+        none did. The most recent occurrence: on the built-in prompts its drafts were accepted more often than the
+        first occurrence's (transformers' choice), 1.93 against 1.83 tokens per step."""
         limit = min(limit, self.num_tokens)
         length = ids.shape[0]
         for n in range(min(self.max_ngram, length - 1), 0, -1):
@@ -48,28 +60,38 @@ class PromptLookup:
             starts = (windows == ids[-n:]).all(-1).nonzero()
             if starts.numel():
                 start = int(starts[-1]) + n
-                return ids[start : start + limit]
-        return ids.new_empty(0)
+                return ids[start : start + limit], n
+        return ids.new_empty(0), 0
 
-    def reach(self, length: int) -> list[float]:
-        """Estimated probability that verification accepts each of a `length`-token lookup draft's first tokens."""
+    def _counts(self, ngram: int) -> tuple[list[float], list[float]]:
+        if ngram not in self.trials:
+            self.trials[ngram] = [self.prior_weight] * self.num_tokens
+            self.hits[ngram] = [p * self.prior_weight for p in self.prior]
+        return self.trials[ngram], self.hits[ngram]
+
+    def reach(self, length: int, ngram: int) -> list[float]:
+        """Estimated probability that verification accepts each of the first tokens of a `length`-token lookup draft
+        found after an `ngram`-token match."""
+        trials, hits = self._counts(ngram)
         probabilities, reach = [], 1.0
         for d in range(length):
-            reach *= self.hits[d] / self.trials[d]
+            reach *= hits[d] / trials[d]
             probabilities.append(reach)
         return probabilities
 
-    def record(self, drafts: torch.Tensor, committed: torch.Tensor) -> None:
-        """A step verified lookup `drafts` (1-D) and the row committed `committed` (1-D, the bonus token included):
-        the drafts matching the committed tokens were accepted, the first mismatch was rejected."""
+    def record(self, drafts: torch.Tensor, ngram: int, committed: torch.Tensor) -> None:
+        """A step verified lookup `drafts` (1-D, found after an `ngram`-token match) and the row committed `committed`
+        (1-D, the bonus token included): the drafts matching the committed tokens were accepted, the first mismatch
+        was rejected."""
+        trials, hits = self._counts(ngram)
         accepted = 0
         for draft, token in zip(drafts.tolist(), committed.tolist()):
             if draft != token:
                 break
             accepted += 1
         for d in range(min(accepted + 1, len(drafts), len(committed))):
-            self.trials[d] += 1
-            self.hits[d] += d < accepted
+            trials[d] += 1
+            hits[d] += d < accepted
 
 
 def graft(tree: CandidateTree, drafts: torch.Tensor) -> CandidateTree:

@@ -35,7 +35,7 @@ class DraftLengthPolicy:
     def __init__(self, block_size: int, default_length: int | None = None, fixed: int | None = None,
                  verify_cost: VerifyCost | None = None, tree_depth: int | None = None,
                  max_positions: int | None = None, gate: "SpeculationGate | None" = None,
-                 lookup_gate: "SpeculationGate | None" = None):
+                 lookup_gate=None):
         self.block_size = block_size
         self.fixed = fixed
         self.verify_cost = verify_cost if fixed is None else None
@@ -44,21 +44,31 @@ class DraftLengthPolicy:
         self.max_positions = max_positions
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
         self.gate = (gate or SpeculationGate()) if fixed is None else None
-        # steps that have prompt-lookup drafts are measured apart: there a step without a drafter forward verifies
-        # the lookup drafts, which pays far more often than a plain step
-        self.lookup_gate = (lookup_gate or SpeculationGate()) if fixed is None else None
+        # steps that have prompt-lookup drafts are measured apart, per length of the n-gram they matched: there a step
+        # without a drafter forward verifies the lookup drafts, which pays far more often than a plain step, and the
+        # more so the longer the match. `lookup_gate(n)` makes the gate for n-gram matches.
+        self.lookup_gate = (lookup_gate or (lambda n: SpeculationGate())) if fixed is None else None
+        self.lookup_gates: dict[int, SpeculationGate] = {}
 
-    def should_speculate(self, rows: int, lookup: bool = False) -> bool:
-        """Draft this step (True), or not (False: a plain step, or the prompt-lookup drafts alone when `lookup`, the
-        step has some)? Always True with a fixed length."""
-        gate = self.lookup_gate if lookup else self.gate
+    def _gate(self, lookup_ngram: int) -> "SpeculationGate | None":
+        if self.gate is None or not lookup_ngram:
+            return self.gate
+        if lookup_ngram not in self.lookup_gates:
+            self.lookup_gates[lookup_ngram] = self.lookup_gate(lookup_ngram)
+        return self.lookup_gates[lookup_ngram]
+
+    def should_speculate(self, rows: int, lookup_ngram: int = 0) -> bool:
+        """Draft this step (True), or not (False: a plain step, or the prompt-lookup drafts alone when the step has
+        some, found after a `lookup_ngram`-token match)? Always True with a fixed length."""
+        gate = self._gate(lookup_ngram)
         return gate is None or gate.should_speculate(rows)
 
     def record_step(self, speculated: bool, rows: int, committed: int, seconds: float, slots: int,
-                    verify_seconds: float, lookup: bool = False) -> None:
+                    verify_seconds: float, lookup_ngram: int = 0) -> None:
         """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`, of
-        which `verify_seconds` verified `slots` slots per row; `lookup`: the step had prompt-lookup drafts."""
-        gate = self.lookup_gate if lookup else self.gate
+        which `verify_seconds` verified `slots` slots per row; `lookup_ngram`: the step had prompt-lookup drafts found
+        after a match of that many tokens (0: none)."""
+        gate = self._gate(lookup_ngram)
         if gate is not None:
             gate.record(speculated, rows, committed, seconds)
         if self.verify_cost is not None:
