@@ -34,6 +34,8 @@ def test_greedy_identical_on_smollm2(real_target):
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.speculation_stats.tau >= 1.0
+    if drafter.config.prompt_lookup_num_tokens:  # the shipped drafter also verifies prompt-lookup drafts
+        assert out.speculation_stats.lookup_tokens > 0
 
 
 def test_stop_strings_and_eos_on_smollm2(real_target):
