@@ -96,3 +96,15 @@ def test_sampling_does_not_look_up_and_bad_values_are_refused():
     assert out.speculation_stats.lookup_tokens == 0
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be a non-negative integer"):
         target.generate(ids, assistant_model=drafter, prompt_lookup_num_tokens=-1, max_new_tokens=4)
+
+
+def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_them_pay():
+    from hf_diffspec.runtime.cost_model import VerifyCost
+
+    flat_at_one_row_steep_at_four = VerifyCost({1: {1: 1.0, 2: 1.0, 16: 1.0}, 4: {1: 1.0, 2: 2.0, 16: 16.0}})
+    policy = DraftLengthPolicy(block_size=16, verify_cost=flat_at_one_row_steep_at_four)
+    reach = [0.4, 0.32, 0.256]
+    assert policy.lookup_lengths([reach], rows=1) == [3]
+    assert policy.lookup_lengths([reach] * 4, rows=4) == [0, 0, 0, 0]
+    # one count for the batch's rectangle: a row with fewer drafts verifies what it has
+    assert policy.lookup_lengths([reach, reach[:1]], rows=1) == [3, 1]

@@ -186,7 +186,8 @@ def speculative_generate(
         if lookup is not None:
             limits = [policy.depth_limit(p, r) for p, r in zip(root_positions, batch.max_drafts())]
             found = [lookup.find(committers[row].input_ids[0], k) for row, k in zip(batch.active, limits)]
-            lookups = [(d[: policy.lookup_length(lookup.reach(len(d), n), rows)], n) for d, n in found]
+            lengths = policy.lookup_lengths([lookup.reach(len(d), n) for d, n in found], rows)
+            lookups = [(d[:k], n) for (d, n), k in zip(found, lengths)]
             ngram = max(n for d, n in lookups if len(d)) if any(len(d) for d, _ in lookups) else 0
             lookups = lookups if ngram else None
         speculate = policy.should_speculate(rows, lookup_ngram=ngram)

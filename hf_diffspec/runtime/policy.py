@@ -112,12 +112,14 @@ class DraftLengthPolicy:
             return len(reach) + 1
         return best_node_count([reach], lambda n: self.verify_cost(n, rows), self.draft_seconds or 0.0)
 
-    def lookup_length(self, reach: list[float], rows: int) -> int:
-        """How many of a row's prompt-lookup drafts to verify, given their estimated reach probabilities: they cost no
-        drafting, only the verify slots they add."""
+    def lookup_lengths(self, reach_rows: list[list[float]], rows: int) -> list[int]:
+        """How many of each row's prompt-lookup drafts to verify, given their estimated reach probabilities: they cost
+        no drafting, only verify slots, and the batch's forward is a rectangle, so one count for every row (none
+        when they do not pay: at a large batch a forward over more tokens costs more)."""
         if self.verify_cost is None:
-            return len(reach)
-        return best_node_count([reach], lambda n: self.verify_cost(n, rows), 0.0) - 1
+            return [len(r) for r in reach_rows]
+        n = best_node_count(reach_rows, lambda n: self.verify_cost(n, rows), 0.0)
+        return [min(len(r), n - 1) for r in reach_rows]
 
     def record_draft_time(self, seconds: float) -> None:
         """One drafting pass took `seconds` (both passes for D²SD); smoothed, it prices the next step's drafts."""
