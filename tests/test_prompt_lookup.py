@@ -73,7 +73,8 @@ def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tr
 
 def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkeypatch):
     """Where the gate finds lookup drafts alone faster, those steps verify them without a drafter forward."""
-    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup_ngram=0: not lookup_ngram)
+    monkeypatch.setattr(DraftLengthPolicy, "choose_step",
+                        lambda self, rows, lookup_ngram=0: "lookup" if lookup_ngram else "plain")
     vocab = 24
     target = tiny_target("llama", seed=2, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
@@ -108,3 +109,22 @@ def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_the
     assert policy.lookup_lengths([reach] * 4, rows=4) == [0, 0, 0, 0]
     # one count for the batch's rectangle: a row with fewer drafts verifies what it has
     assert policy.lookup_lengths([reach, reach[:1]], rows=1) == [3, 1]
+
+
+@pytest.mark.speculation_gate
+@pytest.mark.parametrize("winner", ["draft", "lookup", "plain"])
+def test_steps_with_lookup_drafts_take_whichever_of_drafter_lookup_and_plain_is_measured_fastest(winner):
+    """Tokens per second as measured at 4 rows: the winner commits 1.6 tokens a second, the others 1 or less."""
+    rates = {"draft": (1.5, 1.5), "lookup": (1.2, 1.3), "plain": (1.0, 1.0)}
+    rates[winner] = (1.6, 1.0)
+    policy = DraftLengthPolicy(block_size=16)
+    choices = []
+    for _ in range(600):
+        step = policy.choose_step(4, lookup_ngram=2)
+        committed, seconds = rates[step]
+        policy.record_step(step, 4, committed, seconds, slots=1, verify_seconds=seconds, lookup_ngram=2)
+        choices.append(step)
+    assert choices[-400:].count(winner) > 0.9 * 400
+    assert set(choices) == {"draft", "lookup", "plain"}  # every kind was measured
+    # steps without lookup drafts are decided by their own measurements (here: none yet, so the drafter first)
+    assert policy.choose_step(4, lookup_ngram=0) == "draft"

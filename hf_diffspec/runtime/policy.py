@@ -44,33 +44,43 @@ class DraftLengthPolicy:
         self.max_positions = max_positions
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
         self.gate = (gate or SpeculationGate()) if fixed is None else None
-        # steps that have prompt-lookup drafts are measured apart, per length of the n-gram they matched: there a step
-        # without a drafter forward verifies the lookup drafts, which pays far more often than a plain step, and the
-        # more so the longer the match. `lookup_gate(n)` makes the gate for n-gram matches.
-        self.lookup_gate = (lookup_gate or (lambda n: SpeculationGate())) if fixed is None else None
-        self.lookup_gates: dict[int, SpeculationGate] = {}
+        # steps that have prompt-lookup drafts are decided apart, per length of the n-gram they matched (the longer,
+        # the likelier they are accepted): first drafter or not, as above; then, without the drafter, the lookup
+        # drafts or a plain step (at a large batch, verifying them can cost more than they earn). `lookup_gate(n,
+        # stage)` makes the gate of each decision ("drafter" / "lookup") for n-token matches.
+        self.lookup_gate = (lookup_gate or (lambda n, stage: SpeculationGate())) if fixed is None else None
+        self.lookup_gates: dict[tuple[int, str], SpeculationGate] = {}
 
-    def _gate(self, lookup_ngram: int) -> "SpeculationGate | None":
-        if self.gate is None or not lookup_ngram:
-            return self.gate
-        if lookup_ngram not in self.lookup_gates:
-            self.lookup_gates[lookup_ngram] = self.lookup_gate(lookup_ngram)
-        return self.lookup_gates[lookup_ngram]
+    def _lookup_gate(self, lookup_ngram: int, stage: str) -> "SpeculationGate":
+        key = (lookup_ngram, stage)
+        if key not in self.lookup_gates:
+            self.lookup_gates[key] = self.lookup_gate(lookup_ngram, stage)
+        return self.lookup_gates[key]
 
-    def should_speculate(self, rows: int, lookup_ngram: int = 0) -> bool:
-        """Draft this step (True), or not (False: a plain step, or the prompt-lookup drafts alone when the step has
-        some, found after a `lookup_ngram`-token match)? Always True with a fixed length."""
-        gate = self._gate(lookup_ngram)
-        return gate is None or gate.should_speculate(rows)
+    def choose_step(self, rows: int, lookup_ngram: int = 0) -> str:
+        """What this step verifies: "draft" (the drafter's candidates, with any lookup drafts grafted on), "lookup"
+        (the prompt-lookup drafts alone, no drafter forward; only when the step has some, found after a
+        `lookup_ngram`-token match) or "plain" (the anchors alone). Always "draft" with a fixed length."""
+        if self.gate is None:
+            return "draft"
+        if not lookup_ngram:
+            return "draft" if self.gate.should_speculate(rows) else "plain"
+        if self._lookup_gate(lookup_ngram, "drafter").should_speculate(rows):
+            return "draft"
+        return "lookup" if self._lookup_gate(lookup_ngram, "lookup").should_speculate(rows) else "plain"
 
-    def record_step(self, speculated: bool, rows: int, committed: int, seconds: float, slots: int,
+    def record_step(self, step: str, rows: int, committed: int, seconds: float, slots: int,
                     verify_seconds: float, lookup_ngram: int = 0) -> None:
-        """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`, of
-        which `verify_seconds` verified `slots` slots per row; `lookup_ngram`: the step had prompt-lookup drafts found
-        after a match of that many tokens (0: none)."""
-        gate = self._gate(lookup_ngram)
-        if gate is not None:
-            gate.record(speculated, rows, committed, seconds)
+        """A whole loop step (draft, verify, commit) of kind `step` (see `choose_step`) and `rows` rows committed
+        `committed` tokens in `seconds`, of which `verify_seconds` verified `slots` slots per row; `lookup_ngram`: the
+        step had prompt-lookup drafts found after a match of that many tokens (0: none)."""
+        if self.gate is not None:
+            if not lookup_ngram:
+                self.gate.record(step == "draft", rows, committed, seconds)
+            else:
+                self._lookup_gate(lookup_ngram, "drafter").record(step == "draft", rows, committed, seconds)
+                if step != "draft":
+                    self._lookup_gate(lookup_ngram, "lookup").record(step == "lookup", rows, committed, seconds)
         if self.verify_cost is not None:
             self.verify_cost.observe(slots, rows, verify_seconds)
 
