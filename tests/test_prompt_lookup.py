@@ -128,3 +128,19 @@ def test_steps_with_lookup_drafts_take_whichever_of_drafter_lookup_and_plain_is_
     assert set(choices) == {"draft", "lookup", "plain"}  # every kind was measured
     # steps without lookup drafts are decided by their own measurements (here: none yet, so the drafter first)
     assert policy.choose_step(4, lookup_ngram=0) == "draft"
+
+
+@pytest.mark.speculation_gate
+def test_a_first_step_with_lookup_drafts_starts_from_what_steps_without_them_measured():
+    """At a batch size where the drafter was measured to lose, the first steps with lookup drafts do not probe the
+    drafter again: they try the lookup drafts (never measured), then keep whichever of lookup and plain is faster."""
+    policy = DraftLengthPolicy(block_size=16)
+    for _ in range(4):
+        step = policy.choose_step(64, lookup_ngram=0)
+        policy.record_step(step, 64, *((80, 2.0) if step == "draft" else (64, 1.0)), slots=1, verify_seconds=1.0)
+    first = [policy.choose_step(64, lookup_ngram=3)]
+    policy.record_step(first[0], 64, 96, 1.1, slots=4, verify_seconds=1.1, lookup_ngram=3)
+    first.append(policy.choose_step(64, lookup_ngram=3))
+    assert first == ["lookup", "lookup"]
+    fresh = DraftLengthPolicy(block_size=16)  # nothing measured yet: the drafter is tried first, as always
+    assert fresh.choose_step(64, lookup_ngram=3) == "draft"

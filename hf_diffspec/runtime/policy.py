@@ -54,7 +54,12 @@ class DraftLengthPolicy:
     def _lookup_gate(self, lookup_ngram: int, stage: str) -> "SpeculationGate":
         key = (lookup_ngram, stage)
         if key not in self.lookup_gates:
-            self.lookup_gates[key] = self.lookup_gate(lookup_ngram, stage)
+            gate = self.lookup_gate(lookup_ngram, stage)
+            # a batch size new to it starts from what steps without lookup drafts measured: the drafter's steps
+            # against plain ones (without the drafter, lookup drafts do at least as well as a plain step), and for
+            # the lookup decision the plain steps (the lookup drafts alone are then tried once)
+            gate.fallback, gate.fallback_arms = self.gate, ((True, False) if stage == "drafter" else (False,))
+            self.lookup_gates[key] = gate
         return self.lookup_gates[key]
 
     def choose_step(self, rows: int, lookup_ngram: int = 0) -> str:
@@ -163,6 +168,10 @@ class SpeculationGate:
         self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
         self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
         self.speculative_steps_left: dict[int, int] = {}  # while it wins: speculative steps before a plain probe
+        # a batch size neither this gate nor a neighbouring size has measured starts from these arms of `fallback`
+        # (a gate of the same steps under a broader condition), so a new condition pays no probes for what is known
+        self.fallback: "SpeculationGate | None" = None
+        self.fallback_arms: tuple[bool, ...] = ()
 
     def should_speculate(self, rows: int) -> bool:
         rows = rows_bucket(rows)
@@ -197,6 +206,17 @@ class SpeculationGate:
                 if near in self.speculative_steps_left:
                     self.speculative_steps_left[rows] = self.speculative_steps_left[near]
                 return
+        if self.fallback is not None:
+            if (rows, True) not in self.fallback.steps:
+                self.fallback._inherit(rows)
+            for speculated in self.fallback_arms:
+                if (rows, speculated) in self.fallback.steps and (rows, speculated) not in self.steps:
+                    self.steps[(rows, speculated)] = self.fallback.steps[(rows, speculated)]
+                    self.samples[(rows, speculated)] = 0
+            if (rows, True) in self.steps:  # both arms taken over: so is which one wins, until the next probe
+                self.plain_steps_left[rows] = self.fallback.plain_steps_left.get(rows, 0)
+                if rows in self.fallback.speculative_steps_left:
+                    self.speculative_steps_left[rows] = self.fallback.speculative_steps_left[rows]
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rows = rows_bucket(rows)
