@@ -73,8 +73,7 @@ def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tr
 
 def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkeypatch):
     """Where the gate finds lookup drafts alone faster, those steps verify them without a drafter forward."""
-    monkeypatch.setattr(DraftLengthPolicy, "choose_step",
-                        lambda self, rows, lookup_ngram=0: "lookup" if lookup_ngram else "plain")
+    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup_ngram=0: not lookup_ngram)
     vocab = 24
     target = tiny_target("llama", seed=2, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
@@ -112,35 +111,16 @@ def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_the
 
 
 @pytest.mark.speculation_gate
-@pytest.mark.parametrize("winner", ["draft", "lookup", "plain"])
-def test_steps_with_lookup_drafts_take_whichever_of_drafter_lookup_and_plain_is_measured_fastest(winner):
-    """Tokens per second as measured at 4 rows: the winner commits 1.6 tokens a second, the others 1 or less."""
-    rates = {"draft": (1.5, 1.5), "lookup": (1.2, 1.3), "plain": (1.0, 1.0)}
-    rates[winner] = (1.6, 1.0)
-    policy = DraftLengthPolicy(block_size=16)
-    choices = []
-    for _ in range(600):
-        step = policy.choose_step(4, lookup_ngram=2)
-        committed, seconds = rates[step]
-        policy.record_step(step, 4, committed, seconds, slots=1, verify_seconds=seconds, lookup_ngram=2)
-        choices.append(step)
-    assert choices[-400:].count(winner) > 0.9 * 400
-    assert set(choices) == {"draft", "lookup", "plain"}  # every kind was measured
-    # steps without lookup drafts are decided by their own measurements (here: none yet, so the drafter first)
-    assert policy.choose_step(4, lookup_ngram=0) == "draft"
-
-
-@pytest.mark.speculation_gate
 def test_a_first_step_with_lookup_drafts_starts_from_what_steps_without_them_measured():
     """At a batch size where the drafter was measured to lose, the first steps with lookup drafts do not probe the
-    drafter again: they try the lookup drafts (never measured), then keep whichever of lookup and plain is faster."""
+    drafter again: they verify the lookup drafts alone; each match length then refines its own measurements."""
     policy = DraftLengthPolicy(block_size=16)
     for _ in range(4):
-        step = policy.choose_step(64, lookup_ngram=0)
-        policy.record_step(step, 64, *((80, 2.0) if step == "draft" else (64, 1.0)), slots=1, verify_seconds=1.0)
-    first = [policy.choose_step(64, lookup_ngram=3)]
-    policy.record_step(first[0], 64, 96, 1.1, slots=4, verify_seconds=1.1, lookup_ngram=3)
-    first.append(policy.choose_step(64, lookup_ngram=3))
-    assert first == ["lookup", "lookup"]
+        speculate = policy.should_speculate(64)
+        policy.record_step(speculate, 64, *((80, 2.0) if speculate else (64, 1.0)), slots=1, verify_seconds=1.0)
+    assert not policy.should_speculate(64, lookup_ngram=3)
+    policy.record_step(False, 64, 96, 1.1, slots=4, verify_seconds=1.1, lookup_ngram=3)
+    assert not policy.should_speculate(64, lookup_ngram=3)
+    assert policy.lookup_gates[3].steps[(64, False)] != policy.gate.steps[(64, False)]
     fresh = DraftLengthPolicy(block_size=16)  # nothing measured yet: the drafter is tried first, as always
-    assert fresh.choose_step(64, lookup_ngram=3) == "draft"
+    assert fresh.should_speculate(64, lookup_ngram=3)

@@ -3,8 +3,8 @@ target itself picks.
 
     prefill (prompts) ──► first token per row (its anchor) ──► loop:
         lookup.find(row's tokens)   ──► prompt-lookup drafts per row (free: copied from the row's own text)
-        policy.choose_step          ──► "plain": the anchors alone (a plain decode step, no drafter forward);
-                                        "lookup": the anchors and their lookup drafts, no drafter forward
+        policy.should_speculate     ──► no: the anchors alone (a plain decode step, no drafter forward), with
+                                        their lookup drafts if the cost model sized any
         drafting.propose(anchors)   ──► one CandidateTree per row (a chain is a tree with one branch); how many
                                         drafts: the DraftLengthPolicy (fixed, or the measured cost model); lookup
                                         drafts are grafted on as one more branch
@@ -190,14 +190,11 @@ def speculative_generate(
             lookups = [(d[:k], n) for (d, n), k in zip(found, lengths)]
             ngram = max(n for d, n in lookups if len(d)) if any(len(d) for d, _ in lookups) else 0
             lookups = lookups if ngram else None
-        step = policy.choose_step(rows, lookup_ngram=ngram)
-        speculate = step == "draft"
+        speculate = policy.should_speculate(rows, lookup_ngram=ngram)
         if speculate:
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
         else:  # a step without a drafter forward: the anchors alone (a plain decode step), or their lookup drafts
             trees = [CandidateTree.chain(anchor, torch.empty(0, dtype=torch.long)) for anchor in batch.anchors]
-        if step == "plain":
-            lookups = None
         if lookups is not None:
             trees = [graft(tree, drafts) for tree, (drafts, _) in zip(trees, lookups)]
         t1 = time.perf_counter()
@@ -221,7 +218,7 @@ def speculative_generate(
                     lookup.record(drafts, n, committers[row].input_ids[0, -len(path) :])
         batch.commit(paths, out.hidden_states, tokens.shape[1])
         t3 = time.perf_counter()
-        policy.record_step(step, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1,
+        policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1,
                            lookup_ngram=ngram)
         stats.plain_steps += not speculate
         stats.draft_time_s += t1 - t0

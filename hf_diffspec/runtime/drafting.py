@@ -409,8 +409,7 @@ def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None,
         tree_depth=tree_depth,
         max_positions=getattr(target.config.get_text_config(), "max_position_embeddings", None),
         gate=speculation_gate_for(drafter, target, method) if fixed is None else None,
-        lookup_gate=(lambda n, stage: speculation_gate_for(drafter, target,
-                                                           f"{method}, {stage} after a {n}-token lookup match"))
+        lookup_gate=(lambda n: speculation_gate_for(drafter, target, f"{method} after a {n}-token lookup match"))
         if fixed is None else None,
     )
 

@@ -45,47 +45,37 @@ class DraftLengthPolicy:
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
         self.gate = (gate or SpeculationGate()) if fixed is None else None
         # steps that have prompt-lookup drafts are decided apart, per length of the n-gram they matched (the longer,
-        # the likelier they are accepted): first drafter or not, as above; then, without the drafter, the lookup
-        # drafts or a plain step (at a large batch, verifying them can cost more than they earn). `lookup_gate(n,
-        # stage)` makes the gate of each decision ("drafter" / "lookup") for n-token matches.
-        self.lookup_gate = (lookup_gate or (lambda n, stage: SpeculationGate())) if fixed is None else None
-        self.lookup_gates: dict[tuple[int, str], SpeculationGate] = {}
+        # the likelier they are accepted): drafter or not, measured as above. Without the drafter, the lookup drafts
+        # the cost model sized are verified (it sizes them from their measured acceptance and the measured verify
+        # cost, to none where they do not pay). `lookup_gate(n)` makes the gate for n-token matches.
+        self.lookup_gate = (lookup_gate or (lambda n: SpeculationGate())) if fixed is None else None
+        self.lookup_gates: dict[int, SpeculationGate] = {}
 
-    def _lookup_gate(self, lookup_ngram: int, stage: str) -> "SpeculationGate":
-        key = (lookup_ngram, stage)
-        if key not in self.lookup_gates:
-            gate = self.lookup_gate(lookup_ngram, stage)
-            # a batch size new to it starts from what steps without lookup drafts measured: the drafter's steps
-            # against plain ones (without the drafter, lookup drafts do at least as well as a plain step), and for
-            # the lookup decision the plain steps (the lookup drafts alone are then tried once)
-            gate.fallback, gate.fallback_arms = self.gate, ((True, False) if stage == "drafter" else (False,))
-            self.lookup_gates[key] = gate
-        return self.lookup_gates[key]
+    def _gate(self, lookup_ngram: int) -> "SpeculationGate | None":
+        if self.gate is None or not lookup_ngram:
+            return self.gate
+        if lookup_ngram not in self.lookup_gates:
+            gate = self.lookup_gate(lookup_ngram)
+            # a batch size new to it starts from what steps without lookup drafts measured there (the drafter's
+            # steps against plain ones; without the drafter, lookup drafts do at least as well as a plain step)
+            gate.fallback = self.gate
+            self.lookup_gates[lookup_ngram] = gate
+        return self.lookup_gates[lookup_ngram]
 
-    def choose_step(self, rows: int, lookup_ngram: int = 0) -> str:
-        """What this step verifies: "draft" (the drafter's candidates, with any lookup drafts grafted on), "lookup"
-        (the prompt-lookup drafts alone, no drafter forward; only when the step has some, found after a
-        `lookup_ngram`-token match) or "plain" (the anchors alone). Always "draft" with a fixed length."""
-        if self.gate is None:
-            return "draft"
-        if not lookup_ngram:
-            return "draft" if self.gate.should_speculate(rows) else "plain"
-        if self._lookup_gate(lookup_ngram, "drafter").should_speculate(rows):
-            return "draft"
-        return "lookup" if self._lookup_gate(lookup_ngram, "lookup").should_speculate(rows) else "plain"
+    def should_speculate(self, rows: int, lookup_ngram: int = 0) -> bool:
+        """Draft this step (True), or not (False: the anchors alone, with their prompt-lookup drafts when the step has
+        some, found after a `lookup_ngram`-token match)? Always True with a fixed length."""
+        gate = self._gate(lookup_ngram)
+        return gate is None or gate.should_speculate(rows)
 
-    def record_step(self, step: str, rows: int, committed: int, seconds: float, slots: int,
+    def record_step(self, speculated: bool, rows: int, committed: int, seconds: float, slots: int,
                     verify_seconds: float, lookup_ngram: int = 0) -> None:
-        """A whole loop step (draft, verify, commit) of kind `step` (see `choose_step`) and `rows` rows committed
-        `committed` tokens in `seconds`, of which `verify_seconds` verified `slots` slots per row; `lookup_ngram`: the
-        step had prompt-lookup drafts found after a match of that many tokens (0: none)."""
-        if self.gate is not None:
-            if not lookup_ngram:
-                self.gate.record(step == "draft", rows, committed, seconds)
-            else:
-                self._lookup_gate(lookup_ngram, "drafter").record(step == "draft", rows, committed, seconds)
-                if step != "draft":
-                    self._lookup_gate(lookup_ngram, "lookup").record(step == "lookup", rows, committed, seconds)
+        """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`, of
+        which `verify_seconds` verified `slots` slots per row; `lookup_ngram`: the step had prompt-lookup drafts found
+        after a match of that many tokens (0: none)."""
+        gate = self._gate(lookup_ngram)
+        if gate is not None:
+            gate.record(speculated, rows, committed, seconds)
         if self.verify_cost is not None:
             self.verify_cost.observe(slots, rows, verify_seconds)
 
@@ -168,10 +158,10 @@ class SpeculationGate:
         self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
         self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
         self.speculative_steps_left: dict[int, int] = {}  # while it wins: speculative steps before a plain probe
-        # a batch size neither this gate nor a neighbouring size has measured starts from these arms of `fallback`
-        # (a gate of the same steps under a broader condition), so a new condition pays no probes for what is known
+        # a batch size neither this gate nor a neighbouring size has measured starts from the measurements of
+        # `fallback` (a gate of the same choice under a broader condition): a new condition pays no probes for what
+        # is known
         self.fallback: "SpeculationGate | None" = None
-        self.fallback_arms: tuple[bool, ...] = ()
 
     def should_speculate(self, rows: int) -> bool:
         rows = rows_bucket(rows)
@@ -209,11 +199,11 @@ class SpeculationGate:
         if self.fallback is not None:
             if (rows, True) not in self.fallback.steps:
                 self.fallback._inherit(rows)
-            for speculated in self.fallback_arms:
-                if (rows, speculated) in self.fallback.steps and (rows, speculated) not in self.steps:
+            for speculated in (True, False):
+                if (rows, speculated) in self.fallback.steps:
                     self.steps[(rows, speculated)] = self.fallback.steps[(rows, speculated)]
                     self.samples[(rows, speculated)] = 0
-            if (rows, True) in self.steps:  # both arms taken over: so is which one wins, until the next probe
+            if (rows, True) in self.steps and (rows, False) in self.steps:  # so is which arm wins, until a probe
                 self.plain_steps_left[rows] = self.fallback.plain_steps_left.get(rows, 0)
                 if rows in self.fallback.speculative_steps_left:
                     self.speculative_steps_left[rows] = self.fallback.speculative_steps_left[rows]
