@@ -15,6 +15,9 @@ drafter, target, dtype, thread count and method), so a second call starts from w
 paying for the first measurements again. So a weak drafter, a slow verify (a CPU without native bf16) or a
 compute-bound batch never costs more than the probes.
 
+With prompt-lookup drafts (`lookup.py`), steps that have some are gated apart, per length of the suffix they matched,
+and `lookup_lengths` sizes them with the same cost model; without the drafter, such a step verifies them alone.
+
 Every answer is capped by what is left to generate and by the target's context. Losslessness never depends on the
 answer: the target alone picks every committed token.
 """
