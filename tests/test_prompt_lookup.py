@@ -124,3 +124,17 @@ def test_a_first_step_with_lookup_drafts_starts_from_what_steps_without_them_mea
     assert policy.lookup_gates[3].steps[(64, False)] != policy.gate.steps[(64, False)]
     fresh = DraftLengthPolicy(block_size=16)  # nothing measured yet: the drafter is tried first, as always
     assert fresh.should_speculate(64, lookup_ngram=3)
+
+
+@pytest.mark.speculation_gate
+def test_a_new_match_length_starts_from_another_ones_measurements_where_every_step_had_lookup_drafts():
+    """At a large batch nearly every step has lookup drafts, so steps without them measure nothing there: a match
+    length met for the first time starts from one already measured instead of probing the drafter again."""
+    policy = DraftLengthPolicy(block_size=16)
+    for _ in range(4):  # 3-token matches: the drafter loses at 16 rows
+        speculate = policy.should_speculate(16, lookup_ngram=3)
+        policy.record_step(speculate, 16, *((20, 2.0) if speculate else (18, 1.0)), slots=2, verify_seconds=1.0,
+                           lookup_ngram=3)
+    assert (16, True) not in policy.gate.steps
+    assert not policy.should_speculate(16, lookup_ngram=2)
+    assert policy.lookup_gates[2].steps[(16, True)] == policy.lookup_gates[3].steps[(16, True)]

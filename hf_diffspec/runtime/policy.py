@@ -53,6 +53,7 @@ class DraftLengthPolicy:
         # cost, to none where they do not pay). `lookup_gate(n)` makes the gate for n-token matches.
         self.lookup_gate = (lookup_gate or (lambda n: SpeculationGate())) if fixed is None else None
         self.lookup_gates: dict[int, SpeculationGate] = {}
+        self.lookup_family: list[SpeculationGate] = [self.gate] if self.gate is not None else []
 
     def _gate(self, lookup_ngram: int) -> "SpeculationGate | None":
         if self.gate is None or not lookup_ngram:
@@ -60,8 +61,11 @@ class DraftLengthPolicy:
         if lookup_ngram not in self.lookup_gates:
             gate = self.lookup_gate(lookup_ngram)
             # a batch size new to it starts from what steps without lookup drafts measured there (the drafter's
-            # steps against plain ones; without the drafter, lookup drafts do at least as well as a plain step)
-            gate.fallback = self.gate
+            # steps against plain ones; without the drafter, lookup drafts do at least as well as a plain step),
+            # else from what steps after another match length measured: at a large batch nearly every step has
+            # lookup drafts, and each gate's own first drafter probe there costs several plain steps
+            self.lookup_family.append(gate)
+            gate.fallbacks = self.lookup_family
             self.lookup_gates[lookup_ngram] = gate
         return self.lookup_gates[lookup_ngram]
 
@@ -161,10 +165,10 @@ class SpeculationGate:
         self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
         self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
         self.speculative_steps_left: dict[int, int] = {}  # while it wins: speculative steps before a plain probe
-        # a batch size neither this gate nor a neighbouring size has measured starts from the measurements of
-        # `fallback` (a gate of the same choice under a broader condition): a new condition pays no probes for what
-        # is known
-        self.fallback: "SpeculationGate | None" = None
+        # a batch size neither this gate nor a neighbouring size has measured starts from the first of `fallbacks`
+        # (gates of the same choice under related conditions) that measured it: a new condition pays no probes for
+        # what is known
+        self.fallbacks: list["SpeculationGate"] = []
 
     def should_speculate(self, rows: int) -> bool:
         rows = rows_bucket(rows)
@@ -199,17 +203,20 @@ class SpeculationGate:
                 if near in self.speculative_steps_left:
                     self.speculative_steps_left[rows] = self.speculative_steps_left[near]
                 return
-        if self.fallback is not None:
-            if (rows, True) not in self.fallback.steps:
-                self.fallback._inherit(rows)
-            for speculated in (True, False):
-                if (rows, speculated) in self.fallback.steps:
-                    self.steps[(rows, speculated)] = self.fallback.steps[(rows, speculated)]
+        for other in self.fallbacks:
+            if other is self:
+                continue
+            if not other.fallbacks and (rows, True) not in other.steps:
+                other._inherit(rows)  # a root gate may itself start from its neighbouring size
+            if (rows, True) in other.steps and (rows, False) in other.steps:
+                for speculated in (True, False):
+                    self.steps[(rows, speculated)] = other.steps[(rows, speculated)]
                     self.samples[(rows, speculated)] = 0
-            if (rows, True) in self.steps and (rows, False) in self.steps:  # so is which arm wins, until a probe
-                self.plain_steps_left[rows] = self.fallback.plain_steps_left.get(rows, 0)
-                if rows in self.fallback.speculative_steps_left:
-                    self.speculative_steps_left[rows] = self.fallback.speculative_steps_left[rows]
+                # and which arm wins, until the next probe
+                self.plain_steps_left[rows] = other.plain_steps_left.get(rows, 0)
+                if rows in other.speculative_steps_left:
+                    self.speculative_steps_left[rows] = other.speculative_steps_left[rows]
+                return
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rows = rows_bucket(rows)
