@@ -74,7 +74,7 @@ def test_profile_is_keyed_by_device_dtype_and_threads(tmp_path, monkeypatch, cap
     path.write_text(json.dumps({"key": key, "verify_seconds": {"1": 0.1, "4": 0.2}}))  # the batch-1 format
     with caplog.at_level(logging.WARNING):
         assert VerifyCost.for_target(target) is None
-    assert "older format" in caplog.text
+    assert "older measurement" in caplog.text
 
 
 @pytest.mark.parametrize("dual", [False, True])
