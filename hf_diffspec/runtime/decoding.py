@@ -188,7 +188,7 @@ def speculative_generate(
             found = [lookup.find(committers[row].input_ids[0], k) for row, k in zip(batch.active, limits)]
             lengths = policy.lookup_lengths([lookup.reach(len(d), n) for d, n in found], rows)
             lookups = [(d[:k], n) for (d, n), k in zip(found, lengths)]
-            ngram = max(n for d, n in lookups if len(d)) if any(len(d) for d, _ in lookups) else 0
+            ngram = max((n for d, n in lookups if len(d)), default=0)  # the longest match decides the gate
             lookups = lookups if ngram else None
         speculate = policy.should_speculate(rows, lookup_ngram=ngram)
         if speculate:
@@ -209,11 +209,10 @@ def speculative_generate(
         stats.verified_tokens += sum(len(t) for t in trees)
         stats.verified_slots += tokens.numel()
 
-        active = list(batch.active)
         paths = batch.walk(trees, out.logits)
         stats.committed_per_step.extend(len(p) for p in paths)
         if lookups is not None:
-            for row, (drafts, n), path in zip(active, lookups, paths):
+            for row, (drafts, n), path in zip(batch.active, lookups, paths):
                 if len(drafts):
                     lookup.record(drafts, n, committers[row].input_ids[0, -len(path) :])
         batch.commit(paths, out.hidden_states, tokens.shape[1])

@@ -33,7 +33,9 @@ from .cost_model import VerifyCost, best_node_count, rows_bucket
 class DraftLengthPolicy:
     """Decides drafts per row. `fixed`: the user's fixed length or None; `verify_cost`: the measured T_verify(n, rows)
     or None; `block_size`: the drafter's block; `default_length`: its configured `num_draft_tokens` (or None);
-    `tree_depth`: for D²SD, the deepest tree level; `max_positions`: the target's context."""
+    `tree_depth`: for D²SD, the deepest tree level; `max_positions`: the target's context; `gate`: the speculation
+    gate of steps without prompt-lookup drafts; `lookup_gate(n)`: makes the gate of steps after an n-token lookup
+    match."""
 
     def __init__(self, block_size: int, default_length: int | None = None, fixed: int | None = None,
                  verify_cost: VerifyCost | None = None, tree_depth: int | None = None,
@@ -196,12 +198,7 @@ class SpeculationGate:
         size cost several plain steps of a large batch for what its neighbour already showed."""
         for near in (2 * rows, rows // 2):
             if (near, True) in self.steps and (near, False) in self.steps:
-                for speculated in (True, False):
-                    self.steps[(rows, speculated)] = self.steps[(near, speculated)]
-                    self.samples[(rows, speculated)] = 0  # this size's first own step replaces the estimate
-                self.plain_steps_left[rows] = self.plain_steps_left.get(near, 0)
-                if near in self.speculative_steps_left:
-                    self.speculative_steps_left[rows] = self.speculative_steps_left[near]
+                self._start_from(self, near, rows)
                 return
         for other in self.fallbacks:
             if other is self:
@@ -209,14 +206,18 @@ class SpeculationGate:
             if not other.fallbacks and (rows, True) not in other.steps:
                 other._inherit(rows)  # a root gate may itself start from its neighbouring size
             if (rows, True) in other.steps and (rows, False) in other.steps:
-                for speculated in (True, False):
-                    self.steps[(rows, speculated)] = other.steps[(rows, speculated)]
-                    self.samples[(rows, speculated)] = 0
-                # and which arm wins, until the next probe
-                self.plain_steps_left[rows] = other.plain_steps_left.get(rows, 0)
-                if rows in other.speculative_steps_left:
-                    self.speculative_steps_left[rows] = other.speculative_steps_left[rows]
+                self._start_from(other, rows, rows)
                 return
+
+    def _start_from(self, other: "SpeculationGate", other_rows: int, rows: int) -> None:
+        """Take `other`'s measurements at `other_rows` as this gate's at `rows`, and which arm wins until the next
+        probe; this size's first own step of each arm replaces the estimate."""
+        for speculated in (True, False):
+            self.steps[(rows, speculated)] = other.steps[(other_rows, speculated)]
+            self.samples[(rows, speculated)] = 0
+        self.plain_steps_left[rows] = other.plain_steps_left.get(other_rows, 0)
+        if other_rows in other.speculative_steps_left:
+            self.speculative_steps_left[rows] = other.speculative_steps_left[other_rows]
 
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rows = rows_bucket(rows)
