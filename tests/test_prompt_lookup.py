@@ -86,6 +86,53 @@ def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkey
     assert stats.lookup_tokens > 0 and stats.draft_forwards < stats.target_forwards - 1
 
 
+def test_steps_without_the_drafter_decode_plainly_where_lookup_drafts_alone_were_measured_to_lose(monkeypatch):
+    """Where verifying lookup drafts alone loses to a plain step, a step without the drafter is a plain one."""
+    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup_ngram=0: False)
+    monkeypatch.setattr(DraftLengthPolicy, "should_verify_lookups_alone", lambda self, rows, lookup_ngram: False)
+    vocab = 24
+    target = tiny_target("llama", seed=2, vocab_size=vocab)
+    drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
+    ids = _repetitive_prompts(vocab, rows=2, seed=2)
+    kwargs = dict(max_new_tokens=30, do_sample=False)
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, target.generate(ids, **kwargs))
+    stats = out.speculation_stats
+    assert stats.lookup_tokens == 0 and stats.draft_forwards == 0 and stats.verified_slots == 2 * (stats.target_forwards - 1)
+
+
+@pytest.mark.speculation_gate
+def test_lookup_drafts_alone_are_verified_only_while_they_beat_plain_steps():
+    """The cost model sizes lookup drafts from estimates; whether verifying them alone beats a plain step is
+    measured, per match length and batch size, with rare probes once it loses."""
+    policy = DraftLengthPolicy(block_size=16)
+    alone = [policy.should_verify_lookups_alone(16, lookup_ngram=1)]  # unmeasured: tried first
+    policy.record_step(False, 16, 18, 0.2, slots=5, verify_seconds=0.2, lookup_ngram=1, lookups_alone=True)
+    alone.append(policy.should_verify_lookups_alone(16, lookup_ngram=1))  # then a plain step
+    policy.record_step(False, 16, 16, 0.1, slots=1, verify_seconds=0.1, lookup_ngram=1, lookups_alone=False)
+    assert alone == [True, False]
+    decisions = []
+    for _ in range(60):  # 90 tokens/s alone against 160 plain: plain, probing lookup drafts now and then
+        verify = policy.should_verify_lookups_alone(16, lookup_ngram=1)
+        decisions.append(verify)
+        policy.record_step(False, 16, *((18, 0.2) if verify else (16, 0.1)), slots=5 if verify else 1,
+                           verify_seconds=0.1, lookup_ngram=1, lookups_alone=verify)
+    assert 1 <= sum(decisions) <= 3
+    # 3-token matches start from those measurements (no probe of their own at once), then measure their own:
+    # 200 tokens/s alone against 160 plain, so after their first probe they are verified
+    three = []
+    for _ in range(300):
+        verify = policy.should_verify_lookups_alone(16, lookup_ngram=3)
+        three.append(verify)
+        policy.record_step(False, 16, *((40, 0.2) if verify else (16, 0.1)), slots=5 if verify else 1,
+                           verify_seconds=0.1, lookup_ngram=3, lookups_alone=verify)
+    assert not three[0] and sum(three[-100:]) >= 80
+    # a drafter step records nothing in these gates; a fixed length always verifies what it has
+    policy.record_step(True, 16, 30, 0.3, slots=8, verify_seconds=0.2, lookup_ngram=3)
+    assert (16, True) in policy.lookup_gates[3].steps
+    assert DraftLengthPolicy(block_size=16, fixed=4).should_verify_lookups_alone(16, lookup_ngram=1)
+
+
 def test_sampling_does_not_look_up_and_bad_values_are_refused():
     vocab = 24
     target = tiny_target("llama", seed=0, vocab_size=vocab)

@@ -4,7 +4,8 @@ target itself picks.
     prefill (prompts) ──► first token per row (its anchor) ──► loop:
         lookup.find(row's tokens)   ──► prompt-lookup drafts per row (free: copied from the row's own text)
         policy.should_speculate     ──► no: the anchors alone (a plain decode step, no drafter forward), with
-                                        their lookup drafts if the cost model sized any
+                                        their lookup drafts if the cost model sized any and the policy measured
+                                        that verifying them alone beats a plain step
         drafting.propose(anchors)   ──► one CandidateTree per row (a chain is a tree with one branch); how many
                                         drafts: the DraftLengthPolicy (fixed, or the measured cost model); lookup
                                         drafts are grafted on as one more branch
@@ -191,6 +192,8 @@ def speculative_generate(
             ngram = max((n for d, n in lookups if len(d)), default=0)  # the longest match decides the gate
             lookups = lookups if ngram else None
         speculate = policy.should_speculate(rows, lookup_ngram=ngram)
+        if not speculate and ngram and not policy.should_verify_lookups_alone(rows, ngram):
+            lookups = None  # measured: here a plain step beats verifying lookup drafts alone
         if speculate:
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
         else:  # a step without a drafter forward: the anchors alone (a plain decode step), or their lookup drafts
@@ -218,7 +221,7 @@ def speculative_generate(
         batch.commit(paths, out.hidden_states, tokens.shape[1])
         t3 = time.perf_counter()
         policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1,
-                           lookup_ngram=ngram)
+                           lookup_ngram=ngram, lookups_alone=not speculate and lookups is not None)
         stats.plain_steps += not speculate
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t3 - t1

@@ -411,6 +411,8 @@ def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None,
         gate=speculation_gate_for(drafter, target, method) if fixed is None else None,
         lookup_gate=(lambda n: speculation_gate_for(drafter, target, f"{method} after a {n}-token lookup match"))
         if fixed is None else None,
+        lookup_alone_gate=(lambda n: speculation_gate_for(
+            drafter, target, f"{method}, lookup drafts alone after a {n}-token match")) if fixed is None else None,
     )
 
 

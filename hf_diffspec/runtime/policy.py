@@ -16,7 +16,10 @@ paying for the first measurements again. So a weak drafter, a slow verify (a CPU
 compute-bound batch never costs more than the probes.
 
 With prompt-lookup drafts (`lookup.py`), steps that have some are gated apart, per length of the suffix they matched,
-and `lookup_lengths` sizes them with the same cost model; without the drafter, such a step verifies them alone.
+and `lookup_lengths` sizes them with the same cost model. Without the drafter, such a step verifies them alone or
+decodes plainly, gated the same way: the sizing rests on estimates (acceptance so far, the profile's cost of a wider
+forward at this context length), and at 16 rows steps of lookup drafts alone were seen to commit 27% fewer tokens
+per second than plain steps where the estimates said they paid.
 
 Every answer is capped by what is left to generate and by the target's context. Losslessness never depends on the
 answer: the target alone picks every committed token.
@@ -34,13 +37,14 @@ class DraftLengthPolicy:
     """Decides drafts per row. `fixed`: the user's fixed length or None; `verify_cost`: the measured T_verify(n, rows)
     or None; `block_size`: the drafter's block; `default_length`: its configured `num_draft_tokens` (or None);
     `tree_depth`: for D²SD, the deepest tree level; `max_positions`: the target's context; `gate`: the speculation
-    gate of steps without prompt-lookup drafts; `lookup_gate(n)`: makes the gate of steps after an n-token lookup
-    match."""
+    gate of steps without prompt-lookup drafts; `lookup_gate(n)`: makes the gate (drafter or not) of steps after an
+    n-token lookup match; `lookup_alone_gate(n)`: makes the gate of those steps without the drafter (lookup drafts
+    alone, or a plain step)."""
 
     def __init__(self, block_size: int, default_length: int | None = None, fixed: int | None = None,
                  verify_cost: VerifyCost | None = None, tree_depth: int | None = None,
                  max_positions: int | None = None, gate: "SpeculationGate | None" = None,
-                 lookup_gate=None):
+                 lookup_gate=None, lookup_alone_gate=None):
         self.block_size = block_size
         self.fixed = fixed
         self.verify_cost = verify_cost if fixed is None else None
@@ -56,20 +60,29 @@ class DraftLengthPolicy:
         self.lookup_gate = (lookup_gate or (lambda n: SpeculationGate())) if fixed is None else None
         self.lookup_gates: dict[int, SpeculationGate] = {}
         self.lookup_family: list[SpeculationGate] = [self.gate] if self.gate is not None else []
+        # without the drafter: lookup drafts alone (the gate's speculative arm) or a plain step
+        self.lookup_alone_gate = (lookup_alone_gate or (lambda n: SpeculationGate())) if fixed is None else None
+        self.lookup_alone_gates: dict[int, SpeculationGate] = {}
+        self.lookup_alone_family: list[SpeculationGate] = []
 
     def _gate(self, lookup_ngram: int) -> "SpeculationGate | None":
         if self.gate is None or not lookup_ngram:
             return self.gate
-        if lookup_ngram not in self.lookup_gates:
-            gate = self.lookup_gate(lookup_ngram)
-            # a batch size new to it starts from what steps without lookup drafts measured there (the drafter's
-            # steps against plain ones; without the drafter, lookup drafts do at least as well as a plain step),
-            # else from what steps after another match length measured: at a large batch nearly every step has
-            # lookup drafts, and each gate's own first drafter probe there costs several plain steps
-            self.lookup_family.append(gate)
-            gate.fallbacks = self.lookup_family
-            self.lookup_gates[lookup_ngram] = gate
-        return self.lookup_gates[lookup_ngram]
+        # a batch size new to it starts from what steps without lookup drafts measured there (the drafter's steps
+        # against plain ones; without the drafter, the step is at least as good as a plain one), else from
+        # what steps after another match length measured: at a large batch nearly every step has lookup drafts,
+        # and each gate's own first drafter probe there costs several plain steps
+        return self._family_gate(self.lookup_gates, self.lookup_family, self.lookup_gate, lookup_ngram)
+
+    @staticmethod
+    def _family_gate(gates: dict, family: list, make, lookup_ngram: int) -> "SpeculationGate":
+        """The gate for `lookup_ngram`-token matches in `gates`, made by `make` the first time; a batch size new to
+        it starts from the first gate of `family` that measured it."""
+        if lookup_ngram not in gates:
+            gate = gates[lookup_ngram] = make(lookup_ngram)
+            family.append(gate)
+            gate.fallbacks = family
+        return gates[lookup_ngram]
 
     def should_speculate(self, rows: int, lookup_ngram: int = 0) -> bool:
         """Draft this step (True), or not (False: the anchors alone, with their prompt-lookup drafts when the step has
@@ -77,14 +90,29 @@ class DraftLengthPolicy:
         gate = self._gate(lookup_ngram)
         return gate is None or gate.should_speculate(rows)
 
+    def should_verify_lookups_alone(self, rows: int, lookup_ngram: int) -> bool:
+        """A step without the drafter whose rows have prompt-lookup drafts (found after a `lookup_ngram`-token
+        match, the longest of the batch): verify them (True), or decode plainly (False)? Always True with a fixed
+        length."""
+        if self.lookup_alone_gate is None:
+            return True
+        gate = self._family_gate(self.lookup_alone_gates, self.lookup_alone_family, self.lookup_alone_gate,
+                                 lookup_ngram)
+        return gate.should_speculate(rows)
+
     def record_step(self, speculated: bool, rows: int, committed: int, seconds: float, slots: int,
-                    verify_seconds: float, lookup_ngram: int = 0) -> None:
+                    verify_seconds: float, lookup_ngram: int = 0, lookups_alone: bool = False) -> None:
         """A whole loop step (draft, verify, commit) of `rows` rows committed `committed` tokens in `seconds`, of
-        which `verify_seconds` verified `slots` slots per row; `lookup_ngram`: the step had prompt-lookup drafts found
-        after a match of that many tokens (0: none)."""
+        which `verify_seconds` verified `slots` slots per row; `lookup_ngram`: its rows had prompt-lookup drafts found
+        after a match of that many tokens (0: none); `lookups_alone`: a step without the drafter verified them (else,
+        without the drafter, it was a plain step)."""
         gate = self._gate(lookup_ngram)
         if gate is not None:
             gate.record(speculated, rows, committed, seconds)
+        if lookup_ngram and not speculated and self.lookup_alone_gate is not None:
+            alone = self._family_gate(self.lookup_alone_gates, self.lookup_alone_family, self.lookup_alone_gate,
+                                      lookup_ngram)
+            alone.record(lookups_alone, rows, committed, seconds)
         if self.verify_cost is not None:
             self.verify_cost.observe(slots, rows, verify_seconds)
 
