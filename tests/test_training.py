@@ -172,6 +172,36 @@ def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer
     assert not all(torch.equal(merged.state_dict()[k], v) for k, v in drafter.state_dict().items())
 
 
+def test_heldout_tau_is_logged_on_a_schedule_and_the_curve_continues_after_a_resume(target_and_data, tokenizer,
+                                                                                     tmp_path):
+    from hf_diffspec.trainers.pipeline import HELDOUT_TAU_LOG, read_heldout_tau
+
+    target, data = target_and_data
+    cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "curve"), num_layers=1, block_size=4, num_anchors=8,
+                                   per_device_train_batch_size=4, max_steps=4, learning_rate=3e-3, bf16=False,
+                                   save_steps=2, heldout_tau_steps=2, heldout_tau_prompts=1,
+                                   heldout_tau_max_new_tokens=6)
+    out = train_drafter(target, tokenizer, "tiny", [str(data)], cfg, command="test")
+    log = read_heldout_tau(out / HELDOUT_TAU_LOG)
+    assert sorted(log) == [0, 2, 4]  # the start, every 2 steps
+    assert log[0]["training_tokens"] == 0 < log[2]["training_tokens"] < log[4]["training_tokens"]
+    assert all(1.0 <= line["tau"] <= 4.0 for line in log.values())  # the anchor alone .. the whole block
+    assert set(log[4]["tau_per_domain"]) == {"code", "math", "chat"} and log[4]["prompts"] == 3
+    # being measured changes nothing in training: the same run without the schedule ends with the same weights
+    plain = train_drafter(target, tokenizer, "tiny", [str(data)],
+                          replace(cfg, output_dir=str(tmp_path / "plain"), heldout_tau_steps=0), command="test")
+    assert not (plain / HELDOUT_TAU_LOG).exists()
+    measured, unmeasured = load_file(out / "model.safetensors"), load_file(plain / "model.safetensors")
+    assert all(torch.equal(measured[k], unmeasured[k]) for k in unmeasured)
+    resumed = train_drafter(target, tokenizer, "tiny", [str(data)], replace(cfg, max_steps=7, resume=True),
+                            command="test")
+    log = read_heldout_tau(resumed / HELDOUT_TAU_LOG)
+    assert sorted(log) == [0, 2, 4, 6, 7]  # on from the checkpoint of step 4, and the end
+    assert log[4]["training_tokens"] < log[6]["training_tokens"] < log[7]["training_tokens"]
+    (out / HELDOUT_TAU_LOG).write_text((out / HELDOUT_TAU_LOG).read_text() + '{"step": 8, "trai')  # killed mid-line
+    assert sorted(read_heldout_tau(out / HELDOUT_TAU_LOG)) == [0, 2, 4, 6, 7]
+
+
 def test_resume_without_a_checkpoint_says_so(target_and_data, tokenizer, tmp_path):
     target, data = target_and_data
     cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "none"), num_layers=1, block_size=4, max_steps=2,

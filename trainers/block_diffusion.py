@@ -138,6 +138,12 @@ class BlockDiffusionTrainer(Trainer):
         if self.time_budget_s:
             self.add_callback(_StopAtTimeBudget(self))
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # training tokens seen, for held-out tau against training tokens: transformers counts `main_input_name`,
+        # which a drafter's forward does not take; kept in the trainer state, so a resumed run counts on
+        self.state.num_input_tokens_seen += int(inputs["attention_mask"].sum())
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """With a time budget, warmup + cosine follow the fraction of the budget spent instead of the step count."""
         if not self.time_budget_s:

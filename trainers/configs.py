@@ -125,6 +125,14 @@ class DrafterTrainingArguments(TrainingArguments):
                           "(0: none)."},
     )
     eval_max_new_tokens: int = field(default=64, metadata={"help": "New tokens per held-out prompt."})
+    heldout_tau_steps: int = field(
+        default=0,
+        metadata={"help": "Every N optimizer steps (and at the start and the end), measure held-out tau with the whole "
+                          "block verified and append it, with the training tokens seen, to OUT/heldout_tau.jsonl "
+                          "(0: never)."},
+    )
+    heldout_tau_prompts: int = field(default=2, metadata={"help": "Held-out prompts per domain for that tau."})
+    heldout_tau_max_new_tokens: int = field(default=96, metadata={"help": "New tokens per prompt for that tau."})
 
     def __post_init__(self):
         if self.use_cpu is None:

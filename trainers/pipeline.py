@@ -6,6 +6,7 @@ LoRA through peft), optionally measures it on held-out prompts, and saves it wit
 train on what it produced" with the reverse-KL loss, each round through `train_drafter`.
 """
 
+import copy
 import json
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -165,6 +166,9 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         model=model, args=replace(args, output_dir=str(out / "checkpoints")), train_dataset=dataset, target=target,
         data_collator=BlockDiffusionCollator(pad, num_anchors=args.num_anchors, seed=args.seed),
     )
+    if args.heldout_tau_steps > 0:
+        trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
+                                                args.heldout_tau_prompts, args.heldout_tau_max_new_tokens))
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
@@ -188,6 +192,85 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         info["evaluation"] = evaluate_drafter(target, tokenizer, drafter, args.eval_prompts, args.eval_max_new_tokens)
     save_drafter(drafter, out, training_info=info)
     return out
+
+
+HELDOUT_TAU_LOG = "heldout_tau.jsonl"
+
+
+def heldout_tau(target, tokenizer, drafter, prompts: list[dict], max_new_tokens: int) -> dict:
+    """Tau with the drafter's whole block verified every step (DFlash's acceptance length, what `hf-diffspec bench
+    --methods dflash-block` reports: committed tokens per target forward, over all of a domain's prompts), greedy,
+    per domain and over all `prompts` (records with `text` and `domain`)."""
+    committed, steps = {}, {}
+    for prompt in prompts:
+        inputs = tokenizer(prompt["text"], return_tensors="pt", add_special_tokens=False).to(target.device)
+        out = target.generate(**inputs, assistant_model=drafter, num_assistant_tokens=drafter.config.block_size - 1,
+                              max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+        per_step = out.speculation_stats.committed_per_step
+        for key in (prompt["domain"], "all"):
+            committed[key] = committed.get(key, 0) + sum(per_step)
+            steps[key] = steps.get(key, 0) + len(per_step)
+    return {key: round(committed[key] / steps[key], 4) for key in committed if steps[key]}
+
+
+class HeldOutTauCallback(TrainerCallback):
+    """Held-out tau on a fixed schedule: at the start of training, every `every` optimizer steps and at the end, a
+    copy of the drafter (merged, in the target's dtype) is measured by `heldout_tau` on the same held-out prompts,
+    and one JSON line is appended to `path`: step, training tokens seen, tau per domain and over all, seconds taken.
+    A resumed run appends to the same file, so the curve outlives the machine that started it (a step measured
+    twice, before and after an interruption, keeps its last line; `read_heldout_tau`)."""
+
+    def __init__(self, trainer, path, tokenizer, every: int, prompts_per_domain: int, max_new_tokens: int):
+        self.trainer, self.path, self.every, self.max_new_tokens = trainer, Path(path), every, max_new_tokens
+        self.tokenizer = tokenizer
+        self.prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tokenizer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step not in read_heldout_tau(self.path):
+            self.measure(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.measure(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every:
+            self.measure(state)
+
+    @torch.no_grad()
+    def measure(self, state) -> None:
+        start = time.perf_counter()
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        borrowed = {id(m): m for m in self.trainer.drafter._borrowed.values()}  # the target's, shared, not copied
+        drafter = copy.deepcopy(model, memo=borrowed)
+        if hasattr(drafter, "merge_and_unload"):  # peft: the adapter merged into the copy, the trained one untouched
+            drafter = drafter.merge_and_unload()
+        target = self.trainer.target
+        drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+        drafter.config.draft_tree_budget = None  # chains of the whole block, whatever the checkpoint's defaults
+        drafter.config.prompt_lookup_num_tokens = None
+        drafter.bind_target(target)
+        tau = heldout_tau(target, self.tokenizer, drafter, self.prompts, self.max_new_tokens)
+        line = {"step": state.global_step, "training_tokens": state.num_input_tokens_seen, "tau": tau.pop("all"),
+                "tau_per_domain": tau, "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+                "seconds": round(time.perf_counter() - start, 1)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as log:  # one whole line per write: a kill leaves earlier lines intact
+            log.write(json.dumps(line) + "\n")
+
+
+def read_heldout_tau(path) -> dict[int, dict]:
+    """The lines of a held-out tau log by step (the last line of a step measured twice); a line cut short by a kill
+    is skipped. {} when the file does not exist."""
+    lines = {}
+    if Path(path).is_file():
+        for text in Path(path).read_text().splitlines():
+            try:
+                line = json.loads(text)
+            except ValueError:
+                continue
+            lines[line["step"]] = line
+    return lines
 
 
 def evaluate_drafter(target, tokenizer, drafter, prompts_per_domain: int, max_new_tokens: int) -> dict:
