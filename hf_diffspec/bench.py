@@ -620,10 +620,13 @@ def _first_line(error: Exception) -> str:
 
 
 def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new_tokens: int,
-                  batch_size: int = 1, progress: bool = True) -> dict[tuple[str, int, str], MethodRun]:
+                  batch_size: int = 1, progress: bool = True, rounds: int = 1) -> dict[tuple[str, int, str], MethodRun]:
     """Run every method (name -> `Method`, or a drafter) plus plain `ar` on every batch of prompts (chat-templated
     `text`), interleaved; return totals per (method, batch size, domain). A method that cannot run at this batch size
-    (or a peer whose warm-up fails) gets one `MethodRun` under domain "all" with `skipped` set to the reason."""
+    (or a peer whose warm-up fails) gets one `MethodRun` under domain "all" with `skipped` set to the reason.
+    `rounds`: every batch is decoded that many times by every method (all batches, then all again): at 16 or 64
+    rows a few prompts make one batch, one timed call per method, and this machine's speed drifts by ±10% between
+    calls. Times and tokens add up over the rounds; prompts and identity count the first."""
     methods = {"ar": Method(), **{k: m if isinstance(m, Method) else Method(m) for k, m in methods.items()}}
     skipped = {name: m.skip_reason or (m.single_row if batch_size > 1 else None) for name, m in methods.items()}
     skipped = {name: reason for name, reason in skipped.items() if reason}
@@ -645,8 +648,9 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
     names = [n for n in methods if n not in skipped]
 
     results: dict[tuple[str, int, str], MethodRun] = {}
-    bar = tqdm(total=len(batches) * len(names), desc=f"bench batch {batch_size}", disable=not progress)
-    for i, (domain, inputs) in enumerate(batches):
+    bar = tqdm(total=rounds * len(batches) * len(names), desc=f"bench batch {batch_size}", disable=not progress)
+    for i in range(rounds * len(batches)):
+        first_round, (domain, inputs) = i < len(batches), batches[i % len(batches)]
         order = names[i % len(names):] + names[: i % len(names)]
         outputs = {}
         prompt_length = inputs["input_ids"].shape[1]
@@ -656,7 +660,7 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
             elapsed = time.perf_counter() - start
             outputs[name] = _rows_up_to_eos(out, prompt_length, eos)
             run = results.setdefault((name, batch_size, domain), MethodRun())
-            run.prompts += len(outputs[name])
+            run.prompts += len(outputs[name]) if first_round else 0
             run.seconds += elapsed
             run.new_tokens += sum(len(r) for r in outputs[name])
             if counts is not None:
@@ -667,7 +671,7 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
                 run.forwards += counts.forwards
                 run.prefill_seconds += counts.prefill_seconds
             bar.update(1)
-        for name in names:
+        for name in names if first_round else ():
             run = results[(name, batch_size, domain)]
             run.identical += sum(a == b for a, b in zip(outputs[name], outputs["ar"]))
     bar.close()

@@ -49,8 +49,10 @@ def cmd_bench(args) -> None:
         taus = [float(t) for t in args.oracle_taus.split(",") if t.strip()] if args.oracle_taus else []
     except ValueError:
         raise SystemExit(f"--oracle-taus takes comma-separated numbers, got {args.oracle_taus!r}") from None
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds takes a positive number of rounds, got {args.rounds}")
     torch.manual_seed(args.seed)
-    target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
+    target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
     machine = machine_description(target)
     print(machine_markdown(machine) + "\n")
     methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "ar"]
@@ -72,7 +74,8 @@ def cmd_bench(args) -> None:
         prompts = load_prompts(domains, n_per_domain=args.prompts, tokenizer=tok)
     rows = []
     for batch_size in batch_sizes:
-        results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens, batch_size=batch_size)
+        results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens, batch_size=batch_size,
+                                rounds=args.rounds)
         rows += summarize(results)
     print(markdown_table(rows))
     extra = {}
@@ -286,9 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16,64")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="decode every batch this many times per method, interleaved (at 16-64 rows a few prompts "
+                            "make one batch: one timed call per method)")
     bench.add_argument("--dflash-length", type=int, default=None,
                        help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    bench.add_argument("--device", default=None, help="device of the target, e.g. cuda (default: cpu)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="write results as JSON here")
     bench.add_argument("--plot", default=None,

@@ -123,6 +123,16 @@ def test_batch_size_64_cycles_the_prompts():
     assert "batch size 1" in table["pld"]["skipped"]
 
 
+def test_rounds_decode_every_batch_again_and_add_up_times_and_tokens_not_prompts():
+    target = target_for_bench()
+    methods = {"dflash": Method(tiny_drafter(target, block_size=4), {"num_assistant_tokens": 3})}
+    once = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:2], max_new_tokens=4, progress=False)
+    thrice = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:2], max_new_tokens=4, progress=False, rounds=3)
+    for key, run in once.items():
+        assert thrice[key].prompts == run.prompts and thrice[key].identical == run.identical
+        assert thrice[key].new_tokens == 3 * run.new_tokens and thrice[key].steps == 3 * run.steps
+
+
 def test_oracle_reaches_the_requested_tau_and_reports_an_efficiency(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     target = target_for_bench()
