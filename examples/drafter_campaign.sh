@@ -71,12 +71,16 @@ run)
         --time-budget "$TRAIN_MIN" --save_steps "$EVERY" --heldout-tau-steps "$EVERY" \
         --heldout-tau-prompts "$HELDOUT_PROMPTS" --heldout-tau-max-new-tokens "$HELDOUT_TOKENS"
     python examples/plot_heldout_tau.py "$RESULTS/drafter" --labels campaign --out "$RESULTS/heldout_tau.png" \
-        | tee "$RESULTS/heldout_tau.md"
+        > "$RESULTS/heldout_tau.md" || true  # the table is written first; a missing PNG says why and stops nothing
+    cat "$RESULTS/heldout_tau.md"
     # 3. the judgement: tau with the whole block verified, against plain generate, on the held-out prompts
     hf-diffspec bench --drafter "$RESULTS/drafter" --methods ar,dflash-block,dflash --domains code,math,chat \
         --prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_TOKENS" --device "$DEVICE" --json "$RESULTS/bench.json"
     if [ -n "${OUT:-}" ]; then
-        cp "$RESULTS"/drafter/{config.json,model.safetensors,heldout_tau.jsonl} "$RESULTS"/{heldout_tau.png,heldout_tau.md,bench.json} "$OUT"/
+        for f in drafter/config.json drafter/model.safetensors drafter/heldout_tau.jsonl heldout_tau.png \
+                 heldout_tau.md bench.json; do
+            [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT"/
+        done
     fi
     ;;
 *)

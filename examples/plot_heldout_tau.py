@@ -7,6 +7,7 @@ A run that was interrupted and resumed (on this machine or another) is one curve
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 from hf_diffspec.trainers.pipeline import HELDOUT_TAU_LOG, read_heldout_tau
@@ -28,7 +29,20 @@ def main() -> None:
             parser.error(f"{path}: no held-out tau measured there (train with --heldout-tau-steps N)")
         curves[args.labels[k] if args.labels else Path(run).name] = [lines[s] for s in sorted(lines)]
 
-    import matplotlib
+    domains = sorted({d for lines in curves.values() for line in lines for d in line["tau_per_domain"]})
+    print(f"| run | step | training tokens | {' | '.join(domains)} | all |")
+    print("|---|---|---|" + "---|" * (len(domains) + 1))
+    for label, lines in curves.items():
+        for line in lines:
+            per_domain = " | ".join(f"{line['tau_per_domain'].get(d, float('nan')):.3f}" for d in domains)
+            print(f"| {label} | {line['step']} | {line['training_tokens']:,} | {per_domain} | {line['tau']:.3f} |")
+    sys.stdout.flush()
+
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(f"{args.out} not drawn: it needs matplotlib (pip install 'hf-diffspec[plot]'); the table "
+                         "above holds the same points") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -42,14 +56,6 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
-
-    domains = sorted({d for lines in curves.values() for line in lines for d in line["tau_per_domain"]})
-    print(f"| run | step | training tokens | {' | '.join(domains)} | all |")
-    print("|---|---|---|" + "---|" * (len(domains) + 1))
-    for label, lines in curves.items():
-        for line in lines:
-            per_domain = " | ".join(f"{line['tau_per_domain'].get(d, float('nan')):.3f}" for d in domains)
-            print(f"| {label} | {line['step']} | {line['training_tokens']:,} | {per_domain} | {line['tau']:.3f} |")
 
 
 if __name__ == "__main__":
