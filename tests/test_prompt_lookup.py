@@ -98,7 +98,8 @@ def test_steps_without_the_drafter_decode_plainly_where_lookup_drafts_alone_were
     out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, target.generate(ids, **kwargs))
     stats = out.speculation_stats
-    assert stats.lookup_tokens == 0 and stats.draft_forwards == 0 and stats.verified_slots == 2 * (stats.target_forwards - 1)
+    assert stats.lookup_tokens == 0 and stats.draft_forwards == 0
+    assert stats.verified_slots == 2 * (stats.target_forwards - 1)  # one slot per row and step: plain steps
 
 
 @pytest.mark.speculation_gate

@@ -18,8 +18,8 @@ compute-bound batch never costs more than the probes.
 With prompt-lookup drafts (`lookup.py`), steps that have some are gated apart, per length of the suffix they matched,
 and `lookup_lengths` sizes them with the same cost model. Without the drafter, such a step verifies them alone or
 decodes plainly, gated the same way: the sizing rests on estimates (acceptance so far, the profile's cost of a wider
-forward at this context length), and at 16 rows steps of lookup drafts alone were seen to commit 27% fewer tokens
-per second than plain steps where the estimates said they paid.
+forward at this context length), and at 16 rows steps of lookup drafts alone were seen to lose to plain steps where
+the estimates said they paid (`examples/step_timing.py`).
 
 Every answer is capped by what is left to generate and by the target's context. Losslessness never depends on the
 answer: the target alone picks every committed token.
@@ -90,15 +90,18 @@ class DraftLengthPolicy:
         gate = self._gate(lookup_ngram)
         return gate is None or gate.should_speculate(rows)
 
+    def _alone_gate(self, lookup_ngram: int) -> "SpeculationGate | None":
+        if self.lookup_alone_gate is None:
+            return None
+        return self._family_gate(self.lookup_alone_gates, self.lookup_alone_family, self.lookup_alone_gate,
+                                 lookup_ngram)
+
     def should_verify_lookups_alone(self, rows: int, lookup_ngram: int) -> bool:
         """A step without the drafter whose rows have prompt-lookup drafts (found after a `lookup_ngram`-token
         match, the longest of the batch): verify them (True), or decode plainly (False)? Always True with a fixed
         length."""
-        if self.lookup_alone_gate is None:
-            return True
-        gate = self._family_gate(self.lookup_alone_gates, self.lookup_alone_family, self.lookup_alone_gate,
-                                 lookup_ngram)
-        return gate.should_speculate(rows)
+        gate = self._alone_gate(lookup_ngram)
+        return gate is None or gate.should_speculate(rows)
 
     def record_step(self, speculated: bool, rows: int, committed: int, seconds: float, slots: int,
                     verify_seconds: float, lookup_ngram: int = 0, lookups_alone: bool = False) -> None:
@@ -109,9 +112,8 @@ class DraftLengthPolicy:
         gate = self._gate(lookup_ngram)
         if gate is not None:
             gate.record(speculated, rows, committed, seconds)
-        if lookup_ngram and not speculated and self.lookup_alone_gate is not None:
-            alone = self._family_gate(self.lookup_alone_gates, self.lookup_alone_family, self.lookup_alone_gate,
-                                      lookup_ngram)
+        alone = self._alone_gate(lookup_ngram) if lookup_ngram and not speculated else None
+        if alone is not None:
             alone.record(lookups_alone, rows, committed, seconds)
         if self.verify_cost is not None:
             self.verify_cost.observe(slots, rows, verify_seconds)

@@ -1,0 +1,63 @@
+"""Where a batched call's time goes, step by step: plain `generate` against one of our methods on the same batch, and
+for ours the loop's steps by kind (drafter steps, steps verifying prompt-lookup drafts alone, plain steps) with their
+mean time and tokens committed.
+
+    python examples/step_timing.py --rows 16 --reps 3 --method tree-lookup
+
+Each repetition runs plain `generate` then the method (after one untimed warm-up of each); the gates' measurements
+persist across calls, so the first repetition also shows what a first call at this batch size pays for probes.
+"""
+
+import argparse
+import time
+
+import torch
+
+from hf_diffspec import load_target
+from hf_diffspec.bench import Method, _encode_batches, _generate, build_method_drafters
+from hf_diffspec.prompts import load_prompts
+from hf_diffspec.runtime.policy import DraftLengthPolicy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--method", default="tree-lookup", help="a bench method of ours")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per domain, cycled to fill the batch")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    target, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+    method = build_method_drafters([args.method], target, "smollm2-135m-instruct")[args.method]
+    prompts = load_prompts(n_per_domain=args.prompts, tokenizer=tokenizer)
+    inputs = _encode_batches(tokenizer, prompts, args.rows, target.device)[0][1]
+
+    steps = []  # (kind, seconds, tokens committed) of every loop step of the method's call
+    record_step = DraftLengthPolicy.record_step
+
+    def recording(self, speculated, rows, committed, seconds, *rest, lookups_alone=False, **kwargs):
+        steps.append(("drafter" if speculated else "lookup alone" if lookups_alone else "plain", seconds, committed))
+        return record_step(self, speculated, rows, committed, seconds, *rest, lookups_alone=lookups_alone, **kwargs)
+
+    DraftLengthPolicy.record_step = recording
+    for runner in (Method(), method):
+        _generate(target, runner, inputs, 8)
+    totals = {"ar": 0.0, args.method: 0.0}
+    for rep in range(args.reps):
+        for name, runner in (("ar", Method()), (args.method, method)):
+            steps.clear()
+            start = time.perf_counter()
+            _generate(target, runner, inputs, args.max_new_tokens)
+            totals[name] += time.perf_counter() - start
+        print(f"repetition {rep}: {args.method} against ar over the repetitions so far: "
+              f"{totals['ar'] / totals[args.method]:.3f}x")
+        for kind in ("drafter", "lookup alone", "plain"):
+            chosen = [(s, c) for k, s, c in steps if k == kind]
+            if chosen:
+                seconds, tokens = sum(s for s, _ in chosen), sum(c for _, c in chosen)
+                print(f"  {kind:12s} steps {len(chosen):4d}  {1000 * seconds / len(chosen):6.1f} ms/step  "
+                      f"{tokens / len(chosen):5.2f} tokens/step  {tokens / seconds:6.1f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
