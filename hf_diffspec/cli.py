@@ -49,7 +49,7 @@ def cmd_bench(args) -> None:
         taus = [float(t) for t in args.oracle_taus.split(",") if t.strip()] if args.oracle_taus else []
     except ValueError:
         raise SystemExit(f"--oracle-taus takes comma-separated numbers, got {args.oracle_taus!r}") from None
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         raise SystemExit(f"--rounds takes a positive number of rounds, got {args.rounds}")
     torch.manual_seed(args.seed)
     target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
@@ -289,9 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16,64")
-    bench.add_argument("--rounds", type=int, default=1,
-                       help="decode every batch this many times per method, interleaved (at 16-64 rows a few prompts "
-                            "make one batch: one timed call per method)")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="decode every batch this many times per method, interleaved (default: enough rounds for "
+                            "3 timed calls per method and batch size; at 16-64 rows a few prompts make one batch)")
     bench.add_argument("--dflash-length", type=int, default=None,
                        help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

@@ -123,14 +123,23 @@ def test_batch_size_64_cycles_the_prompts():
     assert "batch size 1" in table["pld"]["skipped"]
 
 
-def test_rounds_decode_every_batch_again_and_add_up_times_and_tokens_not_prompts():
+def test_by_default_every_method_gets_three_timed_calls_per_batch_size_and_its_first_round_apart():
     target = target_for_bench()
     methods = {"dflash": Method(tiny_drafter(target, block_size=4), {"num_assistant_tokens": 3})}
-    once = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:2], max_new_tokens=4, progress=False)
-    thrice = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:2], max_new_tokens=4, progress=False, rounds=3)
-    for key, run in once.items():
-        assert thrice[key].prompts == run.prompts and thrice[key].identical == run.identical
-        assert thrice[key].new_tokens == 3 * run.new_tokens and thrice[key].steps == 3 * run.steps
+    once = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:2], max_new_tokens=4, progress=False, rounds=1)
+    default = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:2], max_new_tokens=4, progress=False)
+    four_rows = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:4], max_new_tokens=4, progress=False,
+                              batch_size=4)  # one batch: three rounds of it
+    for key, run in once.items():  # two one-row batches: two rounds; times and tokens add up, prompts do not
+        assert default[key].steps == 2 * run.steps and default[key].prompts == run.prompts
+        assert default[key].identical == run.identical
+        assert default[key].first_round_tokens == run.new_tokens == default[key].new_tokens / 2
+        assert 0 < default[key].first_round_seconds < default[key].seconds
+    for run in four_rows.values():
+        assert run.new_tokens == 3 * run.first_round_tokens and run.prompts == 4
+    rows = summarize(four_rows)
+    assert all(r["first_round_speedup_vs_ar"] > 0 for r in rows)
+    assert next(r for r in rows if r["method"] == "ar")["first_round_speedup_vs_ar"] == 1.0
 
 
 def test_oracle_reaches_the_requested_tau_and_reports_an_efficiency(tmp_path, monkeypatch):
