@@ -1,0 +1,60 @@
+"""Our loop's own cost on plain decode steps: plain `generate` against our loop with speculation switched off (every
+step the anchors alone, no drafter forward), the same rows held to the same length by `min_new_tokens`.
+
+    python examples/plain_step_overhead.py --rows 16 --tokens 48 [--profile]
+
+Prints the median time of each over 8 interleaved pairs and the median of the pairs' ratios (ours / plain); with
+`--profile`, the cumulative profile of one call of each, restricted to the loop's and the processors' functions.
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+from hf_diffspec import DiffusionDrafter, load_target
+from hf_diffspec.bench import _encode_batches
+from hf_diffspec.prompts import load_prompts
+from hf_diffspec.runtime.policy import DraftLengthPolicy
+
+DRAFTER = "checkpoints/smollm2-135m-instruct-dflash"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    target, tok = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+    drafter = DiffusionDrafter.from_pretrained(DRAFTER, target=target, length_head=False, draft_tree_budget=None,
+                                               prompt_lookup_num_tokens=0)
+    DraftLengthPolicy.should_speculate = lambda self, rows, lookup_ngram=0: False  # plain steps only
+    inputs = _encode_batches(tok, load_prompts(n_per_domain=5, tokenizer=tok), args.rows, target.device)[0][1]
+    common = dict(**inputs, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+    runs = {"plain": lambda: target.generate(**common), "ours": lambda: target.generate(**common,
+                                                                                        assistant_model=drafter)}
+    for run in runs.values():  # warm-up
+        run()
+    times = {name: [] for name in runs}
+    for i in range(args.pairs):
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    ratio = statistics.median(o / p for o, p in zip(times["ours"], times["plain"]))
+    print({name: round(statistics.median(t), 3) for name, t in times.items()}, f"ours / plain: {ratio:.3f}")
+    if args.profile:
+        for name, run in runs.items():
+            profile = cProfile.Profile()
+            profile.runcall(run)
+            print(f"--- {name}")
+            pstats.Stats(profile).sort_stats("cumulative").print_stats("hf_diffspec|logits_process|stopping", 15)
+
+
+if __name__ == "__main__":
+    main()
