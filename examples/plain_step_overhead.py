@@ -15,12 +15,11 @@ import time
 
 import torch
 
-from hf_diffspec import DiffusionDrafter, load_target
+from hf_diffspec import load_target
 from hf_diffspec.bench import _encode_batches
+from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
 from hf_diffspec.runtime.policy import DraftLengthPolicy
-
-DRAFTER = "checkpoints/smollm2-135m-instruct-dflash"
 
 
 def main() -> None:
@@ -31,8 +30,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     target, tok = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
-    drafter = DiffusionDrafter.from_pretrained(DRAFTER, target=target, length_head=False, draft_tree_budget=None,
-                                               prompt_lookup_num_tokens=0)
+    drafter = load_drafter(None, target, "smollm2-135m-instruct", length_head=False, draft_tree_budget=None,
+                           prompt_lookup_num_tokens=None)  # the shipped drafter; it never drafts here
     DraftLengthPolicy.should_speculate = lambda self, rows, lookup_ngram=0: False  # plain steps only
     inputs = _encode_batches(tok, load_prompts(n_per_domain=5, tokenizer=tok), args.rows, target.device)[0][1]
     common = dict(**inputs, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)

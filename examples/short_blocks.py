@@ -10,16 +10,15 @@ import sys
 
 import torch
 
-from hf_diffspec import DiffusionDrafter, load_target
+from hf_diffspec import load_target
 from hf_diffspec.bench import Method, run_benchmark, summarize
+from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
-
-DRAFTER = "checkpoints/smollm2-135m-instruct-dflash"
 
 
 def chain_drafter(target, block_size: int):
-    drafter = DiffusionDrafter.from_pretrained(DRAFTER, target=target, length_head=False, draft_tree_budget=None,
-                                               prompt_lookup_num_tokens=0)
+    drafter = load_drafter(None, target, "smollm2-135m-instruct", length_head=False, draft_tree_budget=None,
+                           prompt_lookup_num_tokens=None)  # the shipped drafter, drafting chains
     drafter.config.block_size = block_size
     return drafter
 

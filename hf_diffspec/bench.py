@@ -563,6 +563,10 @@ class MethodRun:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def first_round_tokens_per_s(self) -> float:
+        return self.first_round_tokens / self.first_round_seconds if self.first_round_seconds else 0.0
+
+    @property
     def tau(self) -> float:
         return self.committed / self.steps if self.steps else 1.0
 
@@ -714,18 +718,16 @@ def summarize(results: dict[tuple[str, int, str], MethodRun]) -> list[dict]:
                 def pick(name):
                     return [r for (m, b, d), r in results.items()
                             if m == name and b == batch and (domain == "all" or d == domain) and not r.skipped]
-                picked, base = pick(method), pick("ar")
-                total = MethodRun(**{f: sum(getattr(r, f) for r in picked) for f in _TOTALS})
-                ar_rate = sum(r.new_tokens for r in base) / max(sum(r.seconds for r in base), 1e-9)
-                ar_first = (sum(r.first_round_tokens for r in base)
-                            / max(sum(r.first_round_seconds for r in base), 1e-9))
-                first = total.first_round_tokens / max(total.first_round_seconds, 1e-9)
+                total, ar = (MethodRun(**{f: sum(getattr(r, f) for r in runs) for f in _TOTALS})
+                             for runs in (pick(method), pick("ar")))
+                ar_rate, ar_first = ar.tokens_per_s, ar.first_round_tokens_per_s
                 rows.append({
                     "method": method, "batch_size": batch, "domain": domain,
                     "prompts": total.prompts, "tau": round(total.tau, 3),
                     "tokens_per_s": round(total.tokens_per_s, 2),
                     "speedup_vs_ar": round(total.tokens_per_s / ar_rate, 3) if ar_rate else None,
-                    "first_round_speedup_vs_ar": round(first / ar_first, 3) if ar_first else None,
+                    "first_round_speedup_vs_ar": (round(total.first_round_tokens_per_s / ar_first, 3)
+                                                  if ar_first else None),
                     "identical_to_ar": total.identical == total.prompts,
                     "identical_fraction": round(total.identical / max(total.prompts, 1), 3),
                     "nodes_per_step": round(total.verified / total.steps, 2) if total.steps else 1.0,
