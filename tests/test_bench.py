@@ -13,7 +13,7 @@ import torch
 from transformers import BatchEncoding
 
 from hf_diffspec.bench import (
-    PEER_METHODS, Method, machine_description, machine_markdown, markdown_table, oracle_acceptance,
+    PEER_METHODS, MaskVectorRow, Method, machine_description, machine_markdown, markdown_table, oracle_acceptance,
     oracle_efficiency, oracle_markdown_table, oracle_methods, peer_methods, run_benchmark, summarize,
 )
 from hf_diffspec.machine import ISA_FLAGS
@@ -33,6 +33,9 @@ class CharTokenizer:
     padding_side = "right"
     pad_token_id = 1
 
+    def __len__(self):
+        return 128
+
     def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=False):
         ids = [[2 + ord(c) % 126 for c in text] for text in texts]
         width = max(len(r) for r in ids)
@@ -45,8 +48,8 @@ class CharTokenizer:
         return BatchEncoding({"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(masks)})
 
 
-def target_for_bench(seed=0):
-    target = tiny_target("qwen3", seed=seed, layers=6)
+def target_for_bench(seed=0, vocab_size=128):
+    target = tiny_target("qwen3", seed=seed, layers=6, vocab_size=vocab_size)
     target.generation_config.pad_token_id = 1  # padded batches
     return target
 
@@ -98,6 +101,33 @@ def test_peers_that_cannot_run_are_skipped_with_the_reason():
     table = markdown_table(rows)
     assert "skipped: " + skipped["hf-dflash"] in table
     json.dumps(rows)  # what --json writes
+
+
+def test_a_drafter_with_its_own_mask_vector_runs_in_the_dflash_peers_from_an_unused_token_row():
+    target = target_for_bench(vocab_size=136)  # rows 128.. lie beyond the tokenizer: the target never reads them
+    drafter = tiny_drafter(target, block_size=4)  # learned its own MASK vector
+    mask_row = MaskVectorRow(target, 128, drafter.mask_embedding)
+    twin = mask_row.drafter(drafter)
+    assert twin.config.mask_token_id == 128 and twin.mask_embedding is None
+    assert drafter.config.mask_token_id is None  # the user's drafter is left as it was
+    ids = torch.tensor([[5, 9, 30, 2, 77]])
+    with torch.no_grad():
+        before = target(ids).logits
+        original = target.get_input_embeddings()
+        with mask_row.applied(target):
+            twin.bind_target(target)
+            assert torch.equal(twin.mask_embeds(2, 3), drafter.mask_embeds(2, 3))  # the drafter's own vector
+            assert torch.equal(target(ids).logits, before)  # the target computes what it did
+        assert target.get_input_embeddings() is original
+        assert not torch.equal(original.weight[128], drafter.mask_embedding)  # its own row is untouched
+
+    peers = peer_methods(["hf-dflash", "zlab"], target, "tiny", drafter, tokenizer=CharTokenizer())
+    rows = summarize(run_benchmark(target, CharTokenizer(), peers, PROMPTS, max_new_tokens=12, progress=False))
+    table = by_method(rows)
+    for name in ["hf-dflash"] + (["zlab"] if importlib.util.find_spec("dflash") is not None else []):
+        assert not table[name].get("skipped"), (name, table[name].get("skipped"))
+        assert table[name]["identical_to_ar"], name
+    assert target.get_input_embeddings() is original
 
 
 def test_a_peer_failing_at_warm_up_is_reported_not_fatal():

@@ -398,7 +398,8 @@ def test_a_drafter_learns_to_embed_mask_as_an_unused_target_token(target_and_dat
     """--mask-token-id auto on --init: the drafter's own MASK embedding is replaced by a target token that the target
     never reads (what DFlash engines load), training adapts it, and transformers' DFlash path can then load it."""
     from hf_diffspec.bench import native_dflash_drafter
-    from hf_diffspec.trainers.pipeline import resolve_mask_token_id, unused_target_token
+    from hf_diffspec.targets import unused_target_token
+    from hf_diffspec.trainers.pipeline import resolve_mask_token_id
 
     target, data = target_and_data
     vocab = target.get_input_embeddings().num_embeddings

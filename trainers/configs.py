@@ -84,7 +84,7 @@ class DrafterTrainingArguments(TrainingArguments):
     mask_token_id: str | None = field(
         default=None,
         metadata={"help": "Embed MASK as this target token (an id, or 'auto': a token the target never reads, see "
-                          "`trainers.pipeline.unused_target_token`) instead of a drafter-owned embedding, so the "
+                          "`hf_diffspec.targets.unused_target_token`) instead of a drafter-owned embedding, so the "
                           "drafter also runs in vLLM, SGLang, z-lab's loop and transformers' DFlash path. With --init "
                           "of a drafter that owns its MASK, that embedding is dropped and training adapts the drafter."},
     )

@@ -23,6 +23,7 @@ from hf_diffspec.hub import save_drafter
 from hf_diffspec.modeling import DiffusionDrafter
 from hf_diffspec.prompts import chat_prompt, eval_prompt_texts, load_prompts, load_prompts_file
 from hf_diffspec.runtime.files import atomic_write, pad_token_id
+from hf_diffspec.targets import unused_target_token
 
 from .block_diffusion import (
     BlockDiffusionCollator,
@@ -80,22 +81,6 @@ def added_modules(drafter: DiffusionDrafter, args: DrafterTrainingArguments) -> 
                 parent.endswith("block_convs") and args.block_conv):  # each convolution (peft wraps modules it calls)
             names.append(name)
     return names
-
-
-def unused_target_token(tokenizer, vocab_size: int) -> int:
-    """A target token that the target never reads, to embed MASK with: the first embedding row beyond the
-    tokenizer's vocabulary (padding rows, where the model has them), else the last special token that neither the
-    tokenizer's special roles (BOS, EOS, PAD, UNK) nor its chat template use."""
-    if len(tokenizer) < vocab_size:
-        return len(tokenizer)
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
-    used = set(tokenizer.all_special_ids)
-    candidates = [i for i, token in tokenizer.added_tokens_decoder.items()
-                  if token.special and i < vocab_size and i not in used and token.content not in template]
-    if not candidates:
-        raise ValueError("the tokenizer has no special token that its roles and chat template leave unused, and no "
-                         "spare embedding rows: pass --mask-token-id ID with a token id the target never reads")
-    return max(candidates)
 
 
 def resolve_mask_token_id(value: str | int | None, tokenizer, vocab_size: int) -> int | None:
