@@ -82,6 +82,35 @@ def test_ragged_acceptance_and_rows_finishing_early(monkeypatch, kind, attn, bra
         assert any(not t.is_chain for t in oracle.trees)
 
 
+def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
+    """Steps without drafts run the logits processors once per group of rows in step (as plain `generate` runs them
+    once per batch), not once per row, and still give each row what it gets alone. The oracle's drafts on every
+    other step leave rows out of step: then the groups split."""
+    from itertools import cycle
+
+    from transformers import RepetitionPenaltyLogitsProcessor
+    from hf_diffspec.runtime.policy import SpeculationGate
+
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = mixed_prompts(11, lengths=(6, 6, 6, 6))  # equal lengths: the rows start in step
+    kwargs = dict(max_new_tokens=12, do_sample=False, repetition_penalty=1.3)
+    alone = rows_alone(target, prompts, **kwargs)
+    oracle = NoisyOracle([torch.tensor(a) for a in alone], vocab_size=128, noise=0.5, seed=3)
+    install_oracle(monkeypatch, oracle)
+    steps = cycle([False, False, True])
+    monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: next(steps))
+    rows_seen = []
+    penalty = RepetitionPenaltyLogitsProcessor.__call__
+    monkeypatch.setattr(RepetitionPenaltyLogitsProcessor, "__call__",
+                        lambda self, ids, scores: rows_seen.append(ids.shape[0]) or penalty(self, ids, scores))
+    out = target.generate(torch.stack(prompts), assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert out.sequences.tolist() == alone
+    assert 4 in rows_seen  # a plain step while all rows were in step: one call for the batch
+    assert any(1 < n < 4 for n in rows_seen), "drafts accepted unevenly should leave groups of rows in step"
+    assert out.speculation_stats.plain_steps > 0 and len(set(out.speculation_stats.committed_per_step)) > 1
+
+
 @pytest.mark.parametrize("variant", ["vp", "resample"])
 def test_d2sd_trees_in_a_batch(monkeypatch, variant):
     target = tiny_target("qwen3", seed=4)

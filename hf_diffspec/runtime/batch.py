@@ -61,10 +61,11 @@ class RowCommitter:
         return int(token)
 
 
-def row_processors(logits_processor, row: int, rows: int):
-    """The processors as row `row` alone sees them, identical to what the row gets inside the batch. Built-in
-    processors keep batch-shaped state in two places in transformers 5.24: the repetition penalty's per-row
-    `prompt_ignore_length` (sliced to the row) and `prefix_allowed_tokens_fn`'s batch id (the row's own index)."""
+def row_processors(logits_processor, selected: list[int], rows: int):
+    """The processors as the rows `selected` (batch indices, in this order) alone see them, identical to what those
+    rows get inside the whole batch of `rows`. Built-in processors keep batch-shaped state in two places in
+    transformers 5.24: the repetition penalty's per-row `prompt_ignore_length` (sliced to the rows) and
+    `prefix_allowed_tokens_fn`'s batch id (mapped back to the row's own index)."""
     if rows == 1:
         return logits_processor
     views = LogitsProcessorList()
@@ -72,13 +73,45 @@ def row_processors(logits_processor, row: int, rows: int):
         ignore = getattr(processor, "prompt_ignore_length", None)
         if isinstance(ignore, torch.Tensor) and ignore.dim() == 1 and ignore.shape[0] == rows:
             processor = copy.copy(processor)
-            processor.prompt_ignore_length = ignore[row : row + 1]
+            processor.prompt_ignore_length = ignore[selected]
         if isinstance(processor, PrefixConstrainedLogitsProcessor):
             allowed = processor._prefix_allowed_tokens_fn
             processor = copy.copy(processor)
-            processor._prefix_allowed_tokens_fn = lambda _, tokens, allowed=allowed: allowed(row, tokens)
+            processor._prefix_allowed_tokens_fn = (
+                lambda batch_id, tokens, allowed=allowed, selected=tuple(selected): allowed(selected[batch_id], tokens))
         views.append(processor)
     return views
+
+
+def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, logits_processor,
+                   stopping_criteria) -> list[int]:
+    """Rows of one length each commit one token from their raw logits (rows, vocab), with one call of the logits
+    processors (`logits_processor`: their views for exactly these rows) and one of the stopping criteria for all of
+    them, as `_sample` makes for its batch. The same as `choose_and_commit` row by row: transformers' processors and
+    criteria act on each row alone, and tokens are still drawn row after row. Returns the tokens."""
+    first = committers[0]
+    raw = raw_logits.to(dtype=torch.float32, copy=True)
+    scores = logits_processor(torch.cat([c.input_ids for c in committers]), raw.clone())
+    if first.config.do_sample:
+        tokens = torch.cat([choose_token(scores[i : i + 1], True) for i in range(len(committers))])
+    else:
+        tokens = choose_token(scores, False)
+    for i, c in enumerate(committers):
+        if c.config.output_scores:
+            c.scores.append(scores[i : i + 1])
+        if c.config.output_logits:
+            c.raw_logits.append(raw[i : i + 1])
+        c.input_ids = torch.cat([c.input_ids, tokens[i : i + 1, None]], dim=-1)
+        if c.streamer is not None:
+            c.streamer.put(tokens[i : i + 1].cpu())
+    # criteria get what `_sample` hands them: the scores collected so far when they are returned (one row then:
+    # scores need batch size 1), else None
+    collected = tuple(first.scores) if first.config.return_dict_in_generate and first.config.output_scores else None
+    stopped = stopping_criteria(torch.cat([c.input_ids for c in committers]), collected).tolist()
+    for c, stop in zip(committers, stopped):
+        if c.stopped_at is None and stop:
+            c.stopped_at = c.length
+    return tokens.tolist()
 
 
 class BatchState:
@@ -91,11 +124,14 @@ class BatchState:
         drafting: the candidate generator, whose drafter caches follow the rows.
         pads_stopped_rows: plain generate's `has_eos_stopping_criteria`: stopped rows are padded (and leave the
             batch) rather than generated on.
+        logits_processor: the batch's processors (each committer holds its own row's view); steps without drafts
+            apply them to all rows of one length at once.
     """
 
     def __init__(self, committers: list[RowCommitter], prompt_valid: torch.Tensor, cache, drafting,
-                 pads_stopped_rows: bool):
+                 pads_stopped_rows: bool, logits_processor=None):
         self.committers = committers
+        self.logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor
         self.active = list(range(len(committers)))  # batch index of each row still decoding
         self.anchors: list[int] = []  # each active row's last committed token, not yet seen by the target
         self.cache_valid = prompt_valid  # (active rows, cached slots): which slots each row may attend to
@@ -115,11 +151,30 @@ class BatchState:
     def walk(self, trees, logits: torch.Tensor) -> list[list[int]]:
         """Descend each active row's tree with the target's choices (`logits` (rows, nodes, vocab)), committing every
         chosen token; returns the accepted nodes per row (root first) and sets the next anchors."""
+        if all(len(tree) == 1 for tree in trees):
+            return self._plain_step(logits[:, 0])
         paths = []
         for i, (row, tree) in enumerate(zip(self.active, trees)):
             path, self.anchors[i] = _walk(tree, self.committers[row], logits[i], self._finished)
             paths.append(path)
         return paths
+
+    def _plain_step(self, logits: torch.Tensor) -> list[list[int]]:
+        """`walk` for a step without drafts: each row commits one token, rows of the same length together (at a
+        large batch most steps are plain, and row-by-row processors and criteria cost several ms a step)."""
+        by_length: dict[int, list[int]] = {}
+        for i, row in enumerate(self.active):
+            by_length.setdefault(self.committers[row].length, []).append(i)
+        for group in by_length.values():
+            rows = [self.active[i] for i in group]
+            committers = [self.committers[row] for row in rows]
+            processors = row_processors(self.logits_processor, rows, len(self.committers))
+            tokens = commit_in_step(committers, logits[group], processors, committers[0].stopping_criteria)
+            for i, token in zip(group, tokens):
+                self.anchors[i] = token
+        for row in self.active:
+            self._finished(self.committers[row])  # as `_walk` does after each token: may end the batch's rows
+        return [[0] for _ in self.active]
 
     def commit(self, paths: list[list[int]], hidden_states, num_slots: int) -> None:
         """Keep each row's accepted path in the target's cache, mark its slots valid for that row only, and hand

@@ -160,11 +160,11 @@ def speculative_generate(
     stats = SpeculationStats()
     drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))
     layers = drafter.target_feature_layers  # the target hidden states the drafter reads
-    committers = [RowCommitter(input_ids[r : r + 1], row_processors(logits_processor, r, rows), stopping_criteria,
+    committers = [RowCommitter(input_ids[r : r + 1], row_processors(logits_processor, [r], rows), stopping_criteria,
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows)
+    batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor)
 
     # Prefill: the prompts, then the first token of every row (drafting needs an anchor). Positions as generate
     # derives them from the mask (masked slots at 1), which matters for a prompt that ends in a masked token.
