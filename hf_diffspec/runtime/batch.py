@@ -40,25 +40,7 @@ class RowCommitter:
     def choose_and_commit(self, raw_logits: torch.Tensor, drafts=None) -> int:
         """Pick the target's token from its raw logits (1, vocab) given the committed prefix, commit it, return it.
         `drafts`: [(token, q)] of the children drawn from known distributions, for rejection sampling."""
-        raw = raw_logits.to(dtype=torch.float32, copy=True)
-        scores = self.logits_processor(self.input_ids, raw.clone())
-        if self.config.do_sample and drafts:
-            token = choose_token_among_drafts(scores, drafts)
-        else:
-            token = choose_token(scores, self.config.do_sample)
-        if self.config.output_scores:
-            self.scores.append(scores)
-        if self.config.output_logits:
-            self.raw_logits.append(raw)
-        self.input_ids = torch.cat([self.input_ids, token[:, None]], dim=-1)
-        if self.streamer is not None:
-            self.streamer.put(token.cpu())
-        if self.stopped_at is None:
-            # criteria get what `_sample` hands them: the scores collected so far when they are returned, else None
-            collected = tuple(self.scores) if self.config.return_dict_in_generate and self.config.output_scores else None
-            if bool(self.stopping_criteria(self.input_ids, collected).all()):
-                self.stopped_at = self.length
-        return int(token)
+        return commit_in_step([self], raw_logits, self.logits_processor, self.stopping_criteria, [drafts])[0]
 
 
 def row_processors(logits_processor, selected: list[int], rows: int):
@@ -83,17 +65,21 @@ def row_processors(logits_processor, selected: list[int], rows: int):
     return views
 
 
-def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, logits_processor,
-                   stopping_criteria) -> list[int]:
-    """Rows of one length each commit one token from their raw logits (rows, vocab), with one call of the logits
-    processors (`logits_processor`: their views for exactly these rows) and one of the stopping criteria for all of
-    them, as `_sample` makes for its batch. The same as `choose_and_commit` row by row: transformers' processors and
-    criteria act on each row alone, and tokens are still drawn row after row. Returns the tokens."""
+def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, logits_processor, stopping_criteria,
+                   drafts: list | None = None) -> list[int]:
+    """Rows of one length each commit one token from their raw logits (rows, vocab), exactly as `_sample` appends a
+    token to its batch: one call of the logits processors (`logits_processor`: their views for exactly these rows)
+    and one of the stopping criteria for all of them. transformers' processors and criteria act on each row alone,
+    so this is also what each row would get by itself; sampled tokens are drawn row after row. `drafts`: per row,
+    the [(token, q)] of the children drawn from known distributions (rejection sampling), or None. Returns the
+    tokens."""
     first = committers[0]
     raw = raw_logits.to(dtype=torch.float32, copy=True)
     scores = logits_processor(torch.cat([c.input_ids for c in committers]), raw.clone())
     if first.config.do_sample:
-        tokens = torch.cat([choose_token(scores[i : i + 1], True) for i in range(len(committers))])
+        drafts = drafts or [None] * len(committers)
+        tokens = torch.cat([choose_token_among_drafts(scores[i : i + 1], drafts[i]) if drafts[i]
+                            else choose_token(scores[i : i + 1], True) for i in range(len(committers))])
     else:
         tokens = choose_token(scores, False)
     for i, c in enumerate(committers):
