@@ -242,16 +242,15 @@ def peer_methods(methods: list[str], target, target_name: str, drafter=None, ass
       built-in `target_name`, see `ASSISTANT_SIBLINGS`) as transformers' assistant model.
     Both DFlash peers embed MASK as a target token. A drafter that learned its own MASK vector runs there with that
     vector in the row of a token the target never reads (`MaskVectorRow`; needs `tokenizer` to find one)."""
-    mask_row, no_row = None, None
+    mask_row = None
     if {"hf-dflash", "zlab"} & set(methods) and drafter is not None and tokenizer is not None \
             and drafter.config.mask_token_id is None and drafter.config.draft_role == "first":
         try:
             mask_row = MaskVectorRow(target, unused_target_token(tokenizer, drafter.config.vocab_size),
                                      drafter.mask_embedding)
             drafter = mask_row.drafter(drafter)
-        except ValueError as error:
-            no_row = (f"this drafter learned its own MASK embedding, and no target token is free to carry it: "
-                      f"{error}")
+        except ValueError:
+            pass  # no token is free to carry the vector: the peers say why they skip (`_target_token_mask_reason`)
     built = {}
     for method in methods:
         if method == "pld":
@@ -268,8 +267,6 @@ def peer_methods(methods: list[str], target, target_name: str, drafter=None, ass
     for method in ("hf-dflash", "zlab"):
         if method in built and mask_row is not None:
             built[method].target_patch = mask_row.applied
-        elif method in built and no_row is not None and "pip install" not in (built[method].skip_reason or ""):
-            built[method] = Method(skip_reason=no_row, peer=True)
     return built
 
 
@@ -312,8 +309,8 @@ def _target_token_mask_reason(drafter, where: str) -> str | None:
     if drafter.config.mask_token_id is None:
         return (f"this drafter learned its own MASK embedding (mask_token_id is None), and {where} embeds MASK as a "
                 "target token (mask_token_id), so these weights cannot run there as they are; a drafter trained "
-                "with a mask_token_id can (or give the benchmark the target's tokenizer: the vector then goes into "
-                "the embedding row of a token the target never reads)")
+                "with a mask_token_id can, and so can this one where the target's tokenizer leaves a token the "
+                "target never reads (the benchmark then carries the vector in that token's embedding row)")
     return None
 
 

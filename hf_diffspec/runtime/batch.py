@@ -74,26 +74,28 @@ def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, log
     the [(token, q)] of the children drawn from known distributions (rejection sampling), or None. Returns the
     tokens."""
     first = committers[0]
+    ids = first.input_ids if len(committers) == 1 else torch.cat([c.input_ids for c in committers])
     raw = raw_logits.to(dtype=torch.float32, copy=True)
-    scores = logits_processor(torch.cat([c.input_ids for c in committers]), raw.clone())
+    scores = logits_processor(ids, raw.clone())
     if first.config.do_sample:
         drafts = drafts or [None] * len(committers)
         tokens = torch.cat([choose_token_among_drafts(scores[i : i + 1], drafts[i]) if drafts[i]
                             else choose_token(scores[i : i + 1], True) for i in range(len(committers))])
     else:
         tokens = choose_token(scores, False)
+    ids = torch.cat([ids, tokens[:, None]], dim=-1)
     for i, c in enumerate(committers):
         if c.config.output_scores:
             c.scores.append(scores[i : i + 1])
         if c.config.output_logits:
             c.raw_logits.append(raw[i : i + 1])
-        c.input_ids = torch.cat([c.input_ids, tokens[i : i + 1, None]], dim=-1)
+        c.input_ids = ids[i : i + 1]
         if c.streamer is not None:
             c.streamer.put(tokens[i : i + 1].cpu())
     # criteria get what `_sample` hands them: the scores collected so far when they are returned (one row then:
     # scores need batch size 1), else None
     collected = tuple(first.scores) if first.config.return_dict_in_generate and first.config.output_scores else None
-    stopped = stopping_criteria(torch.cat([c.input_ids for c in committers]), collected).tolist()
+    stopped = stopping_criteria(ids, collected).tolist()
     for c, stop in zip(committers, stopped):
         if c.stopped_at is None and stop:
             c.stopped_at = c.length
@@ -115,9 +117,9 @@ class BatchState:
     """
 
     def __init__(self, committers: list[RowCommitter], prompt_valid: torch.Tensor, cache, drafting,
-                 pads_stopped_rows: bool, logits_processor=None):
+                 pads_stopped_rows: bool, logits_processor):
         self.committers = committers
-        self.logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor
+        self.logits_processor = logits_processor
         self.active = list(range(len(committers)))  # batch index of each row still decoding
         self.anchors: list[int] = []  # each active row's last committed token, not yet seen by the target
         self.cache_valid = prompt_valid  # (active rows, cached slots): which slots each row may attend to
