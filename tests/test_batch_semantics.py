@@ -168,3 +168,24 @@ def test_b_custom_criterion_stopping_rows_at_different_steps_matches_plain(model
         assert "pad_token_id" not in str(error)
         return
     assert ours.tolist() == plain.tolist()
+
+
+# ----- C --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_c_a_prompt_ending_in_a_masked_token_continues_from_generates_positions(seed):
+    """Right padding, or a prompt that ends in the pad token with no attention mask (transformers then masks it): plain
+    `generate` gives masked slots position 0 and continues from the last prompt position, not from the count of
+    real tokens. Ours must decode what it decodes. (A sharpened LM head makes a wrong position change the tokens.)"""
+    target = tiny_target("qwen3", seed=seed, vocab_size=VOCAB, attn="eager")
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = prompts(2, 6, seed=seed)
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0  # row 0 right-padded; row 1 not
+    kwargs = dict(max_new_tokens=16, do_sample=False)
+    plain = target.generate(ids, attention_mask=mask, **kwargs)
+    assert target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs).tolist() == plain.tolist()
+    pad = int(ids[0, -1])  # no mask: transformers masks the prompt's last token, being the pad token
+    plain = target.generate(ids[:1], pad_token_id=pad, **kwargs)
+    assert target.generate(ids[:1], pad_token_id=pad, assistant_model=drafter, **kwargs).tolist() == plain.tolist()

@@ -126,11 +126,14 @@ class BatchState:
         self.cache = cache
         self.drafting = drafting
         self.pads_stopped_rows = pads_stopped_rows
+        # per active row, added to its count of real cached tokens to give positions: 0, except after a prompt that
+        # ends in a masked slot, where generate continues from that slot's position (0) instead of the count
+        self.position_offset = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
 
     @property
     def root_positions(self) -> list[int]:
-        """Position of each active row's anchor: the number of real tokens it has cached."""
-        return self.cache_valid.sum(-1).tolist()
+        """Position of each active row's anchor: the number of real tokens it has cached (see `position_offset`)."""
+        return (self.cache_valid.sum(-1) + self.position_offset).tolist()
 
     def max_drafts(self) -> list[int]:
         """Drafts each active row could still commit after its anchor's target token, within its length limit."""
@@ -201,6 +204,7 @@ class BatchState:
         self.cache.batch_select_indices(index)
         self.drafting.select_rows(index)
         self.cache_valid = self.cache_valid[index]
+        self.position_offset = self.position_offset[index]
         self.active = [self.active[i] for i in keep]
         self.anchors = [self.anchors[i] for i in keep]
         return True

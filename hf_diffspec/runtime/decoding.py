@@ -167,10 +167,12 @@ def speculative_generate(
     batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor)
 
     # Prefill: the prompts, then the first token of every row (drafting needs an anchor). Positions as generate
-    # derives them from the mask (masked slots at 1), which matters for a prompt that ends in a masked token.
-    positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 1)
+    # derives them from the mask (masked slots at 0), and new tokens continue from the last prompt position, as
+    # generate's do: both matter for a prompt that ends in a masked token (right padding).
+    positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 0)
     out = model(input_ids, attention_mask=attention_mask, position_ids=positions,
                 cache=cache, use_cache=True, output_hidden_states=layers, logits_to_keep=1)
+    batch.position_offset = positions[:, -1] + 1 - valid.sum(-1)
     stats.target_forwards += 1
     drafting.add_context(out.hidden_states, slice(None), positions, valid)
     batch.anchors = [c.choose_and_commit(out.logits[r : r + 1, -1]) for r, c in enumerate(committers)]
