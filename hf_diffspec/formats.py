@@ -184,3 +184,49 @@ def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
     if readme.is_file():
         shutil.copyfile(readme, out / "README.md")
     return out, notes
+
+
+def target_token_mask_reason(drafter, where: str) -> str | None:
+    """Why `drafter`'s weights cannot run in `where`, a loop that embeds MASK as a target token (transformers' DFlash
+    path, z-lab's loop); None: they can."""
+    if drafter.config.draft_role != "first":
+        return f"{where} runs first (DFlash) drafters only; this one is a {drafter.config.draft_role} drafter"
+    if drafter.config.mask_token_id is None:
+        return (f"this drafter learned its own MASK embedding (mask_token_id is None), and {where} embeds MASK as a "
+                "target token (mask_token_id), so these weights cannot run there as they are; a drafter trained "
+                "with a mask_token_id can, and so can this one where the target's tokenizer leaves a token the "
+                "target never reads (the benchmark then carries the vector in that token's embedding row)")
+    return None
+
+
+def native_dflash_drafter(drafter):
+    """`drafter`'s weights as transformers' own DFlash drafter (`MuseGlimmerAssistantModel`): the config fields
+    mapped, `fc` / `hidden_norm` renamed as `NATIVE_RENAMES` reads them, `NOT_IN_DFLASH_ENGINES` tensors left out.
+    Raises ValueError when the weights cannot be expressed there."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    reason = target_token_mask_reason(drafter, "transformers' DFlash path")
+    if reason is not None:
+        raise ValueError(reason)
+    config = drafter.config
+    if config.attention_bias:
+        raise ValueError("transformers' DFlash drafter has no attention biases; this drafter has them")
+    native = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim or config.hidden_size // config.num_attention_heads, hidden_act=config.hidden_act,
+        rms_norm_eps=config.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size,
+        layer_types=["full_attention"] * config.num_hidden_layers, block_size=config.block_size,
+        mask_token_id=config.mask_token_id, target_layer_ids=list(config.target_layer_ids),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    ))
+    ours_to_native = {ours: native_name for native_name, ours in NATIVE_RENAMES.items()}
+    state = {ours_to_native.get(k, k): v for k, v in drafter.state_dict().items()
+             if not k.startswith(NOT_IN_DFLASH_ENGINES)}
+    try:
+        native.load_state_dict(state)
+    except RuntimeError as error:
+        raise ValueError(f"the weights do not fit transformers' DFlash drafter: {error}") from None
+    return native.to(device=drafter.device, dtype=drafter.dtype).eval()

@@ -13,10 +13,10 @@ import torch
 from transformers import BatchEncoding
 
 from hf_diffspec.bench import (
-    PEER_METHODS, MaskVectorRow, Method, machine_description, machine_markdown, markdown_table, oracle_acceptance,
-    oracle_efficiency, oracle_markdown_table, oracle_methods, peer_methods, run_benchmark, summarize,
+    PEER_METHODS, MaskVectorRow, Method, markdown_table, oracle_acceptance, oracle_efficiency, oracle_markdown_table,
+    oracle_methods, peer_methods, run_benchmark, summarize,
 )
-from hf_diffspec.machine import ISA_FLAGS
+from hf_diffspec.machine import ISA_FLAGS, machine_description, machine_markdown
 from hf_diffspec.runtime.cost_model import VerifyCost, save_profile
 from helpers import tiny_drafter, tiny_target
 
@@ -161,7 +161,7 @@ def test_by_default_every_method_gets_three_timed_calls_per_batch_size_and_its_f
     four_rows = run_benchmark(target, CharTokenizer(), methods, PROMPTS[:4], max_new_tokens=4, progress=False,
                               batch_size=4)  # one batch: three rounds of it
     for key, run in once.items():  # two one-row batches: two rounds; times and tokens add up, prompts do not
-        assert default[key].steps == 2 * run.steps and default[key].prompts == run.prompts
+        assert default[key].counts.steps == 2 * run.counts.steps and default[key].prompts == run.prompts
         assert default[key].identical == run.identical
         assert default[key].first_round_tokens == run.new_tokens == default[key].new_tokens / 2
         assert 0 < default[key].first_round_seconds < default[key].seconds

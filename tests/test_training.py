@@ -397,7 +397,7 @@ def test_dflash_2_parts_are_added_to_a_dflash_drafter_and_trained(target_and_dat
 def test_a_drafter_learns_to_embed_mask_as_an_unused_target_token(target_and_data, tokenizer, tmp_path):
     """--mask-token-id auto on --init: the drafter's own MASK embedding is replaced by a target token that the target
     never reads (what DFlash engines load), training adapts it, and transformers' DFlash path can then load it."""
-    from hf_diffspec.bench import native_dflash_drafter
+    from hf_diffspec.formats import native_dflash_drafter
     from hf_diffspec.targets import unused_target_token
     from hf_diffspec.trainers.pipeline import resolve_mask_token_id
 
