@@ -1,29 +1,62 @@
 """Command line: `hf-diffspec demo | bench | profile | data | train | push | convert | export`."""
 
 import argparse
-import json
 import logging
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Literal
 
 import torch
 
-from .bench import PEER_METHODS, SPECULATIVE_METHODS
+from .bench import PEER_METHODS, PROMPT_LOOKUP_TOKENS, SPECULATIVE_METHODS
 from .machine import fast_bf16
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+DRAFTER_HELP = "checkpoint dir, or 'random' (default: the shipped drafter)"
 
-log = logging.getLogger("hf_diffspec")
+
+def target_options(dtype: str = "bf16") -> argparse.ArgumentParser:
+    """--target, --dtype (default `dtype`) and --device: the options of every subcommand that loads a target, as
+    `add_parser(..., parents=[target_options()])`."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--target", default=DEFAULT_TARGET, help="built-in target name, model folder or Hub id")
+    options.add_argument("--dtype", default=dtype, choices=["auto", *sorted(DTYPES)],
+                         help="target dtype (auto: bf16 where it is native, else fp32)")
+    options.add_argument("--device", default=None, help="device of the target, e.g. cuda (default: cpu)")
+    return options
+
+
+def target_dtype(args) -> torch.dtype:
+    """`--dtype` as a torch dtype; auto: bf16 where it is native on `--device`, else fp32."""
+    if args.dtype == "auto":
+        return torch.bfloat16 if fast_bf16(args.device) else torch.float32
+    return DTYPES[args.dtype]
+
+
+def load_target_of(args):
+    """(model, tokenizer) of `--target` in `--dtype` on `--device`."""
+    from . import load_target
+
+    return load_target(args.target, dtype=target_dtype(args), device=args.device)
+
+
+def comma_separated(text: str, kind=str, error: str | None = None) -> list:
+    """The items of a comma-separated option, as `kind`. `error`: what the option takes, the message to exit with
+    when an item is not a `kind` or there is none."""
+    try:
+        values = [kind(item.strip()) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values and error:
+        raise SystemExit(f"{error}, got {text!r}")
+    return values
 
 
 def cmd_demo(args) -> None:
-    from . import load_target
     from .demo import run_demo
     from .drafters import load_drafter
 
-    target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
+    target, tok = load_target_of(args)
     try:
         drafter = load_drafter(args.drafter, target, args.target)
     except FileNotFoundError as error:
@@ -32,30 +65,26 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from . import load_target
     from .bench import (
-        build_method_drafters, machine_description, machine_markdown, markdown_table, oracle_efficiency,
-        oracle_markdown_table, oracle_methods, plot, run_benchmark, summarize, write_json,
+        build_method_drafters, markdown_table, oracle_efficiency, oracle_markdown_table, oracle_methods, plot,
+        run_benchmark, summarize, write_json,
     )
     from .drafters import shipped_drafter
+    from .machine import machine_description, machine_markdown
     from .prompts import load_prompts, load_prompts_file
     from .runtime.cost_model import VerifyCost, measure_verify_cost
 
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    except ValueError:
-        raise SystemExit(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
-    try:
-        taus = [float(t) for t in args.oracle_taus.split(",") if t.strip()] if args.oracle_taus else []
-    except ValueError:
-        raise SystemExit(f"--oracle-taus takes comma-separated numbers, got {args.oracle_taus!r}") from None
+    batch_sizes = comma_separated(args.batch_sizes, int, "--batch-sizes takes comma-separated integers")
+    taus = []
+    if args.oracle_taus:
+        taus = comma_separated(args.oracle_taus, float, "--oracle-taus takes comma-separated numbers")
     if args.rounds is not None and args.rounds < 1:
         raise SystemExit(f"--rounds takes a positive number of rounds, got {args.rounds}")
     torch.manual_seed(args.seed)
-    target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    target, tok = load_target_of(args)
     machine = machine_description(target)
     print(machine_markdown(machine) + "\n")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() != "ar"]
+    methods = [m for m in comma_separated(args.methods) if m != "ar"]
     try:
         if taus:
             drafters = oracle_methods(target, taus, drafts=args.oracle_drafts, seed=args.seed)
@@ -70,8 +99,7 @@ def cmd_bench(args) -> None:
     if args.prompts_file:
         prompts = load_prompts_file(args.prompts_file, tokenizer=tok)
     else:
-        domains = [d.strip() for d in args.domains.split(",") if d.strip()]
-        prompts = load_prompts(domains, n_per_domain=args.prompts, tokenizer=tok)
+        prompts = load_prompts(comma_separated(args.domains), n_per_domain=args.prompts, tokenizer=tok)
     rows = []
     for batch_size in batch_sizes:
         results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens, batch_size=batch_size,
@@ -103,33 +131,21 @@ def cmd_data(args) -> None:
     from . import load_target
     from .trainers.data import write_generated_data, write_relabel_data
 
-    dtype = DTYPES[args.dtype]
     if args.data_command == "relabel":
         if args.source != "sharegpt":
             raise SystemExit("data relabel reads ShareGPT (--source sharegpt); prompt files are for data generate")
-        _, tok = load_target(args.target, dtype=dtype)
+        _, tok = load_target(args.target, dtype=target_dtype(args))  # its tokenizer only: --device is not used
         n = write_relabel_data(tok, args.target, args.out, args.num_samples, max_length=args.max_length,
                                seed=args.seed, skip=args.skip)
     else:
         from .prompts import load_prompts_file
 
-        target, tok = load_target(args.target, dtype=dtype, device=args.device)
+        target, tok = load_target_of(args)
         prompts = None if args.source == "sharegpt" else load_prompts_file(args.source)
         n = write_generated_data(target, tok, args.target, args.out, args.num_samples,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                                  skip=args.skip, prompts=prompts)
     print(f"{n} samples in {args.out}")
-
-
-@dataclass
-class TargetArguments:
-    """The target a `hf-diffspec train` command loads (the training configuration is its own dataclass)."""
-
-    target: str = field(default=DEFAULT_TARGET, metadata={"help": "Built-in target name, model folder or Hub id."})
-    dtype: Literal["auto", "bf16", "bfloat16", "fp32", "float32"] = field(
-        default="auto", metadata={"help": "Target dtype (auto: bf16 where it is native, else fp32)."}
-    )
-    device: str | None = field(default=None, metadata={"help": "Device of the target, e.g. cuda (default: cpu)."})
 
 
 @dataclass
@@ -150,15 +166,13 @@ class OnPolicyPromptArguments:
 
 
 def cmd_train(args) -> None:
-    from . import load_target
     from .trainers.pipeline import on_policy_prompts, run_opd, train_drafter
 
     try:
         config = args.config_class(**{f.name: getattr(args, f.name) for f in fields(args.config_class) if f.init})
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if fast_bf16(args.device) else torch.float32)
-    target, tok = load_target(args.target, dtype=dtype, device=args.device)
+    target, tok = load_target_of(args)
     command = "hf-diffspec " + " ".join(sys.argv[1:])
     if args.train_command == "opd":
         prompts = on_policy_prompts(args.prompts_file, seed=config.seed, skip=args.skip)
@@ -222,11 +236,10 @@ def cmd_export(args) -> None:
 
 
 def cmd_profile(args) -> None:
-    from . import load_target
     from .runtime.cost_model import PROFILE_SIZES, measure_verify_cost, save_profile
 
-    target, _ = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = comma_separated(args.batch_sizes, int, "--batch-sizes takes comma-separated integers")
+    target, _ = load_target_of(args)
     costs = measure_verify_cost(target, batches=batches, context_length=args.context_length, repeats=args.repeats)
     path = save_profile(target, costs)
     print("ms per target forward, rows x tokens per row (cached context of "
@@ -256,25 +269,25 @@ def build_parser() -> argparse.ArgumentParser:
     }
     parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    loads_target, trains_on_target = target_options(), target_options(dtype="auto")
 
-    demo = sub.add_parser("demo", help="plain vs speculative generate on one prompt, default target and drafter")
-    demo.add_argument("--target", default=DEFAULT_TARGET)
-    demo.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
+    demo = sub.add_parser("demo", parents=[loads_target],
+                          help="plain vs speculative generate on one prompt, default target and drafter")
+    demo.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     demo.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--runs", type=int, default=3,
                       help="timed runs of each (after a warm-up), interleaved; the medians are reported")
-    demo.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="tau, tokens/s and speedup per method and domain")
-    bench.add_argument("--target", default=DEFAULT_TARGET)
-    bench.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
+    bench = sub.add_parser("bench", parents=[loads_target], help="tau, tokens/s and speedup per method and domain")
+    bench.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     bench.add_argument("--methods", default="ar,dflash",
                        help=f"ar and any of {', '.join(SPECULATIVE_METHODS)}; peers: {', '.join(PEER_METHODS)}")
     bench.add_argument("--assistant-model", default=None,
                        help="ar-assistant: the smaller model (name or path; default: the target's built-in sibling)")
-    bench.add_argument("--pld-tokens", type=int, default=10, help="pld and tree-lookup: prompt-lookup drafts per step (prompt_lookup_num_tokens)")
+    bench.add_argument("--pld-tokens", type=int, default=PROMPT_LOOKUP_TOKENS,
+                       help="pld and tree-lookup: prompt-lookup drafts per step (prompt_lookup_num_tokens)")
     bench.add_argument("--oracle-taus", default=None,
                        help="loop efficiency instead of --methods: an oracle drafter at these tau, e.g. 2,4,8")
     bench.add_argument("--oracle-drafts", type=int, default=None,
@@ -294,8 +307,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "3 timed calls per method and batch size; at 16-64 rows a few prompts make one batch)")
     bench.add_argument("--dflash-length", type=int, default=None,
                        help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
-    bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    bench.add_argument("--device", default=None, help="device of the target, e.g. cuda (default: cpu)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="write results as JSON here")
     bench.add_argument("--plot", default=None,
@@ -306,15 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True)
     for name, helptext in [("relabel", "real ShareGPT exchanges; the target labels them at training time"),
                            ("generate", "the target's own greedy answers to ShareGPT prompts")]:
-        p = data_sub.add_parser(name, help=helptext)
-        p.add_argument("--target", default=DEFAULT_TARGET)
+        p = data_sub.add_parser(name, parents=[loads_target], help=helptext)
         p.add_argument("--source", default="sharegpt", help="'sharegpt', or (generate) a JSONL prompts file")
         p.add_argument("--out", required=True)
         p.add_argument("--num-samples", type=int, required=True)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the seeded order")
-        p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-        p.add_argument("--device", default=None)
         p.set_defaults(func=cmd_data)
         if name == "relabel":
             p.add_argument("--max-length", type=int, default=1024)
@@ -326,15 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     train_sub = train.add_subparsers(dest="train_command", required=True, parser_class=HfArgumentParser)
     for kind, (config_class, helptext) in train_commands.items():
         inputs = OnPolicyPromptArguments if kind == "opd" else TrainDataArguments
-        trainp = train_sub.add_parser(kind, help=helptext, description=config_class.__doc__,
-                                      dataclass_types=[TargetArguments, inputs, config_class])
+        trainp = train_sub.add_parser(kind, parents=[trains_on_target], help=helptext,
+                                      description=config_class.__doc__, dataclass_types=[inputs, config_class])
         trainp.set_defaults(func=cmd_train, config_class=config_class)
 
-    profile = sub.add_parser("profile",
+    profile = sub.add_parser("profile", parents=[loads_target],
                              help="measure the target's verify cost T(rows, n) once; used to size drafts and trees")
-    profile.add_argument("--target", default=DEFAULT_TARGET)
-    profile.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    profile.add_argument("--device", default=None)
     profile.add_argument("--context-length", type=int, default=256)
     profile.add_argument("--repeats", type=int, default=5)
     profile.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows per forward to measure")

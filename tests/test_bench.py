@@ -270,6 +270,40 @@ def test_bench_cli_prints_the_machine_first_and_reports_peers(tiny_cli, tmp_path
     assert {"isa_flags", "native_bf16", "avx512", "amx", "dtype", "verify_cost_curve"} <= set(payload["machine"])
 
 
+#: what `hf-diffspec bench --json` writes, pinned: the sections, a result row's keys in order (a skipped method's
+#: row has only `SKIPPED_ROW`), the machine record, the config (the command's options) and an oracle row
+JSON_SECTIONS = ["results", "machine", "config"]
+RESULT_ROW = ["method", "batch_size", "domain", "prompts", "tau", "tokens_per_s", "speedup_vs_ar",
+              "first_round_speedup_vs_ar", "identical_to_ar", "identical_fraction", "nodes_per_step",
+              "slots_per_forward", "new_tokens", "seconds", "prefill_seconds"]
+SKIPPED_ROW = ["method", "batch_size", "domain", "skipped"]
+MACHINE = ["cpu", "cpu_count", "isa_flags", "avx512", "native_bf16", "amx", "gpu", "device", "torch_threads", "python",
+           "torch", "transformers", "platform", "target_device", "dtype", "verify_cost_curve"]
+CONFIG = {"command", "target", "drafter", "methods", "assistant_model", "pld_tokens", "oracle_taus", "oracle_drafts",
+          "vp_drafter", "branches", "tree_budget", "tree_depth", "branch_length", "domains", "prompts", "prompts_file",
+          "max_new_tokens", "batch_sizes", "rounds", "dflash_length", "dtype", "device", "seed", "json", "plot"}
+ORACLE_ROW = ["oracle_tau", "drafts_per_step", "acceptance", "batch_size", "achieved_tau", "verified_per_step",
+              "tokens_per_s", "speedup_vs_ar", "decode_speedup_vs_ar", "predicted_speedup", "efficiency",
+              "identical_to_ar"]
+
+
+def test_bench_json_keeps_its_schema(tiny_cli, tmp_path):
+    from hf_diffspec.cli import main
+
+    save_profile(tiny_cli, {1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0}})
+    out = tmp_path / "bench.json"
+    main(["bench", "--target", "tiny", "--drafter", "random", "--methods", "ar,dflash,pld", "--max-new-tokens", "4",
+          "--batch-sizes", "1,2", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert list(payload) == JSON_SECTIONS
+    assert [r["domain"] for r in payload["results"] if r["method"] == "dflash"] == ["code", "chat", "all", "all"]
+    assert {tuple(r) for r in payload["results"]} == {tuple(RESULT_ROW), tuple(SKIPPED_ROW)}  # pld at batch 2
+    assert list(payload["machine"]) == MACHINE
+    curve = payload["machine"]["verify_cost_curve"]
+    assert list(curve) == ["ms_one_token", "ratio", "profile"] and list(curve["ratio"]) == ["1", "2", "4", "8", "16"]
+    assert set(payload["config"]) == CONFIG and payload["config"]["command"] == "bench"
+
+
 def test_bench_cli_oracle_mode(tiny_cli, tmp_path, capsys):
     from hf_diffspec.cli import main
 
@@ -277,7 +311,10 @@ def test_bench_cli_oracle_mode(tiny_cli, tmp_path, capsys):
     out = tmp_path / "oracle.json"
     main(["bench", "--target", "tiny", "--oracle-taus", "2", "--max-new-tokens", "12", "--json", str(out)])
     assert "| oracle tau |" in capsys.readouterr().out
-    oracle = json.loads(out.read_text())["oracle"]
+    payload = json.loads(out.read_text())
+    assert list(payload) == [*JSON_SECTIONS, "oracle"] and set(payload["config"]) == CONFIG
+    oracle = payload["oracle"]
+    assert [list(r) for r in oracle] == [ORACLE_ROW]
     assert [r["oracle_tau"] for r in oracle] == [2.0] and oracle[0]["efficiency"] is not None
     with pytest.raises(SystemExit, match="oracle-taus"):
         main(["bench", "--target", "tiny", "--oracle-taus", "two"])
