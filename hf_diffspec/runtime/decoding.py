@@ -49,9 +49,9 @@ class SpeculationStats:
     """What one speculative `generate` call did. `tau` is tokens committed per row per target forward (bonus
     included); `committed_per_step` has one entry per row and step. `drafted_tokens` counts every candidate after the
     anchors, `lookup_tokens` those copied by prompt lookup (some may coincide with the drafter's). `verified_tokens`
-    counts real tree nodes,
-    `verified_slots` the rectangle the target computed (rows x longest tree, padding included). `plain_steps`: steps
-    the policy decoded without drafting (speculation did not pay there)."""
+    counts real tree nodes, `verified_slots` the rectangle the target computed (rows x longest tree, padding
+    included). `plain_steps`: steps without a drafter forward, where the gates measured that it did not pay (plain,
+    or lookup drafts alone)."""
 
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -196,9 +196,9 @@ def speculative_generate(
     stats.prefill_time_s = time.perf_counter() - start_time
 
     policy, gates = drafting.policy, drafting.policy.gates
-    # copied tokens carry no draft distribution for rejection sampling: greedy decoding only
-    lookup = PromptLookup(0 if generation_config.do_sample else prompt_lookup_tokens or 0,
-                          generation_config.max_matching_ngram_size or 3)
+    # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
+    lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
+    lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions
         step_start = time.perf_counter()
