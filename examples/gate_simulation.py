@@ -10,7 +10,7 @@ throughput relative to always decoding plainly (3000 tokens, mean over 20 seeds)
 
 import random
 
-from hf_diffspec.runtime.policy import SpeculationGate
+from hf_diffspec.runtime.gates import SpeculationGate
 
 ACCEPTED, PROBABILITIES = [1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1]
 

@@ -23,7 +23,7 @@ from hf_diffspec import load_target
 from hf_diffspec.bench import _encode_batches
 from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime.policy import DraftLengthPolicy
+from hf_diffspec.runtime.gates import SpeculationGates, StepKind
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     target, tok = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
     drafter = load_drafter(None, target, "smollm2-135m-instruct", length_head=False, draft_tree_budget=None,
                            prompt_lookup_num_tokens=None)  # the shipped drafter; it never drafts here
-    DraftLengthPolicy.should_speculate = lambda self, rows, lookup_ngram=0: False  # plain steps only
+    SpeculationGates.decide = lambda self, rows, lookup_ngram=0: StepKind.PLAIN  # plain steps only
     inputs = _encode_batches(tok, load_prompts(n_per_domain=5, tokenizer=tok), args.rows, target.device)[0][1]
     common = dict(**inputs, max_new_tokens=args.tokens, do_sample=False)
     if args.hold == "eos":

@@ -16,7 +16,7 @@ import torch
 from hf_diffspec import load_target
 from hf_diffspec.bench import Method, _encode_batches, _generate, build_method_drafters
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime.policy import DraftLengthPolicy
+from hf_diffspec.runtime.gates import SpeculationGates, StepKind
 
 
 def main() -> None:
@@ -32,14 +32,14 @@ def main() -> None:
     prompts = load_prompts(n_per_domain=args.prompts, tokenizer=tokenizer)
     inputs = _encode_batches(tokenizer, prompts, args.rows, target.device)[0][1]
 
-    steps = []  # (kind, seconds, tokens committed) of every loop step of the method's call
-    record_step = DraftLengthPolicy.record_step
+    steps = []  # the StepRecord of every loop step of the method's call
+    record = SpeculationGates.record
 
-    def recording(self, speculated, rows, committed, seconds, *rest, lookups_alone=False, **kwargs):
-        steps.append(("drafter" if speculated else "lookup alone" if lookups_alone else "plain", seconds, committed))
-        return record_step(self, speculated, rows, committed, seconds, *rest, lookups_alone=lookups_alone, **kwargs)
+    def recording(self, step):
+        steps.append(step)
+        return record(self, step)
 
-    DraftLengthPolicy.record_step = recording
+    SpeculationGates.record = recording
     for runner in (Method(), method):
         _generate(target, runner, inputs, 8)
     totals = {"ar": 0.0, args.method: 0.0}
@@ -51,11 +51,11 @@ def main() -> None:
             totals[name] += time.perf_counter() - start
         print(f"repetition {rep}: {args.method} against ar over the repetitions so far: "
               f"{totals['ar'] / totals[args.method]:.3f}x")
-        for kind in ("drafter", "lookup alone", "plain"):
-            chosen = [(s, c) for k, s, c in steps if k == kind]
+        for kind in StepKind:
+            chosen = [(step.seconds, step.committed) for step in steps if step.kind is kind]
             if chosen:
                 seconds, tokens = sum(s for s, _ in chosen), sum(c for _, c in chosen)
-                print(f"  {kind:12s} steps {len(chosen):4d}  {1000 * seconds / len(chosen):6.1f} ms/step  "
+                print(f"  {kind.value:12s} steps {len(chosen):4d}  {1000 * seconds / len(chosen):6.1f} ms/step  "
                       f"{tokens / len(chosen):5.2f} tokens/step  {tokens / seconds:6.1f} tokens/s")
 
 

@@ -31,7 +31,7 @@ def speculate_every_step(request, monkeypatch):
     measured automatically either; tests that need one save it."""
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
     if request.node.get_closest_marker("speculation_gate") is None:
-        from hf_diffspec.runtime.policy import SpeculationGate
+        from hf_diffspec.runtime.gates import SpeculationGate
 
         monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: True)
 

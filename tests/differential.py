@@ -237,7 +237,7 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
             save_profile(target, {rows: {n: base + per_slot * n * rows for n in (1, 2, 4, 8, 16)}
                                   for rows in (1, 2, 4, 8)})
         try:
-            from hf_diffspec.runtime.policy import SpeculationGate
+            from hf_diffspec.runtime.gates import SpeculationGate
         except ImportError:  # a runtime without a gate speculates at every step
             SpeculationGate = None
         if SpeculationGate is not None:

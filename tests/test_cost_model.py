@@ -138,7 +138,7 @@ def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
 
 @pytest.mark.speculation_gate
 def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
-    from hf_diffspec.runtime.policy import SpeculationGate
+    from hf_diffspec.runtime.gates import SpeculationGate
 
     def simulate(gate, steps, spec_tokens, spec_seconds, plain_seconds=0.25):
         """Decode `steps` steps (speculative ones commit `spec_tokens`); returns (choices, seconds, tokens)."""
@@ -201,7 +201,7 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
 
 @pytest.mark.speculation_gate
 def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
-    from hf_diffspec.runtime.policy import SpeculationGate
+    from hf_diffspec.runtime.gates import SpeculationGate
 
     gate = SpeculationGate()
     assert gate.should_speculate(4)
@@ -222,7 +222,7 @@ def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
 def test_gate_probes_plain_decoding_while_speculation_wins():
     """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
     good: while speculation wins, plain steps are probed too, within the same budget."""
-    from hf_diffspec.runtime.policy import SpeculationGate
+    from hf_diffspec.runtime.gates import SpeculationGate
 
     gate, seconds, tokens, plain_steps = SpeculationGate(probe_budget=0.02), 0.0, 0, 0
     for step in range(3000):
@@ -250,17 +250,19 @@ def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
     """What one call measured (speculation loses here) is where the next call starts, so it does not pay for the
     probes again; another target, thread count or method starts afresh."""
     from hf_diffspec.runtime.drafting import candidate_generator_for
+    from hf_diffspec.runtime.gates import AlwaysSpeculate
 
     target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, block_size=4)
-    gate = candidate_generator_for(drafter, target).policy.gate
-    assert candidate_generator_for(drafter, target).policy.gate is gate
-    assert candidate_generator_for(drafter, other).policy.gate is not gate
-    assert candidate_generator_for(drafter, target, num_draft_tokens=2).policy.gate is None  # fixed: no gate
+    gates = candidate_generator_for(drafter, target).policy.gates
+    assert candidate_generator_for(drafter, target).policy.gates is gates
+    assert candidate_generator_for(drafter, other).policy.gates is not gates
+    assert isinstance(candidate_generator_for(drafter, target, num_draft_tokens=2).policy.gates,
+                      AlwaysSpeculate)  # fixed: no measured gates
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        assert candidate_generator_for(drafter, target).policy.gate is not gate
+        assert candidate_generator_for(drafter, target).policy.gates is not gates
     finally:
         torch.set_num_threads(threads)
 
@@ -272,7 +274,7 @@ def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, see
     context catches up on the tokens committed by plain steps."""
     import random
 
-    from hf_diffspec.runtime.policy import SpeculationGate
+    from hf_diffspec.runtime.gates import SpeculationGate
 
     rng = random.Random(seed)
     monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: rng.random() < 0.5)

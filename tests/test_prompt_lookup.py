@@ -4,6 +4,7 @@ losslessness with them (grafted onto drafter trees and chains, and verified alon
 import pytest
 import torch
 
+from hf_diffspec.runtime.gates import AlwaysSpeculate, SpeculationGates, StepKind, StepRecord
 from hf_diffspec.runtime.lookup import PromptLookup, graft
 from hf_diffspec.runtime.policy import DraftLengthPolicy
 from hf_diffspec.runtime.tree import CandidateTree
@@ -73,7 +74,8 @@ def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tr
 
 def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkeypatch):
     """Where the gate finds lookup drafts alone faster, those steps verify them without a drafter forward."""
-    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup_ngram=0: not lookup_ngram)
+    monkeypatch.setattr(SpeculationGates, "decide",
+                        lambda self, rows, lookup_ngram=0: StepKind.LOOKUP if lookup_ngram else StepKind.DRAFT)
     vocab = 24
     target = tiny_target("llama", seed=2, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
@@ -88,8 +90,7 @@ def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkey
 
 def test_steps_without_the_drafter_decode_plainly_where_lookup_drafts_alone_were_measured_to_lose(monkeypatch):
     """Where verifying lookup drafts alone loses to a plain step, a step without the drafter is a plain one."""
-    monkeypatch.setattr(DraftLengthPolicy, "should_speculate", lambda self, rows, lookup_ngram=0: False)
-    monkeypatch.setattr(DraftLengthPolicy, "should_verify_lookups_alone", lambda self, rows, lookup_ngram: False)
+    monkeypatch.setattr(SpeculationGates, "decide", lambda self, rows, lookup_ngram=0: StepKind.PLAIN)
     vocab = 24
     target = tiny_target("llama", seed=2, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
@@ -102,36 +103,42 @@ def test_steps_without_the_drafter_decode_plainly_where_lookup_drafts_alone_were
     assert stats.verified_slots == 2 * (stats.target_forwards - 1)  # one slot per row and step: plain steps
 
 
+def _step(kind, rows, lookup_ngram, committed, seconds, slots=1):
+    return StepRecord(kind, rows, lookup_ngram, committed, seconds, slots, verify_seconds=seconds)
+
+
 @pytest.mark.speculation_gate
 def test_lookup_drafts_alone_are_verified_only_while_they_beat_plain_steps():
     """The cost model sizes lookup drafts from estimates; whether verifying them alone beats a plain step is
     measured, per match length and batch size, with rare probes once it loses."""
-    policy = DraftLengthPolicy(block_size=16)
-    alone = [policy.should_verify_lookups_alone(16, lookup_ngram=1)]  # unmeasured: tried first
-    policy.record_step(False, 16, 18, 0.2, slots=5, verify_seconds=0.2, lookup_ngram=1, lookups_alone=True)
-    alone.append(policy.should_verify_lookups_alone(16, lookup_ngram=1))  # then a plain step
-    policy.record_step(False, 16, 16, 0.1, slots=1, verify_seconds=0.1, lookup_ngram=1, lookups_alone=False)
-    assert alone == [True, False]
+    gates = SpeculationGates()
+    alone = gates.lookups_alone_gate(1)
+    verified = [alone.should_speculate(16)]  # unmeasured: tried first
+    gates.record(_step(StepKind.LOOKUP, 16, 1, 18, 0.2, slots=5))
+    verified.append(alone.should_speculate(16))  # then a plain step
+    gates.record(_step(StepKind.PLAIN, 16, 1, 16, 0.1))
+    assert verified == [True, False]
     decisions = []
     for _ in range(60):  # 90 tokens/s alone against 160 plain: plain, probing lookup drafts now and then
-        verify = policy.should_verify_lookups_alone(16, lookup_ngram=1)
+        verify = alone.should_speculate(16)
         decisions.append(verify)
-        policy.record_step(False, 16, *((18, 0.2) if verify else (16, 0.1)), slots=5 if verify else 1,
-                           verify_seconds=0.1, lookup_ngram=1, lookups_alone=verify)
+        gates.record(_step(StepKind.LOOKUP, 16, 1, 18, 0.2, slots=5) if verify
+                     else _step(StepKind.PLAIN, 16, 1, 16, 0.1))
     assert 1 <= sum(decisions) <= 3
     # 3-token matches start from those measurements (no probe of their own at once), then measure their own:
     # 200 tokens/s alone against 160 plain, so after their first probe they are verified
     three = []
     for _ in range(300):
-        verify = policy.should_verify_lookups_alone(16, lookup_ngram=3)
+        verify = gates.lookups_alone_gate(3).should_speculate(16)
         three.append(verify)
-        policy.record_step(False, 16, *((40, 0.2) if verify else (16, 0.1)), slots=5 if verify else 1,
-                           verify_seconds=0.1, lookup_ngram=3, lookups_alone=verify)
+        gates.record(_step(StepKind.LOOKUP, 16, 3, 40, 0.2, slots=5) if verify
+                     else _step(StepKind.PLAIN, 16, 3, 16, 0.1))
     assert not three[0] and sum(three[-100:]) >= 80
-    # a drafter step records nothing in these gates; a fixed length always verifies what it has
-    policy.record_step(True, 16, 30, 0.3, slots=8, verify_seconds=0.2, lookup_ngram=3)
-    assert (16, True) in policy.lookup_gates[3].steps
-    assert DraftLengthPolicy(block_size=16, fixed=4).should_verify_lookups_alone(16, lookup_ngram=1)
+    # a drafter step is measured by the gate of its match length, not by the lookups-alone one
+    alone_steps = dict(gates.lookups_alone[3].steps)
+    gates.record(_step(StepKind.DRAFT, 16, 3, 30, 0.3, slots=8))
+    assert (16, True) in gates.after_match[3].steps and gates.lookups_alone[3].steps == alone_steps
+    assert AlwaysSpeculate().decide(16, lookup_ngram=1) is StepKind.DRAFT  # a fixed length always drafts
 
 
 def test_sampling_does_not_look_up_and_bad_values_are_refused():
@@ -162,27 +169,26 @@ def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_the
 def test_a_first_step_with_lookup_drafts_starts_from_what_steps_without_them_measured():
     """At a batch size where the drafter was measured to lose, the first steps with lookup drafts do not probe the
     drafter again: they verify the lookup drafts alone; each match length then refines its own measurements."""
-    policy = DraftLengthPolicy(block_size=16)
+    gates = SpeculationGates()
     for _ in range(4):
-        speculate = policy.should_speculate(64)
-        policy.record_step(speculate, 64, *((80, 2.0) if speculate else (64, 1.0)), slots=1, verify_seconds=1.0)
-    assert not policy.should_speculate(64, lookup_ngram=3)
-    policy.record_step(False, 64, 96, 1.1, slots=4, verify_seconds=1.1, lookup_ngram=3)
-    assert not policy.should_speculate(64, lookup_ngram=3)
-    assert policy.lookup_gates[3].steps[(64, False)] != policy.gate.steps[(64, False)]
-    fresh = DraftLengthPolicy(block_size=16)  # nothing measured yet: the drafter is tried first, as always
-    assert fresh.should_speculate(64, lookup_ngram=3)
+        kind = gates.decide(64)
+        gates.record(_step(kind, 64, 0, *((80, 2.0) if kind is StepKind.DRAFT else (64, 1.0))))
+    assert gates.decide(64, lookup_ngram=3) is StepKind.LOOKUP
+    gates.record(_step(StepKind.LOOKUP, 64, 3, 96, 1.1, slots=4))
+    assert gates.decide(64, lookup_ngram=3) is not StepKind.DRAFT
+    assert gates.after_match[3].steps[(64, False)] != gates.drafter.steps[(64, False)]
+    fresh = SpeculationGates()  # nothing measured yet: the drafter is tried first, as always
+    assert fresh.decide(64, lookup_ngram=3) is StepKind.DRAFT
 
 
 @pytest.mark.speculation_gate
 def test_a_new_match_length_starts_from_another_ones_measurements_where_every_step_had_lookup_drafts():
     """At a large batch nearly every step has lookup drafts, so steps without them measure nothing there: a match
     length met for the first time starts from one already measured instead of probing the drafter again."""
-    policy = DraftLengthPolicy(block_size=16)
+    gates = SpeculationGates()
     for _ in range(4):  # 3-token matches: the drafter loses at 16 rows
-        speculate = policy.should_speculate(16, lookup_ngram=3)
-        policy.record_step(speculate, 16, *((20, 2.0) if speculate else (18, 1.0)), slots=2, verify_seconds=1.0,
-                           lookup_ngram=3)
-    assert (16, True) not in policy.gate.steps
-    assert not policy.should_speculate(16, lookup_ngram=2)
-    assert policy.lookup_gates[2].steps[(16, True)] == policy.lookup_gates[3].steps[(16, True)]
+        kind = gates.decide(16, lookup_ngram=3)
+        gates.record(_step(kind, 16, 3, *((20, 2.0) if kind is StepKind.DRAFT else (18, 1.0)), slots=2))
+    assert (16, True) not in gates.drafter.steps
+    assert gates.decide(16, lookup_ngram=2) is not StepKind.DRAFT
+    assert gates.after_match[2].steps[(16, True)] == gates.after_match[3].steps[(16, True)]

@@ -3,7 +3,7 @@
 `BatchState` owns everything that must change together when rows accept different numbers of tokens or finish:
 the per-row committers (tokens, scores, stopping), the rows still decoding, their anchors, the validity of every
 cached slot per row (left padding and slots of drafts another row accepted are invisible to a row), the target's KV
-cache and the drafter's context caches. The loop only calls `walk`, `commit` and `drop_finished`.
+cache and the drafter's context caches. The loop only calls `accept`, `keep_accepted` and `drop_finished`.
 
 Stopping follows plain `generate` exactly (`_sample` in transformers 5.24): when the stopping criteria include an EOS
 criterion, a row that stops is padded with `pad_token_id` until the batch ends; without one, a stopped row goes on
@@ -133,25 +133,32 @@ class BatchState:
     @property
     def root_positions(self) -> list[int]:
         """Position of each active row's anchor: the number of real tokens it has cached (see `position_offset`)."""
-        return (self.cache_valid.sum(-1) + self.position_offset).tolist()
+        return self._root_positions().tolist()
+
+    def _root_positions(self) -> torch.Tensor:
+        return self.cache_valid.sum(-1) + self.position_offset
 
     def max_drafts(self) -> list[int]:
         """Drafts each active row could still commit after its anchor's target token, within its length limit."""
         return [self.committers[r].limit - self.committers[r].length - 1 for r in self.active]
 
-    def walk(self, trees, logits: torch.Tensor) -> list[list[int]]:
+    def histories(self) -> list[torch.Tensor]:
+        """Each active row's committed tokens (1-D), its anchor last."""
+        return [self.committers[row].input_ids[0] for row in self.active]
+
+    def accept(self, trees, logits: torch.Tensor) -> list[list[int]]:
         """Descend each active row's tree with the target's choices (`logits` (rows, nodes, vocab)), committing every
         chosen token; returns the accepted nodes per row (root first) and sets the next anchors."""
         if all(len(tree) == 1 for tree in trees):
             return self._plain_step(logits[:, 0])
         paths = []
         for i, (row, tree) in enumerate(zip(self.active, trees)):
-            path, self.anchors[i] = _walk(tree, self.committers[row], logits[i], self._finished)
+            path, self.anchors[i] = _accept_path(tree, self.committers[row], logits[i], self._finished)
             paths.append(path)
         return paths
 
     def _plain_step(self, logits: torch.Tensor) -> list[list[int]]:
-        """`walk` for a step without drafts: each row commits one token, rows of the same length together (at a
+        """`accept` for a step without drafts: each row commits one token, rows of the same length together (at a
         large batch most steps are plain, and row-by-row processors and criteria cost several ms a step)."""
         by_length: dict[int, list[int]] = {}
         for i, row in enumerate(self.active):
@@ -164,15 +171,15 @@ class BatchState:
             for i, token in zip(group, tokens):
                 self.anchors[i] = token
         for row in self.active:
-            self._finished(self.committers[row])  # as `_walk` does after each token: may end the batch's rows
+            self._finished(self.committers[row])  # as `_accept_path` does after each token: may end the batch's rows
         return [[0] for _ in self.active]
 
-    def commit(self, paths: list[list[int]], hidden_states, num_slots: int) -> None:
+    def keep_accepted(self, paths: list[list[int]], hidden_states, num_slots: int) -> None:
         """Keep each row's accepted path in the target's cache, mark its slots valid for that row only, and hand
         their target features to the drafter."""
         device = self.cache_valid.device
         past = self.cache_valid.shape[1]
-        roots = torch.tensor(self.root_positions, device=device)
+        roots = self._root_positions()
         kept = max(len(p) for p in paths)
         padded = torch.tensor([p + [p[-1]] * (kept - len(p)) for p in paths], device=device)  # (rows, kept)
         keep_accepted_paths(self.cache, past, paths, padded, num_slots)
@@ -224,7 +231,7 @@ class BatchState:
         return out
 
 
-def _walk(tree, committer: RowCommitter, logits: torch.Tensor, finished) -> tuple[list[int], int]:
+def _accept_path(tree, committer: RowCommitter, logits: torch.Tensor, finished) -> tuple[list[int], int]:
     """Descend `tree` with the target's choices (logits (nodes, vocab) of one row), committing each chosen token,
     until the choice is not a child or the row is finished; return the accepted nodes (root first) and the last token
     committed, which is the next anchor."""

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from .files import atomic_write, cache_dir
+from .state import SPECULATION_STATE
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,9 @@ class VerifyCost:
     The profile is measured once, on a short context, without the loop around the forward. What a decoding step
     really costs (a longer context, the loop's own work, other load) is observed at every step: `observe` keeps, per
     batch-size bucket and slot count, the smoothed ratio of observed to profiled seconds, and the cost at n is the
-    profile times that ratio interpolated between the slot counts observed (flat beyond them)."""
+    profile times that ratio interpolated between the slot counts observed (flat beyond them). `for_target` hands
+    every call the same object for a profile file (held in `state.py`): what one call observed, the next starts
+    from."""
 
     def __init__(self, costs: dict[int, dict[int, float]], smoothing: float = 0.1):
         self.costs = costs
@@ -142,8 +145,9 @@ class VerifyCost:
         """The profile for this target/device/dtype/threads: loaded from the cache, measured once (a few seconds)
         when missing, or None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0) and none is cached."""
         path = profile_dir() / f"{profile_key(target)}.json"
-        if path.is_file() and _loaded.get(str(path), (None,))[0] == path.stat().st_mtime_ns:
-            return _loaded[str(path)][1]
+        in_use = SPECULATION_STATE.verify_costs  # one per profile file and mtime: its corrections carry over calls
+        if path.is_file() and in_use.get(str(path), (None,))[0] == path.stat().st_mtime_ns:
+            return in_use[str(path)][1]
         data = json.loads(path.read_text()) if path.is_file() else None
         if data is not None and data.get("format") != PROFILE_FORMAT:
             _warn_once(f"the verify-cost profile {path} comes from an older measurement; it is re-measured.")
@@ -166,7 +170,7 @@ class VerifyCost:
             save_profile(target, costs)
             data = json.loads(path.read_text())
         cost = cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()})
-        _loaded[str(path)] = (path.stat().st_mtime_ns, cost)
+        in_use[str(path)] = (path.stat().st_mtime_ns, cost)
         return cost
 
     def __call__(self, n: int, rows: int = 1) -> float:
@@ -187,17 +191,13 @@ def plausible_costs(costs: dict[int, dict[int, float]], slack: float = 1.5) -> b
     return True
 
 
-_loaded: dict[str, tuple[int, VerifyCost]] = {}  # profiles in use by this process (by file and mtime)
 # what a first run measures before speculating (seconds); `hf-diffspec profile` measures the full grid
 QUICK_PROFILE = dict(sizes=(1, 2, 4, 8, 16), batches=(1, 4, 16), context_length=128, repeats=3)
 
 
-_warned: set[str] = set()
-
-
 def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+    if message not in SPECULATION_STATE.warned:
+        SPECULATION_STATE.warned.add(message)
         logger.warning(message)
 
 

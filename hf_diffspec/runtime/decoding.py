@@ -2,22 +2,25 @@
 target itself picks.
 
     prefill (prompts) ──► first token per row (its anchor) ──► loop:
-        lookup.find(row's tokens)   ──► prompt-lookup drafts per row (free: copied from the row's own text)
-        policy.should_speculate     ──► no: the anchors alone (a plain decode step, no drafter forward), with
-                                        their lookup drafts if the cost model sized any and the policy measured
-                                        that verifying them alone beats a plain step
-        drafting.propose(anchors)   ──► one CandidateTree per row (a chain is a tree with one branch); how many
-                                        drafts: the DraftLengthPolicy (fixed, or the measured cost model); lookup
-                                        drafts are grafted on as one more branch
+        lookup.propose(batch)          ──► prompt-lookup drafts per row (free: copied from the row's own text),
+                                           as many as the policy's cost model says pay
+        gates.decide(rows, match)      ──► the step's kind: DRAFT (the drafter's trees, lookup drafts grafted on
+                                           as one more branch), LOOKUP (lookup drafts alone, no drafter forward)
+                                           or PLAIN (the anchors alone: a plain decode step)
+        drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch); how many
+                                           drafts: the policy (FixedLength, or the measured DraftLengthPolicy)
         target(trees as a rectangle, 4D additive mask, depth positions, cached prefixes)
-        batch.walk(trees, logits)   ──► commit token by token with the target's processed logits
-                                        (logits processors, stopping criteria, streamer)
-        batch.commit(paths, hidden) ──► accepted paths kept in the KV cache; their target features become the
-                                        drafter's new context
-        batch.drop_finished()        ──► finished rows leave the batch and every cache
-        policy.record_step           ──► measured tokens per second of speculative and plain steps, and the
-                                        verify cost observed (it refines the profiled one)
+        batch.accept(trees, logits)    ──► descend each tree with the target's choices, committing token by token
+                                           (logits processors, stopping criteria, streamer)
+        lookup.record_verified         ──► which lookup drafts were accepted, per depth and match length
+        batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache; their target features become the
+                                           drafter's new context
+        gates.record / policy.record_step (a StepRecord)
+                                       ──► tokens per second of each kind of step, and the verify cost observed
+                                           (it refines the profiled one)
+        batch.drop_finished()          ──► finished rows leave the batch and every cache
 
+The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them).
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
 criteria, the cache and the generation config (see `generation.py`), so every standard generate option applies.
 Lossless: every committed token is chosen by the target from its processed distribution given the exact committed
@@ -36,7 +39,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch import BatchState, RowCommitter, row_processors
 from .drafting import candidate_generator_for
 from .files import pad_token_id
-from .lookup import PromptLookup, graft
+from .gates import StepKind, StepRecord
+from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .tree import CandidateTree, tree_forward_inputs
 
 
@@ -45,9 +49,9 @@ class SpeculationStats:
     """What one speculative `generate` call did. `tau` is tokens committed per row per target forward (bonus
     included); `committed_per_step` has one entry per row and step. `drafted_tokens` counts every candidate after the
     anchors, `lookup_tokens` those copied by prompt lookup (some may coincide with the drafter's). `verified_tokens`
-    counts real tree nodes,
-    `verified_slots` the rectangle the target computed (rows x longest tree, padding included). `plain_steps`: steps
-    the policy decoded without drafting (speculation did not pay there)."""
+    counts real tree nodes, `verified_slots` the rectangle the target computed (rows x longest tree, padding
+    included). `plain_steps`: steps without a drafter forward, where the gates measured that it did not pay (plain,
+    or lookup drafts alone)."""
 
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -67,6 +71,19 @@ class SpeculationStats:
     def tau(self) -> float:
         steps = self.committed_per_step
         return sum(steps) / len(steps) if steps else 0.0
+
+    def add_step(self, step: StepRecord, trees: list[CandidateTree], paths: list[list[int]], lookup_tokens: int):
+        """Count one loop step that verified `trees` (lookup drafts included) and accepted `paths`."""
+        self.target_forwards += 1
+        self.draft_forwards += step.kind is StepKind.DRAFT and any(len(t) > 1 for t in trees)
+        self.plain_steps += step.kind is not StepKind.DRAFT
+        self.drafted_tokens += sum(len(t) - 1 for t in trees)
+        self.lookup_tokens += lookup_tokens
+        self.verified_tokens += sum(len(t) for t in trees)
+        self.verified_slots += step.rows * step.slots
+        self.committed_per_step.extend(len(p) for p in paths)
+        self.draft_time_s += step.seconds - step.verify_seconds
+        self.verify_time_s += step.verify_seconds
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "committed_per_step"}
@@ -178,55 +195,36 @@ def speculative_generate(
     batch.anchors = [c.choose_and_commit(out.logits[r : r + 1, -1]) for r, c in enumerate(committers)]
     stats.prefill_time_s = time.perf_counter() - start_time
 
-    policy = drafting.policy
-    lookup = None
-    if prompt_lookup_tokens and not generation_config.do_sample:
-        lookup = PromptLookup(prompt_lookup_tokens, generation_config.max_matching_ngram_size or 3)
+    policy, gates = drafting.policy, drafting.policy.gates
+    # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
+    lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
+    lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions
-        t0 = time.perf_counter()
-        lookups, ngram = None, 0
-        if lookup is not None:
-            limits = [policy.depth_limit(p, r) for p, r in zip(root_positions, batch.max_drafts())]
-            found = [lookup.find(committers[row].input_ids[0], k) for row, k in zip(batch.active, limits)]
-            lengths = policy.lookup_lengths([lookup.reach(len(d), n) for d, n in found], rows)
-            lookups = [(d[:k], n) for (d, n), k in zip(found, lengths)]
-            ngram = max((n for d, n in lookups if len(d)), default=0)  # the longest match decides the gate
-            lookups = lookups if ngram else None
-        speculate = policy.should_speculate(rows, lookup_ngram=ngram)
-        if not speculate and ngram and not policy.should_verify_lookups_alone(rows, ngram):
-            lookups = None  # measured: here a plain step beats verifying lookup drafts alone
-        if speculate:
+        step_start = time.perf_counter()
+        found = lookup.propose(batch, root_positions, policy)
+        kind = gates.decide(rows, found.ngram)
+        if kind is StepKind.DRAFT:
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
-        else:  # a step without a drafter forward: the anchors alone (a plain decode step), or their lookup drafts
+        else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
             trees = [CandidateTree.chain(anchor, torch.empty(0, dtype=torch.long)) for anchor in batch.anchors]
-        if lookups is not None:
-            trees = [graft(tree, drafts) for tree, (drafts, _) in zip(trees, lookups)]
-        t1 = time.perf_counter()
-        stats.draft_forwards += speculate and any(len(t) > 1 for t in trees)
-        stats.drafted_tokens += sum(len(t) - 1 for t in trees)
-        stats.lookup_tokens += 0 if lookups is None else sum(len(d) for d, _ in lookups)
+        lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
+        trees = lookups.graft(trees)
 
+        verify_start = time.perf_counter()
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
         out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                     cache=cache, use_cache=True, output_hidden_states=layers)
-        stats.target_forwards += 1
-        stats.verified_tokens += sum(len(t) for t in trees)
-        stats.verified_slots += tokens.numel()
+        paths = batch.accept(trees, out.logits)
+        lookup.record_verified(lookups, batch, paths)
+        batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
 
-        paths = batch.walk(trees, out.logits)
-        stats.committed_per_step.extend(len(p) for p in paths)
-        if lookups is not None:
-            for row, (drafts, n), path in zip(batch.active, lookups, paths):
-                if len(drafts):
-                    lookup.record(drafts, n, committers[row].input_ids[0, -len(path) :])
-        batch.commit(paths, out.hidden_states, tokens.shape[1])
-        t3 = time.perf_counter()
-        policy.record_step(speculate, rows, sum(len(p) for p in paths), t3 - t0, tokens.shape[1], t3 - t1,
-                           lookup_ngram=ngram, lookups_alone=not speculate and lookups is not None)
-        stats.plain_steps += not speculate
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t3 - t1
+        step_end = time.perf_counter()
+        step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths),
+                          seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
+        gates.record(step)
+        policy.record_step(step)
+        stats.add_step(step, trees, paths, lookups.num_tokens)
 
     if streamer is not None:
         streamer.end()

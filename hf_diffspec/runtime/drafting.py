@@ -23,7 +23,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .best_first_tree import best_first_shape, build_best_first_tree, build_selector_tree
 from .cost_model import VerifyCost
-from .policy import DraftLengthPolicy, speculation_gate_for
+from .gates import speculation_gates_for
+from .policy import DraftLengthPolicy, FixedLength
 from .prefix_tree import build_prefix_tree, plan_branches
 from .tree import CandidateTree
 
@@ -180,7 +181,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
     @torch.no_grad()
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
         """Draft after each row's anchor (at `root_positions`) a chain of at most `remaining` tokens per row."""
-        limits = [self.policy.depth_limit(p, r) for p, r in zip(root_positions, remaining)]
+        limits = self.policy.depth_limits(root_positions, remaining)
         if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
             return [self._root_only(root) for root in root_tokens]
         start = time.perf_counter()
@@ -298,7 +299,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
 
     @torch.no_grad()
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
-        limits = [self.policy.depth_limit(p, r) for p, r in zip(root_positions, remaining)]
+        limits = self.policy.depth_limits(root_positions, remaining)
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
         config = self.drafter.config
@@ -347,8 +348,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
         config = self.first.drafter.config
         # a tree of B drafted nodes is at most B deep: distributions for deeper slots would never be used
-        limits = [min(self.policy.depth_limit(p, r), config.draft_tree_budget)
-                  for p, r in zip(root_positions, remaining)]
+        limits = [min(k, config.draft_tree_budget) for k in self.policy.depth_limits(root_positions, remaining)]
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
         rows = len(root_tokens)
@@ -396,23 +396,19 @@ def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None,
                    method: str = "DiffusionCandidateGenerator") -> DraftLengthPolicy:
     """The draft-length policy for `drafter` on `target`: `fixed` drafts per step when given, else the measured cost
     model when this machine has a profile for the target, else the drafter's configured length. `method` names the
-    candidate generator, whose speculation gate persists across calls."""
+    candidate generator, whose speculation gates persist across calls."""
     config = first_drafter(drafter).config
-    is_dual = drafter.config.model_type == "dual_diffusion_drafter"
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if fixed is not None:
+        return FixedLength(fixed, config.block_size, max_positions)
     # trees (D²SD, best-first) are sized by their node budget and the cost model, not by a chain length
-    tree_depth = drafter.config.max_depth if is_dual else None
+    tree_depth = drafter.config.max_depth if drafter.config.model_type == "dual_diffusion_drafter" else None
     if getattr(config, "draft_tree_budget", None):
         tree_depth = config.block_size - 1
     return DraftLengthPolicy(
-        block_size=config.block_size, default_length=config.num_draft_tokens, fixed=fixed,
-        verify_cost=VerifyCost.for_target(target) if fixed is None else None,
-        tree_depth=tree_depth,
-        max_positions=getattr(target.config.get_text_config(), "max_position_embeddings", None),
-        gate=speculation_gate_for(drafter, target, method) if fixed is None else None,
-        lookup_gate=(lambda n: speculation_gate_for(drafter, target, f"{method} after a {n}-token lookup match"))
-        if fixed is None else None,
-        lookup_alone_gate=(lambda n: speculation_gate_for(
-            drafter, target, f"{method}, lookup drafts alone after a {n}-token match")) if fixed is None else None,
+        block_size=config.block_size, default_length=config.num_draft_tokens,
+        verify_cost=VerifyCost.for_target(target), tree_depth=tree_depth, max_positions=max_positions,
+        gates=speculation_gates_for(drafter, target, method),
     )
 
 

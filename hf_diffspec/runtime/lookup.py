@@ -10,16 +10,45 @@ Greedy decoding only: a copied token has no draft distribution for rejection sam
 drawn siblings, so sampled decoding does not look up (its output distribution is unaffected either way).
 """
 
+from dataclasses import dataclass, field
+
 import torch
 
 from .tree import CandidateTree
+
+
+@dataclass
+class LookupDrafts:
+    """One step's prompt-lookup drafts: per active row, its drafts (1-D, possibly empty) and the length of the suffix
+    match they were found after. `ngram`: the longest match among rows with drafts (0: no row has any); it picks the
+    step's speculation gates."""
+
+    drafts: list[torch.Tensor]
+    ngrams: list[int]
+    ngram: int = field(init=False)
+
+    def __post_init__(self):
+        self.ngram = max((n for d, n in zip(self.drafts, self.ngrams) if len(d)), default=0)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts)
+
+    def graft(self, trees: list[CandidateTree]) -> list[CandidateTree]:
+        """Each row's tree with its lookup drafts as one more branch (see `graft`)."""
+        if not self.ngram:
+            return trees
+        return [graft(tree, drafts) for tree, drafts in zip(trees, self.drafts)]
+
+
+NO_LOOKUP_DRAFTS = LookupDrafts([], [])
 
 
 class PromptLookup:
     """Finds lookup drafts per row and measures how often they are accepted.
 
     Args:
-        num_tokens: most tokens copied per step (transformers' `prompt_lookup_num_tokens`).
+        num_tokens: most tokens copied per step (transformers' `prompt_lookup_num_tokens`); 0: lookup off.
         max_ngram: longest suffix matched (transformers' `max_matching_ngram_size`); shorter suffixes are tried when
             it does not occur earlier. The loop uses 3 unless the generation config sets one: after 1-, 2- and
             3-token matches, 0.69, 1.72 and 3.57 lookup drafts were accepted per step on the built-in prompts, so
@@ -33,8 +62,8 @@ class PromptLookup:
 
     def __init__(self, num_tokens: int, max_ngram: int = 3, prior: tuple[float, float] = (0.4, 0.8),
                  prior_weight: float = 2.0):
-        if num_tokens < 1 or max_ngram < 1:
-            raise ValueError(f"prompt lookup needs num_tokens >= 1 and max_ngram >= 1, got {num_tokens}, {max_ngram}")
+        if num_tokens < 0 or max_ngram < 1:
+            raise ValueError(f"prompt lookup needs num_tokens >= 0 and max_ngram >= 1, got {num_tokens}, {max_ngram}")
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
         # per matched n-gram length n and depth d: steps whose lookup draft reached depth d (d-1 accepted), and those
@@ -44,6 +73,25 @@ class PromptLookup:
         self.prior_weight = prior_weight
         self.trials: dict[int, list[float]] = {}
         self.hits: dict[int, list[float]] = {}
+
+    def propose(self, batch, root_positions: list[int], policy) -> LookupDrafts:
+        """The lookup drafts of every active row of `batch` (a `BatchState`) whose anchors sit at `root_positions`,
+        as many as `policy` (the `DraftLengthPolicy`) verifies given their measured acceptance."""
+        if not self.num_tokens:
+            return NO_LOOKUP_DRAFTS
+        limits = policy.depth_limits(root_positions, batch.max_drafts())
+        found = [self.find(ids, limit) for ids, limit in zip(batch.histories(), limits)]
+        lengths = policy.lookup_lengths([self.reach(len(d), n) for d, n in found], len(found))
+        return LookupDrafts([d[:k] for (d, _), k in zip(found, lengths)], [n for _, n in found])
+
+    def record_verified(self, lookups: LookupDrafts, batch, paths: list[list[int]]) -> None:
+        """A step verified `lookups` and each active row of `batch` accepted its path in `paths` (one committed
+        token per node, the bonus included): measure which lookup drafts were accepted."""
+        if not lookups.ngram:
+            return
+        for drafts, ngram, ids, path in zip(lookups.drafts, lookups.ngrams, batch.histories(), paths):
+            if len(drafts):
+                self.record(drafts, ngram, ids[-len(path) :])
 
     def find(self, ids: torch.Tensor, limit: int) -> tuple[torch.Tensor, int]:
         """Up to `limit` tokens that followed the most recent earlier occurrence of the longest suffix of `ids` (1-D,

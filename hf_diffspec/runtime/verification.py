@@ -1,7 +1,7 @@
 """How the target picks each committed token, always from its processed distribution p at the exact committed prefix.
 
 - greedy: argmax of the processed scores (what `_sample` does without sampling);
-- sampling, argmax drafts: one draw from p (what `_sample` does); the walk descends into the child carrying it
+- sampling, argmax drafts: one draw from p (what `_sample` does); acceptance descends into the child carrying it
   ("exact-match"). For deterministic drafts this is the best any lossless rule can do: it accepts the children with
   total probability sum p(child).
 - sampling, drafts drawn from known distributions q (the tree's `draft_probs`): recursive rejection sampling. Children

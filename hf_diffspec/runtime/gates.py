@@ -1,0 +1,245 @@
+"""Whether a decoding step speculates: measured on this machine, per batch size, and kept across `generate` calls.
+
+Unless the draft length is fixed, each step is a drafter step or a plain decode step (the anchor alone, no drafter
+forward). Both are measured as tokens committed per second of whole loop steps: the loop speculates while that beats
+plain decoding and otherwise decodes plainly, probing speculation again now and then (acceptance changes with the
+text), so rarely that the probes cost at most ~2% of the decoding time. So a weak drafter, a slow verify (a CPU
+without native bf16) or a compute-bound batch never costs more than the probes.
+
+Steps whose rows have prompt-lookup drafts (`lookup.py`) are gated apart, per length of the suffix they matched (the
+longer, the likelier accepted). Without the drafter, such a step verifies its lookup drafts alone or decodes
+plainly, gated the same way: the cost model sizes them from estimates (acceptance so far, the profile's cost of a
+wider forward at this context length), and at 16 rows steps of lookup drafts alone were seen to lose to plain steps
+where the estimates said they paid (`examples/step_timing.py`).
+
+The gates of a drafter, target and setup outlive one call (`speculation_gates_for`, held in `state.py`), so a second
+call starts from what the first learned. Losslessness never depends on them: the target alone picks every token.
+"""
+
+import enum
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .cost_model import rows_bucket
+from .state import SPECULATION_STATE
+
+
+class StepKind(enum.Enum):
+    """What a loop step verifies."""
+
+    DRAFT = "draft"  # the drafter's trees (with the rows' prompt-lookup drafts grafted on)
+    LOOKUP = "lookup"  # no drafter forward: the rows' prompt-lookup drafts alone
+    PLAIN = "plain"  # no drafts: the anchors alone, a plain decode step
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One loop step as the gates and the cost model learn from it.
+
+    Args:
+        kind: what it verified.
+        rows: rows in the batch.
+        lookup_ngram: the longest prompt-lookup match among its rows with lookup drafts (0: none had any); it picks
+            the gates that decided the step.
+        committed: tokens committed, all rows together.
+        seconds: the whole step (draft, verify, commit).
+        slots: slots verified per row (the width of the target's forward).
+        verify_seconds: the target's forward and the commit.
+    """
+
+    kind: StepKind
+    rows: int
+    lookup_ngram: int
+    committed: int
+    seconds: float
+    slots: int
+    verify_seconds: float
+
+
+class SpeculationGate:
+    """Speculative or plain steps, from measured throughput of each (tokens committed per second of loop step), per
+    batch size. Unmeasured arms are tried first (speculation, then plain); after that the faster arm is taken.
+
+    An arm's throughput is a ratio of means: smoothed tokens committed per step over smoothed seconds per step (a
+    plain mean over an arm's first steps, then an exponential average, so one lucky first step does not decide the
+    next dozen: the first speculative step after a prompt often commits twice what the later ones do). One
+    speculative step commits 1 token or several by chance, so a per-step rate would stop speculation after a few
+    unlucky steps even where it pays on average (simulated: 1.10x instead of 1.27x where 1.31x was there to take).
+    While speculation loses, it is probed again only after enough plain steps that probing costs at most
+    `probe_budget` of the decoding time: a speculative step that costs `extra` seconds more than plain steps
+    committing as many tokens (on average) is followed by extra / (probe_budget x plain step time) plain steps (at
+    least 1, at most `max_wait`). A near tie is probed often (each probe costs little), a clear loss rarely. While
+    speculation wins, plain decoding is probed the same way: without it, a plain measurement taken once (early, on
+    a short context, or while the machine was busy) would keep a losing speculation on for good. Batch
+    sizes share measurements within powers of two (rows leave a batch one by one as they finish; measuring 64, 63,
+    62 ... rows anew would probe at every departure), and a size met for the first time starts from its
+    neighbour's measurements."""
+
+    def __init__(self, probe_budget: float = 0.02, max_wait: int = 256, smoothing: float = 0.1):
+        self.probe_budget = probe_budget
+        self.max_wait = max_wait
+        self.smoothing = smoothing
+        self.steps: dict[tuple[int, bool], tuple[float, float]] = {}  # (rows, speculated) -> (tokens, seconds)
+        self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
+        self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
+        self.speculative_steps_left: dict[int, int] = {}  # while it wins: speculative steps before a plain probe
+        # a batch size neither this gate nor a neighbouring size has measured starts from the first of `fallbacks`
+        # (gates of the same choice under related conditions) that measured it: a new condition pays no probes for
+        # what is known
+        self.fallbacks: list["SpeculationGate"] = []
+
+    def should_speculate(self, rows: int) -> bool:
+        rows = rows_bucket(rows)
+        if (rows, True) not in self.steps:
+            self._inherit(rows)
+        if (rows, True) not in self.steps:
+            return True
+        if (rows, False) not in self.steps:
+            return False
+        left = self.plain_steps_left.get(rows, 0)
+        if left > 0:
+            self.plain_steps_left[rows] = left - 1
+            return False
+        left = self.speculative_steps_left.get(rows)
+        if left is None or left > 0:
+            if left is not None:
+                self.speculative_steps_left[rows] = left - 1
+            return True
+        del self.speculative_steps_left[rows]  # a plain probe; the next plain record schedules the one after
+        return False
+
+    def _inherit(self, rows: int) -> None:
+        """A batch size met for the first time starts from a neighbouring one's measurements (twice as many rows,
+        else half as many) and refines them: as rows finish, 64 -> 32 -> 16 ..., a first speculative probe at each
+        size cost several plain steps of a large batch for what its neighbour already showed."""
+        for near in (2 * rows, rows // 2):
+            if (near, True) in self.steps and (near, False) in self.steps:
+                self._start_from(self, near, rows)
+                return
+        for other in self.fallbacks:
+            if other is self:
+                continue
+            if not other.fallbacks and (rows, True) not in other.steps:
+                other._inherit(rows)  # a root gate may itself start from its neighbouring size
+            if (rows, True) in other.steps and (rows, False) in other.steps:
+                self._start_from(other, rows, rows)
+                return
+
+    def _start_from(self, other: "SpeculationGate", other_rows: int, rows: int) -> None:
+        """Take `other`'s measurements at `other_rows` as this gate's at `rows`, and which arm wins until the next
+        probe; this size's first own step of each arm replaces the estimate."""
+        for speculated in (True, False):
+            self.steps[(rows, speculated)] = other.steps[(other_rows, speculated)]
+            self.samples[(rows, speculated)] = 0
+        self.plain_steps_left[rows] = other.plain_steps_left.get(other_rows, 0)
+        if other_rows in other.speculative_steps_left:
+            self.speculative_steps_left[rows] = other.speculative_steps_left[other_rows]
+
+    def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
+        rows = rows_bucket(rows)
+        key, seconds = (rows, speculated), max(seconds, 1e-9)
+        self.samples[key] = self.samples.get(key, 0) + 1
+        if key in self.steps:
+            tokens, took = self.steps[key]
+            a = max(self.smoothing, 1 / self.samples[key])
+            committed, seconds = (1 - a) * tokens + a * committed, (1 - a) * took + a * seconds
+        self.steps[key] = (committed, seconds)
+        if (rows, True) not in self.steps or (rows, False) not in self.steps:
+            return
+        spec_tokens, spec_seconds = self.steps[(rows, True)]
+        plain_tokens, plain_seconds = self.steps[(rows, False)]
+        spec, plain = spec_tokens / spec_seconds, plain_tokens / plain_seconds
+        if spec >= plain:  # speculation wins: a plain step now and then, each costing a budgeted share
+            self.plain_steps_left.pop(rows, None)
+            if rows not in self.speculative_steps_left:
+                extra = plain_seconds - plain_tokens / spec
+                self.speculative_steps_left[rows] = self._wait(extra, spec_seconds)
+        else:  # it loses: plain steps until a speculative step's extra cost is a budgeted share
+            self.speculative_steps_left.pop(rows, None)
+            if speculated or rows not in self.plain_steps_left:
+                extra = spec_seconds - spec_tokens / plain
+                self.plain_steps_left[rows] = self._wait(extra, plain_seconds)
+
+    def _wait(self, extra: float, step_seconds: float) -> int:
+        """Steps of the winning arm before a probe of the other that costs `extra` seconds more than the winner
+        would take for its tokens: the probes cost `probe_budget` of the decoding time."""
+        return min(self.max_wait, max(1, math.ceil(extra / (self.probe_budget * step_seconds))))
+
+
+class SpeculationGates:
+    """The gates of one drafter, target and setup, which decide each step's `StepKind`:
+
+    - `drafter`: steps whose rows have no lookup drafts: a drafter step or a plain one;
+    - `after_match[n]`: steps after an n-token lookup match: a drafter step (lookup drafts grafted on) or not;
+    - `lookups_alone[n]`: those steps without the drafter: the lookup drafts alone, or a plain step.
+
+    A batch size new to a gate after a match starts from what steps without lookup drafts measured there (the
+    drafter's steps against plain ones; without the drafter, the step is at least as good as a plain one), else
+    from what another match length measured: at a large batch nearly every step has lookup drafts, and each gate's
+    own first drafter probe there costs several plain steps."""
+
+    def __init__(self):
+        self.drafter = SpeculationGate()
+        self.after_match: dict[int, SpeculationGate] = {}
+        self.lookups_alone: dict[int, SpeculationGate] = {}
+        # the gates a new batch size may start from, in the order they were made (see `SpeculationGate.fallbacks`)
+        self._drafter_family = [self.drafter]
+        self._alone_family: list[SpeculationGate] = []
+
+    def drafter_gate(self, lookup_ngram: int) -> SpeculationGate:
+        """Drafter step or not, after a `lookup_ngram`-token match (0: no lookup drafts)."""
+        if not lookup_ngram:
+            return self.drafter
+        return self._family_gate(self.after_match, self._drafter_family, lookup_ngram)
+
+    def lookups_alone_gate(self, lookup_ngram: int) -> SpeculationGate:
+        """Without the drafter, after a `lookup_ngram`-token match: verify the lookup drafts alone, or not."""
+        return self._family_gate(self.lookups_alone, self._alone_family, lookup_ngram)
+
+    @staticmethod
+    def _family_gate(gates: dict, family: list, lookup_ngram: int) -> SpeculationGate:
+        if lookup_ngram not in gates:
+            gate = gates[lookup_ngram] = SpeculationGate()
+            family.append(gate)
+            gate.fallbacks = family
+        return gates[lookup_ngram]
+
+    def decide(self, rows: int, lookup_ngram: int = 0) -> StepKind:
+        """The kind of the next step of `rows` rows whose longest lookup match is `lookup_ngram` tokens (0: none)."""
+        if self.drafter_gate(lookup_ngram).should_speculate(rows):
+            return StepKind.DRAFT
+        if lookup_ngram and self.lookups_alone_gate(lookup_ngram).should_speculate(rows):
+            return StepKind.LOOKUP
+        return StepKind.PLAIN
+
+    def record(self, step: StepRecord) -> None:
+        """Measure a step in the gates that decided it."""
+        drafted = step.kind is StepKind.DRAFT
+        self.drafter_gate(step.lookup_ngram).record(drafted, step.rows, step.committed, step.seconds)
+        if step.lookup_ngram and not drafted:
+            self.lookups_alone_gate(step.lookup_ngram).record(step.kind is StepKind.LOOKUP, step.rows,
+                                                              step.committed, step.seconds)
+
+
+class AlwaysSpeculate:
+    """The gates of a fixed draft length (`num_assistant_tokens`): every step drafts, nothing is measured."""
+
+    def decide(self, rows: int, lookup_ngram: int = 0) -> StepKind:
+        return StepKind.DRAFT
+
+    def record(self, step: StepRecord) -> None:
+        pass
+
+
+def speculation_gates_for(drafter, target, method: str) -> SpeculationGates:
+    """The gates that `drafter` decoding for `target` with `method` (the candidate generator's name) keeps across
+    `generate` calls. Their measurements hold for one setup only: another target, dtype, device or thread count
+    gets gates of its own."""
+    setups = SPECULATION_STATE.gates.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
+    setup = (target.dtype, target.device, torch.get_num_threads(), method)
+    if setup not in setups:
+        setups[setup] = SpeculationGates()
+    return setups[setup]

@@ -1,0 +1,39 @@
+"""What the runtime keeps from one `generate` call to the next: all of it lives in `SPECULATION_STATE`.
+
+- `gates`: the speculation gates (`gates.py`) of each drafter decoding for each target, per setup (dtype, device,
+  thread count, drafting method). A second call starts from what the first measured instead of paying for its
+  probes again. Drafters and targets are held weakly: the entries go with the models, so a model created later
+  never meets a collected one's measurements (as it could under an `id()` that Python reuses).
+- `verify_costs`: the verify-cost profiles in use (`cost_model.py`), per profile file and its modification time.
+  Every step refines the one in use (`VerifyCost.observe`), so these corrections carry over to later calls on the
+  same target architecture, device, dtype and thread count.
+- `warned`: warnings already given (each is given once per process).
+
+`reset_speculation_state()` forgets all of it: the next call measures its gates afresh and re-reads the profiles
+from disk (it does not re-measure them; `hf-diffspec profile` does). A saved drafter's `custom_generate/` folder is
+a copy of this package with a state of its own; its `state.reset_speculation_state` resets that one.
+"""
+
+import weakref
+
+
+class SpeculationState:
+    """The runtime's cross-call state (see the module docstring)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        # drafter -> target -> {(dtype, device, threads, method): SpeculationGates}, both weakly keyed
+        self.gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.verify_costs: dict[str, tuple[int, object]] = {}  # profile path -> (mtime_ns, VerifyCost)
+        self.warned: set[str] = set()
+
+
+SPECULATION_STATE = SpeculationState()
+
+
+def reset_speculation_state() -> None:
+    """Forget every measurement kept across `generate` calls (speculation gates, verify-cost corrections, warnings
+    given): the next call starts as the first one of a fresh process would, from the profiles cached on disk."""
+    SPECULATION_STATE.reset()
