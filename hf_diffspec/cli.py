@@ -23,12 +23,20 @@ def cmd_demo(args) -> None:
     from .demo import run_demo
     from .drafters import load_drafter
 
-    target, tok = load_target(args.target, dtype=DTYPES[args.dtype])
+    dtype = DTYPES[args.dtype]
+    target, tok = load_target(args.target, dtype=dtype)
+    # exactness is checked in float32: on a second copy when the timed runs use another dtype
+    target32 = target if dtype == torch.float32 else load_target(args.target, dtype=torch.float32)[0]
     try:
         drafter = load_drafter(args.drafter, target, args.target)
+        drafter32 = drafter if target32 is target else load_drafter(args.drafter, target32, args.target)
     except FileNotFoundError as error:
         raise SystemExit(str(error)) from None
-    print(run_demo(target, tok, drafter, args.prompt, args.max_new_tokens, runs=args.runs).report())
+    result = run_demo(target, tok, drafter, args.prompt, args.max_new_tokens, runs=args.runs,
+                      float32_models=(target32, drafter32))
+    print(result.report())
+    if not result.check.identical:
+        raise SystemExit(1)
 
 
 def cmd_bench(args) -> None:
@@ -264,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--runs", type=int, default=3,
                       help="timed runs of each (after a warm-up), interleaved; the medians are reported")
-    demo.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    demo.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                      help="dtype of the timed runs (exactness is always checked in float32)")
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="tau, tokens/s and speedup per method and domain")
