@@ -106,11 +106,11 @@ def test_run_demo_on_smollm2_checks_in_fp32_and_times_bf16(real_target):
     drafter = load_drafter("random", target, "smollm2-135m-instruct")
     timed_target = copy.deepcopy(target).to(torch.bfloat16)
     timed_drafter = load_drafter("random", timed_target, "smollm2-135m-instruct")
-    demo = run_demo(timed_target, tok, timed_drafter, "What is 2 + 2?", max_new_tokens=8, runs=2,
+    demo = run_demo(timed_target, tok, timed_drafter, "What is 2 + 2?", max_new_tokens=8, runs=1,
                     float32_models=(target, drafter))
     assert demo.check.identical and demo.check.tokens == 8 and demo.check.drafts_per_step == 15
     assert demo.dtype == torch.bfloat16 and demo.plain_tokens == demo.speculative_tokens == 8
-    assert len(demo.plain_runs) == len(demo.speculative_runs) == 2 and demo.tau >= 1.0
+    assert len(demo.plain_runs) == len(demo.speculative_runs) == 1 and demo.tau >= 1.0
     text = said(demo)
     assert "Exact (checked in float32): speculative generate's 8 tokens are plain generate's" in text
     assert "Speed in bfloat16 on this CPU" in text
