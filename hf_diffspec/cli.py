@@ -53,15 +53,24 @@ def comma_separated(text: str, kind=str, error: str | None = None) -> list:
 
 
 def cmd_demo(args) -> None:
+    from . import load_target
     from .demo import run_demo
     from .drafters import load_drafter
 
     target, tok = load_target_of(args)
+    # exactness is checked in float32: on a second copy when the timed runs use another dtype
+    target32 = target if target.dtype == torch.float32 else load_target(args.target, dtype=torch.float32,
+                                                                         device=args.device)[0]
     try:
         drafter = load_drafter(args.drafter, target, args.target)
+        drafter32 = drafter if target32 is target else load_drafter(args.drafter, target32, args.target)
     except FileNotFoundError as error:
         raise SystemExit(str(error)) from None
-    print(run_demo(target, tok, drafter, args.prompt, args.max_new_tokens, runs=args.runs).report())
+    result = run_demo(target, tok, drafter, args.prompt, args.max_new_tokens, runs=args.runs,
+                      float32_models=(target32, drafter32))
+    print(result.report())
+    if not result.check.identical:
+        raise SystemExit(1)
 
 
 def cmd_bench(args) -> None:

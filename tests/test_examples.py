@@ -1,0 +1,81 @@
+"""The user examples in examples/ run as a user runs them (subprocesses from the repository root), with short
+settings, and print what they promise. published_drafter.py needs the Hub and a GPU for its defaults: here it runs
+on the offline SmolLM2 target with the shipped drafter instead."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_DRAFTER = ROOT / "checkpoints" / "smollm2-135m-instruct-dflash"
+
+pytestmark = pytest.mark.real_model
+
+
+def run(*command, check: bool = True) -> subprocess.CompletedProcess:
+    """Run an example from the repository root, with this interpreter's `hf-diffspec` first on PATH; no verify-cost
+    profile is measured (the loop then verifies the drafter's configured length)."""
+    env = dict(os.environ, HF_DIFFSPEC_AUTO_PROFILE="0",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    command = [sys.executable if part == "python" else str(part) for part in command]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def test_generate_prints_the_answer_and_its_speculation_stats():
+    out = run("python", "examples/generate.py", "--prompt", "What is 2 + 2?", "--max-new-tokens", "8").stdout
+    assert "8 new tokens" in out and "tau" in out and "plain steps" in out
+
+
+def test_batched_is_identical_to_plain_generate_in_fp32():
+    out = run("python", "examples/batched.py", "--max-new-tokens", "8").stdout
+    assert out.count("### ") == 4
+    assert "identical to plain generate (float32, 4 rows): True" in out
+
+
+def test_sampling_prints_a_seeded_sample_and_tau():
+    out = run("python", "examples/sampling.py", "--max-new-tokens", "8", "--seed", "3").stdout
+    assert "speculative sample:" in out and "plain sample, same seed:" in out
+    assert "seed 3: tau" in out and "0 plain steps" in out  # a fixed draft length: every step speculates
+
+
+def test_published_drafter_says_what_it_needs_and_runs_on_a_local_pair():
+    header = ast.get_docstring(ast.parse((ROOT / "examples" / "published_drafter.py").read_text()))
+    assert "NEEDS THE NETWORK" in header and "GPU" in header and "not run in CI" in header
+    out = run("python", "examples/published_drafter.py", "--target", "smollm2-135m-instruct",
+              "--drafter", SHIPPED_DRAFTER, "--device", "cpu", "--max-new-tokens", "4").stdout
+    assert "tau" in out and "identical to plain generate:" in out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """examples/train_and_push.sh in its tiny mode: (its output, the runs folder)."""
+    runs = tmp_path_factory.mktemp("train_and_push")
+    env_script = f"TINY=1 RUNS={runs} bash examples/train_and_push.sh"
+    return run("bash", "-c", env_script).stdout, runs
+
+
+def test_train_and_push_trains_benchmarks_and_dry_runs_the_push(trained):
+    out, runs = trained
+    assert "4 samples in" in out and f"drafter saved to {runs}/drafter" in out
+    bench = json.loads((runs / "bench.json").read_text())["results"]
+    assert {row["method"] for row in bench} == {"ar", "dflash"} and "| dflash | 1 | code |" in out
+    assert "would upload" in out and "to you/smollm2-135m-instruct-dflash:" in out and "model.safetensors" in out
+
+
+def test_export_vllm_exports_the_trained_drafter_and_prints_the_serve_command(trained):
+    _, runs = trained
+    done = run("bash", "examples/export_vllm.sh", runs / "drafter", runs / "vllm")
+    assert f"exported for vllm to {runs}/vllm" in done.stdout and (runs / "vllm" / "config.json").is_file()
+    assert "learned its own MASK" not in done.stdout + done.stderr  # the refusal a user of the shipped drafter meets
+    assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in done.stdout
+    assert '"num_speculative_tokens": 15' in done.stdout and "--speculative-num-draft-tokens 16" in done.stdout
+    missing = run("bash", "examples/export_vllm.sh", runs / "nothing-here", check=False)
+    assert missing.returncode == 2 and "run examples/train_and_push.sh first" in missing.stderr
