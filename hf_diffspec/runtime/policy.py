@@ -19,7 +19,7 @@ With prompt-lookup drafts (`lookup.py`), steps that have some are gated apart, p
 and `lookup_lengths` sizes them with the same cost model. Without the drafter, such a step verifies them alone or
 decodes plainly, gated the same way: the sizing rests on estimates (acceptance so far, the profile's cost of a wider
 forward at this context length), and at 16 rows steps of lookup drafts alone were seen to lose to plain steps where
-the estimates said they paid (`examples/step_timing.py`).
+the estimates said they paid (`examples/benchmarks/step_timing.py`).
 
 Every answer is capped by what is left to generate and by the target's context. Losslessness never depends on the
 answer: the target alone picks every committed token.
