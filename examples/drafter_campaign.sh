@@ -70,8 +70,9 @@ run)
         --batch-size "$BATCH" --num-anchors "$ANCHORS" --max-length 1024 --lr 4e-4 --epochs 100 \
         --time-budget "$TRAIN_MIN" --save_steps "$EVERY" --heldout-tau-steps "$EVERY" \
         --heldout-tau-prompts "$HELDOUT_PROMPTS" --heldout-tau-max-new-tokens "$HELDOUT_TOKENS"
-    python examples/plot_heldout_tau.py "$RESULTS/drafter" --labels campaign --out "$RESULTS/heldout_tau.png" \
-        > "$RESULTS/heldout_tau.md" || true  # the table is written first; a missing PNG says why and stops nothing
+    # the table is written first; a missing PNG says why and stops nothing
+    python examples/benchmarks/plot_heldout_tau.py "$RESULTS/drafter" --labels campaign \
+        --out "$RESULTS/heldout_tau.png" > "$RESULTS/heldout_tau.md" || true
     cat "$RESULTS/heldout_tau.md"
     # 3. the judgement: tau with the whole block verified, against plain generate, on the held-out prompts
     hf-diffspec bench --drafter "$RESULTS/drafter" --methods ar,dflash-block,dflash --domains code,math,chat \

@@ -55,9 +55,10 @@ class PromptLookup:
             the match length tells steps worth a drafter forward from steps that are not.
         prior: acceptance probabilities assumed before any measurement, of the first lookup draft and of each later
             one given the one before it was accepted, held as `prior_weight` pseudo steps. A copy, once right, tends
-            to stay right (SmolLM2's greedy outputs for the built-in prompts, `examples/lookup_replay.py`: 0.39
-            for the first, then 0.62, 0.74, 0.81 ... 0.9), and a depth that is never verified is never measured, so
-            the later ones start high rather than at a guess that would keep them unverified.
+            to stay right (SmolLM2's greedy outputs for the built-in prompts,
+            `examples/benchmarks/lookup_replay.py`: 0.39 for the first, then 0.62, 0.74, 0.81 ... 0.9), and a depth
+            that is never verified is never measured, so the later ones start high rather than at a guess that would
+            keep them unverified.
     """
 
     def __init__(self, num_tokens: int, max_ngram: int = 3, prior: tuple[float, float] = (0.4, 0.8),

@@ -1,7 +1,8 @@
 """Held-out tau against training tokens, from the logs that `hf-diffspec train kd --heldout-tau-steps N` writes
 (OUT/heldout_tau.jsonl): a PNG with one curve per run, and the same points as a markdown table on stdout.
 
-    python examples/plot_heldout_tau.py runs/a runs/b --labels "regenerated data" "relabelled text" --out curve.png
+    python examples/benchmarks/plot_heldout_tau.py runs/a runs/b --labels "regenerated data" "relabelled text" \
+        --out curve.png
 
 A run that was interrupted and resumed (on this machine or another) is one curve: the log is appended to.
 """

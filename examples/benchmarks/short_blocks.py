@@ -1,7 +1,7 @@
 """Does the shipped drafter draft as well from a shorter block? Chains of k drafts verified per step, the drafter run
 with its trained block of 16 slots or with 8 or 4 (fewer MASK slots: a cheaper drafter forward at large batch).
 
-    OMP_NUM_THREADS=1 python examples/short_blocks.py PROMPTS_PER_DOMAIN MAX_NEW_TOKENS
+    OMP_NUM_THREADS=1 python examples/benchmarks/short_blocks.py PROMPTS_PER_DOMAIN MAX_NEW_TOKENS
 
 Prints tau per method over the held-out prompts (bf16, greedy).
 """

@@ -2,7 +2,7 @@
 for the choices `hf_diffspec.runtime.lookup.PromptLookup` makes (which earlier occurrence to copy from, the longest
 suffix matched), how acceptance depends on depth, and on the length of the match.
 
-    python examples/lookup_replay.py --prompts 10 --max-new-tokens 256 --outputs /tmp/greedy.json
+    python examples/benchmarks/lookup_replay.py --prompts 10 --max-new-tokens 256 --outputs /tmp/greedy.json
 
 The greedy outputs are generated once (bf16, plain `generate`) and kept in --outputs; the replay itself takes
 seconds. Each step copies up to --tokens drafts, accepts the ones the target's continuation agrees with, and commits

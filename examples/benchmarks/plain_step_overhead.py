@@ -1,7 +1,7 @@
 """Our loop's own cost on plain decode steps: plain `generate` against our loop with speculation switched off (every
 step the anchors alone, no drafter forward), the same rows held to the same length.
 
-    python examples/plain_step_overhead.py --rows 16 --tokens 48 [--hold eos] [--profile]
+    python examples/benchmarks/plain_step_overhead.py --rows 16 --tokens 48 [--hold eos] [--profile]
 
 `--hold min-new-tokens` (the default) holds the rows with `min_new_tokens`, which adds a logits processor;
 `--hold eos` instead makes the end-of-sequence token one the target never writes (`<empty_output>`), so no processor

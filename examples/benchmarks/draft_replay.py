@@ -1,7 +1,8 @@
 """Replay the drafter's per-slot marginals offline: what a tree width, a node budget or a reduced draft vocabulary
 would have accepted, without decoding again for each setting.
 
-    python examples/draft_replay.py --prompts 6 --max-new-tokens 192 --vocab-sizes 4096,8192,16384 --data data/regen-smollm2
+    python examples/benchmarks/draft_replay.py --prompts 6 --max-new-tokens 192 --vocab-sizes 4096,8192,16384 \
+        --data data/regen-smollm2
 
 The prompts are decoded once with the whole block verified every step (greedy, bf16). Each step records the
 drafter's 16 largest logits per slot and the tokens the target then committed. For each setting, a step counts the

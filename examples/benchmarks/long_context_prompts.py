@@ -1,7 +1,7 @@
 """Write long-context benchmark prompts (a ShareGPT answer of about N tokens to summarise) as JSONL for
 `hf-diffspec bench --prompts-file FILE`:
 
-    python examples/long_context_prompts.py --tokens 1024 --num 3 --out long_prompts.jsonl
+    python examples/benchmarks/long_context_prompts.py --tokens 1024 --num 3 --out long_prompts.jsonl
     hf-diffspec bench --prompts-file long_prompts.jsonl --methods ar,dflash --max-new-tokens 512
 """
 

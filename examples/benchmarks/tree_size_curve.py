@@ -1,6 +1,6 @@
 """Tree size against speed: best-first trees and chains verifying the same number of nodes every step.
 
-    python examples/tree_size_curve.py --sizes 2,4,8,16 --prompts 1 --max-new-tokens 64 --plot tree_curve.png
+    python examples/benchmarks/tree_size_curve.py --sizes 2,4,8,16 --prompts 1 --max-new-tokens 64 --plot tree_curve.png
 
 For each size n, `chain-n` verifies the anchor and n - 1 drafts in a line and `tree-n` the n most likely nodes of
 the best-first tree built from the same drafter pass (both fixed with `num_assistant_tokens`, so neither the cost

@@ -1,7 +1,7 @@
 """The speculation gate on simulated steps: what it keeps of speculation that pays, and what it costs where
 speculation loses.
 
-    python examples/gate_simulation.py
+    python examples/benchmarks/gate_simulation.py
 
 A speculative step commits 1-4 tokens with probabilities 0.6 / 0.2 / 0.1 / 0.1 (1.7 on average) and costs
 `spec_cost` plain steps (each time x uniform(0.9, 1.1)); a plain step commits 1 token. For each cost, the gate's

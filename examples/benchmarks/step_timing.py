@@ -2,7 +2,7 @@
 for ours the loop's steps by kind (drafter steps, steps verifying prompt-lookup drafts alone, plain steps) with their
 mean time and tokens committed.
 
-    python examples/step_timing.py --rows 16 --reps 3 --method tree-lookup
+    python examples/benchmarks/step_timing.py --rows 16 --reps 3 --method tree-lookup
 
 Each repetition runs plain `generate` then the method (after one untimed warm-up of each); the gates' measurements
 persist across calls, so the first repetition also shows what a first call at this batch size pays for probes.

@@ -2,8 +2,8 @@
 (same prompts, same warm-up, plain `generate` as the common reference), so a small difference between the drafters is
 not lost in the machine's drift from one run to the next.
 
-    python examples/drafter_ab.py --a checkpoints/smollm2-135m-instruct-dflash --b DIR --methods dflash,tree-lookup \
-        --batch-sizes 1,4 --json ab.json
+    python examples/benchmarks/drafter_ab.py --a checkpoints/smollm2-135m-instruct-dflash --b DIR \
+        --methods dflash,tree-lookup --batch-sizes 1,4 --json ab.json
 
 Methods are reported as `METHOD@a` and `METHOD@b`, with every column `hf-diffspec bench` prints.
 """
