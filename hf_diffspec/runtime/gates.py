@@ -10,7 +10,7 @@ Steps whose rows have prompt-lookup drafts (`lookup.py`) are gated apart, per le
 longer, the likelier accepted). Without the drafter, such a step verifies its lookup drafts alone or decodes
 plainly, gated the same way: the cost model sizes them from estimates (acceptance so far, the profile's cost of a
 wider forward at this context length), and at 16 rows steps of lookup drafts alone were seen to lose to plain steps
-where the estimates said they paid (`examples/step_timing.py`).
+where the estimates said they paid (`examples/benchmarks/step_timing.py`).
 
 The gates of a drafter, target and setup outlive one call (`speculation_gates_for`, held in `state.py`), so a second
 call starts from what the first learned. Losslessness never depends on them: the target alone picks every token.
