@@ -78,7 +78,7 @@ def test_block_conv_starts_as_an_exact_no_op_and_reaches_back_within_the_block_o
     drafter = tiny_drafter(target, block_size=4)
     drafter.save_pretrained(tmp_path)
     with_conv = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target, block_conv=True)
-    assert len(with_conv.layers[0].block_convs) == 4  # before and after attention and MLP
+    assert len(with_conv.layers[0].block_convs) == 2  # around the attention and around the MLP
     noise = torch.randn(2, 8, drafter.config.hidden_size)
     context = torch.randn(2, 5, drafter.fc.in_features)
     same = [m(noise_embeds=noise, context_hidden_states=context).last_hidden_state for m in (drafter, with_conv)]
@@ -87,14 +87,19 @@ def test_block_conv_starts_as_an_exact_no_op_and_reaches_back_within_the_block_o
     conv = with_conv.layers[0].block_convs[0]
     assert isinstance(conv, DiffusionDrafterBlockConv)
     with torch.no_grad():
-        conv.base[1].fill_(0.5)
+        conv.base[:, 1].fill_(0.5)
         conv.delta.weight.normal_()
     x = torch.randn(1, 8, drafter.config.hidden_size)  # two blocks of 4
     later = x.clone()
     later[:, 2] += 1.0
-    moved = (conv(later, x) - conv(x, x)).abs().sum(-1)[0]
-    assert moved[2] > 0 and moved[3] > 0  # the position itself and the next one
-    assert moved[[0, 1, 4, 5, 6, 7]].eq(0).all()  # nothing earlier, nothing in the next block
+    bump = torch.zeros_like(x)
+    bump[:, 2] = 1.0
+    identity = conv(lambda h: h, x)
+    for moved in ((conv(lambda h: h, later) - identity),  # the input changes: both convolutions see it
+                  (conv(lambda h: h + bump, x) - identity)):  # the sublayer's output changes: the one after it
+        moved = moved.abs().sum(-1)[0]
+        assert moved[2] > 0 and moved[3] > 0  # the position itself and the next one
+        assert moved[[0, 1, 4, 5, 6, 7]].eq(0).all()  # nothing earlier, nothing in the next block
     with pytest.raises(ValueError, match="block_conv_group_size"):
         hf_diffspec.DiffusionDrafterConfig(block_conv=True, hidden_size=40, block_conv_group_size=16,
                                            num_attention_heads=4, num_key_value_heads=4)
