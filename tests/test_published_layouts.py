@@ -253,28 +253,28 @@ def test_a_published_drafter_gets_the_runtime_defaults_unless_asked_otherwise(ta
 def test_sliding_window_positions_survive_a_ragged_batch(target, tmp_path):
     """In a batch, a row's cache holds slots it does not see (other rows' longer accepts): the window is measured
     in positions, which the cache keeps beside the keys, so a row drafts as it does alone."""
-    randomize(dflash.DFlashDraftModel(zlab_config(**ZLAB_VARIANTS["sliding-window"]))).save_pretrained(tmp_path)
+    fields = {**ZLAB_VARIANTS["sliding-window"], "sliding_window": 8}  # reaches back into the cached context
+    randomize(dflash.DFlashDraftModel(zlab_config(**fields))).save_pretrained(tmp_path)
     drafter = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target)
-    generator = torch.Generator().manual_seed(0)
-    features = torch.randn(1, 10, len(LAYER_IDS) * H, generator=generator)
-    root = torch.tensor([7])
+    features = torch.randn(1, 10, len(LAYER_IDS) * H, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(10)[None]
+    seen = torch.ones(1, 10, dtype=torch.bool)
 
     def draft(steps, rows=1):
+        """Per step: queue (features, positions, visible) and draft the block after them; the last draft."""
         context = DrafterContext(drafter)
-        for feats, positions, valid in steps:
-            context.pending.append((feats.expand(rows, -1, -1), positions.expand(rows, -1), valid))
-        return context.draft_block(root.expand(rows), torch.tensor([10] * rows), BLOCK)
+        for feats, where, visible in steps:
+            context.pending.append((feats.expand(rows, -1, -1), where.expand(rows, -1), visible.expand(rows, -1)))
+            last = context.draft_block(torch.tensor([7] * rows), where[0, -1:].expand(rows) + 1, BLOCK)
+        return last
 
-    positions = torch.arange(10)[None]
-    alone = draft([(features, positions, torch.ones(1, 10, dtype=torch.bool))])
-    # the same ten tokens committed in two steps, each followed by a slot this row does not see
-    holes = [(features[:, :6], positions[:, :6], torch.ones(1, 6, dtype=torch.bool)),
-             (features[:, :1], torch.tensor([[6]]), torch.zeros(1, 1, dtype=torch.bool)),
-             (features[:, 6:], positions[:, 6:], torch.ones(1, 4, dtype=torch.bool)),
-             (features[:, :1], torch.tensor([[10]]), torch.zeros(1, 1, dtype=torch.bool))]
-    torch.testing.assert_close(draft(holes), alone, rtol=0, atol=1e-5)
-    # two rows of a batch, one cache: the window still holds per row
-    torch.testing.assert_close(draft(holes, rows=2), alone.expand(2, -1, -1), rtol=0, atol=1e-5)
+    alone = draft([(features, positions, seen)])
+    # the same ten tokens committed in two steps, the first followed by a slot this row does not see
+    ragged = [(torch.cat([features[:, :6], features[:, :1]], 1), torch.tensor([[0, 1, 2, 3, 4, 5, 6]]),
+               torch.tensor([[True] * 6 + [False]])),
+              (features[:, 6:], positions[:, 6:], seen[:, 6:])]
+    torch.testing.assert_close(draft(ragged), alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(draft(ragged, rows=2), alone.expand(2, -1, -1), rtol=0, atol=1e-5)
 
 
 def test_convert_reads_a_hub_id_and_agrees_with_from_pretrained(target, tmp_path, monkeypatch):
