@@ -506,10 +506,10 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             layout = published_layout(PreTrainedConfig.get_config_dict(pretrained_model_name_or_path)[0])
             if layout is not None:
                 raise OSError(
-                    f"the {layout} DFlash checkpoint at {pretrained_model_name_or_path} has tensors this loader does "
-                    f"not map onto a DiffusionDrafter: {broken}. Its layout differs from the published ones this "
-                    "version reads (z-lab DFlash / DFlash 2, transformers' DFlash drafter); please report it with its "
-                    "config.json."
+                    f"the {layout} DFlash checkpoint at {pretrained_model_name_or_path} does not hold the tensors its "
+                    f"config describes: {broken}. If its download was cut short, download it again; if a complete "
+                    "published drafter fails so, its layout differs from the ones this version maps (z-lab DFlash / "
+                    "DFlash 2, transformers' DFlash drafter): please report it with its config.json."
                 )
             raise OSError(
                 f"the drafter checkpoint at {pretrained_model_name_or_path} is incomplete or corrupt: {broken}. "

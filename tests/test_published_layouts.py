@@ -310,6 +310,43 @@ def test_an_unmapped_published_checkpoint_names_its_layout_not_corruption(target
     state = load_file(weights)
     state["layers.0.self_attn.q_gate.weight"] = state.pop("layers.0.self_attn.q_proj.weight")  # a variant we lack
     save_file(state, weights, metadata={"format": "pt"})
-    with pytest.raises(OSError, match="zlab DFlash checkpoint .* does not map") as error:
+    with pytest.raises(OSError, match="zlab DFlash checkpoint .*q_proj.*layout differs") as error:
         hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target)
     assert "corrupt" not in str(error.value) and "re-download" not in str(error.value)
+
+
+@pytest.mark.parametrize("variant", ["llama3-rope", "sliding-window", "logit-fields"])
+def test_export_keeps_what_changes_the_drafts(variant, target, tmp_path):
+    """Exported for vLLM / SGLang (z-lab's layout), a drafter keeps its RoPE scaling, sliding windows and logit
+    fields: z-lab's own class loads the export and drafts as the original does."""
+    original = randomize(dflash.DFlashDraftModel(zlab_config(**ZLAB_VARIANTS[variant])))
+    original.save_pretrained(tmp_path / "zlab")
+    main(["convert", str(tmp_path / "zlab"), "--from", "zlab", "--out", str(tmp_path / "ours")])
+    main(["export", str(tmp_path / "ours"), "--format", "vllm", "--out", str(tmp_path / "vllm")])
+    exported = dflash.DFlashDraftModel.from_pretrained(tmp_path / "vllm").eval()
+    (hidden, same_hidden), (logits, same_logits) = forwards(original, exported_as_ours(exported, target), target)
+    torch.testing.assert_close(same_hidden, hidden, rtol=0, atol=1e-6)
+    torch.testing.assert_close(same_logits, logits, rtol=0, atol=1e-6)
+
+
+def exported_as_ours(zlab_model, target):
+    """A z-lab model viewed through our forward contract, to compare two z-lab models with `forwards`."""
+
+    class View(torch.nn.Module):
+        def forward(self, noise_embeds, context_hidden_states, position_ids):
+            hidden = zlab_model(position_ids=position_ids, noise_embedding=noise_embeds,
+                                target_hidden=context_hidden_states)
+            return type("Out", (), {"last_hidden_state": hidden})
+
+        def compute_logits(self, hidden):
+            return zlab_model.compute_logits(hidden, target.lm_head)
+
+    return View()
+
+
+def test_export_refuses_dflash_2_convolutions(target, tmp_path):
+    fields = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+    randomize(dflash.DFlash2DraftModel(zlab_config(dflash_extra=fields))).save_pretrained(tmp_path / "zlab")
+    main(["convert", str(tmp_path / "zlab"), "--from", "zlab", "--out", str(tmp_path / "ours")])
+    with pytest.raises(ValueError, match="DFlash 2's block convolutions"):
+        main(["export", str(tmp_path / "ours"), "--format", "sglang", "--out", str(tmp_path / "sglang")])
