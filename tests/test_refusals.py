@@ -52,6 +52,18 @@ def test_encoder_decoder_targets_are_refused(pair):
     refused(bart, drafter, "encoder-decoder model.*decoder-only.*assistant model")
 
 
+def test_targets_with_other_than_full_attention_layers_are_refused(pair):
+    """Sliding-window or linear-attention layers are not rolled back by cropping full-attention KV."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    _, drafter = pair
+    torch.manual_seed(0)
+    sliding = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=2)).eval()
+    refused(sliding, drafter, r"\['sliding_attention'\] layers.*plain generate")
+
+
 def test_supported_settings_still_run(pair):
     """The checks refuse only what they name: sdpa and eager targets with a dynamic cache decode as before."""
     target, drafter = pair

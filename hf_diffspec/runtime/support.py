@@ -14,6 +14,8 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
     - Every step crops the target's cache to the accepted tokens and compacts the accepted tree path into place:
       only a `DynamicCache` kept on the device allows that; static, offloaded and quantized caches do not.
     - The loop feeds the target's own decoder hidden states to the drafter: decoder-only targets.
+    - Rolling a step back is cropping full-attention KV: a target with other layers (linear attention's recurrent
+      state, sliding windows) would continue from a state that saw rejected drafts.
     """
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -21,6 +23,13 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
             f"{type(model).__name__} is an encoder-decoder model; speculative decoding with a DiffusionDrafter runs "
             "decoder-only (causal LM) targets. Use transformers' assisted generation with a small assistant model "
             "(generate(..., assistant_model=<an encoder-decoder assistant>)) for this one."
+        )
+    other_layers = sorted(set(getattr(config.get_text_config(), "layer_types", None) or []) - {"full_attention"})
+    if other_layers:
+        raise ValueError(
+            f"{type(model).__name__} has {other_layers} layers; this version rolls rejected drafts back by cropping "
+            "full-attention KV only, which would leave those layers' state wrong. Decode this target with plain "
+            "generate (no assistant_model)."
         )
     attention = str(config._attn_implementation or "")
     if "flash" in attention or "paged" in attention:
