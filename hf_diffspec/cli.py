@@ -365,9 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = sub.add_parser("convert", help="z-lab or transformers-native DFlash checkpoint -> DiffusionDrafter; "
                                              "or a DiffusionDrafter -> one drafting over a reduced vocabulary")
-    convert.add_argument("folder")
+    convert.add_argument("folder", help="a checkpoint folder; with --from, also a Hub repository id (owner/name)")
     convert.add_argument("--from", dest="source", default=None, choices=["zlab", "hf-native"],
-                         help="format of an external DFlash checkpoint to convert")
+                         help="layout of a published DFlash checkpoint to save as ours (DiffusionDrafter."
+                              "from_pretrained also reads it directly)")
     convert.add_argument("--out", required=True)
     convert.add_argument("--reduce-vocab", type=int, default=None, metavar="N",
                          help="draft over only the N most frequent response tokens (special tokens always kept)")

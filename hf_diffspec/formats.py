@@ -1,5 +1,6 @@
 """Checkpoint formats in and out: z-lab DFlash, transformers' native DFlash drafter (MuseGlimmerAssistant), and the
-layouts vLLM and SGLang load. The math of all of them is the DFlash drafter; only config fields and tensor names differ:
+layouts vLLM and SGLang load. The math of all of them is the DFlash drafter; only config fields and tensor names differ
+(`DiffusionDrafter.from_pretrained` reads the published ones directly; `convert_to_drafter` saves them in ours):
 
 | ours                      | z-lab / vLLM / SGLang        | transformers native (muse_glimmer_assistant) |
 |---------------------------|------------------------------|----------------------------------------------|
@@ -8,7 +9,8 @@ layouts vLLM and SGLang load. The math of all of them is the DFlash drafter; onl
 | layers.N.*, norm.weight   | same                         | same                                         |
 | mask_embedding (optional) | - (mask_token_id row)        | - (mask_token_id row)                        |
 | draft_vocab_ids (optional)| - (full vocabulary)          | - (full vocabulary)                          |
-| selector.* (optional)     | - (argmax drafts)            | - (argmax drafts)                            |
+| selector.* (optional)     | candidate_selector.* (DFlash 2) | - (argmax drafts)                         |
+| layers.N.block_convs.{0,1}| layers.N.{attention,mlp}_conv (DFlash 2) | -                               |
 
 `reduce_vocabulary` turns one of our drafters into one drafting over a reduced vocabulary (same weights).
 """
@@ -21,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .hub import save_drafter
-from .modeling import DiffusionDrafter, DiffusionDrafterConfig
+from .modeling import DiffusionDrafter, DiffusionDrafterConfig, published_layout
 
 NATIVE_RENAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 FORMATS_IN = ("zlab", "hf-native")
@@ -49,68 +51,32 @@ def _read_config(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _rope_theta(cfg: dict) -> float:
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ValueError(f"RoPE type {kind!r} is not supported by DiffusionDrafter (plain RoPE only)")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def resolve_checkpoint(path_or_hub_id) -> Path:
+    """A local checkpoint folder as it is, or a Hub repository id downloaded (config, weights, card) through
+    `huggingface_hub.snapshot_download`."""
+    folder = Path(path_or_hub_id)
+    if folder.is_dir():
+        return folder
+    if folder.exists() or str(path_or_hub_id).count("/") != 1:
+        raise FileNotFoundError(f"{path_or_hub_id} is neither a checkpoint folder nor a Hub repository id (owner/name)")
+    from huggingface_hub import snapshot_download
 
-
-def _check_full_attention(cfg: dict) -> None:
-    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
-    if sliding and (cfg.get("sliding_window") or 0) < cfg.get("max_position_embeddings", 0):
-        raise ValueError(
-            f"layer types {sorted(set(sliding))} with a sliding window of {cfg.get('sliding_window')} are not "
-            "supported by DiffusionDrafter (full attention only)"
-        )
-
-
-def config_from_external(cfg: dict, source: str) -> DiffusionDrafterConfig:
-    """Our config from a z-lab (`dflash_config` nested) or transformers-native (top-level fields) config dict."""
-    nested = cfg.get("dflash_config") or {}
-    layer_ids = nested.get("target_layer_ids", cfg.get("target_layer_ids"))
-    mask_token_id = nested.get("mask_token_id", cfg.get("mask_token_id"))
-    block_size = cfg.get("block_size", nested.get("block_size"))
-    missing = [name for name, value in [("target_layer_ids", layer_ids), ("mask_token_id", mask_token_id),
-                                        ("block_size", block_size)] if value is None]
-    if missing:
-        raise ValueError(f"the {source} config lacks {missing}; is this a DFlash drafter checkpoint?")
-    _check_full_attention(cfg)
-    num_target_layers = cfg.get("num_target_layers") or nested.get("num_target_layers") or max(layer_ids) + 4
-    return DiffusionDrafterConfig(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim"), hidden_act=cfg.get("hidden_act", "silu"),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), attention_bias=cfg.get("attention_bias", False),
-        rope_theta=_rope_theta(cfg), max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-        vocab_size=cfg.get("vocab_size"), block_size=block_size, target_layer_ids=list(layer_ids),
-        num_target_layers=num_target_layers, mask_token_id=mask_token_id,
-    )
+    return Path(snapshot_download(str(path_or_hub_id), allow_patterns=["*.json", "*.safetensors", "*.md"]))
 
 
 def convert_to_drafter(src, out, source: str) -> Path:
-    """Convert a `zlab` or `hf-native` DFlash checkpoint folder into a DiffusionDrafter folder."""
+    """Save the published DFlash drafter at `src` (a folder or a Hub id) in `source` layout (`zlab` or `hf-native`)
+    as a Hub-ready DiffusionDrafter folder, in its own dtype. `DiffusionDrafter.from_pretrained` reads those layouts
+    directly; this writes our layout with the remote code and `custom_generate/` a Hub folder needs."""
     if source not in FORMATS_IN:
         raise ValueError(f"unknown format {source!r}; choose from {list(FORMATS_IN)}")
-    src, out = Path(src), Path(out)
-    config = config_from_external(_read_config(src), source)
-    state = read_state_dict(src)
-    if source == "hf-native":
-        state = {NATIVE_RENAMES.get(k, k): v for k, v in state.items()}
-    drafter = DiffusionDrafter(config)
-    expected = drafter.state_dict()
-    problems = [f"missing {k} {tuple(v.shape)}" for k, v in expected.items() if k not in state]
-    problems += [f"{k}: checkpoint {tuple(state[k].shape)} vs expected {tuple(v.shape)}"
-                 for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    problems += [f"unexpected {k}" for k in state if k not in expected]
-    if problems:
-        raise ValueError(f"cannot convert {src} ({source}): " + "; ".join(problems))
-    drafter.load_state_dict(state)
-    dtype = next(iter(state.values())).dtype
-    return save_drafter(drafter.to(dtype), out)
+    folder = resolve_checkpoint(src)
+    layout = published_layout(_read_config(folder))
+    if layout != source:
+        raise ValueError(f"{src} is {'not a published DFlash layout' if layout is None else f'in the {layout} layout'}, "
+                         f"not {source!r}" + (f": convert it with --from {layout}" if layout else ""))
+    dtype = next(v.dtype for v in read_state_dict(folder).values() if v.is_floating_point())
+    return save_drafter(DiffusionDrafter.from_pretrained(folder, dtype=dtype), out)
 
 
 def reduce_vocabulary(drafter_dir, out, token_ids) -> Path:
@@ -131,6 +97,19 @@ def reduce_vocabulary(drafter_dir, out, token_ids) -> Path:
 NOT_IN_DFLASH_ENGINES = ("length_head.", "draft_vocab_ids", "selector.")
 
 
+def published_logit_fields(config: DiffusionDrafterConfig) -> dict:
+    """The `dflash_config` fields z-lab's drafter reads for how it embeds and scores a block, where ours differ from
+    its defaults."""
+    fields = {}
+    if config.output_multiplier != 1.0:
+        fields["output_multiplier"] = config.output_multiplier
+    if config.final_logit_softcapping:
+        fields["final_logit_softcapping"] = config.final_logit_softcapping
+    if config.input_embedding_scale not in (None, 1.0):
+        fields["input_embedding_scale"] = config.input_embedding_scale
+    return fields
+
+
 def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
     """Write the z-lab layout that vLLM's and SGLang's DFlash loaders read. Returns (folder, notes on what was
     dropped or needs care); raises when the drafter cannot run on that engine at all."""
@@ -142,6 +121,13 @@ def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
     notes = []
     if config.draft_role != "first":
         raise ValueError(f"{engine} runs first (DFlash) drafters only; this one is a {config.draft_role} drafter")
+    if config.block_conv:
+        raise ValueError(f"this drafter has DFlash 2's block convolutions, which {engine}'s DFlash loader (the z-lab "
+                         "DFlash layout written here) has no place for; export a DFlash drafter (block_conv=False)")
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    if config.causal_layers not in ([], sliding):  # z-lab's loaders make exactly the sliding layers causal
+        raise ValueError(f"causal layers {config.causal_layers} other than the sliding-window ones {sliding} cannot "
+                         f"be written in the z-lab DFlash layout that {engine} reads")
     extra = sorted(k for k in state if k.startswith("length_head"))
     if extra:
         notes.append(f"dropped the adaptive length head ({len(extra)} tensors): {engine} verifies fixed lengths")
@@ -169,14 +155,19 @@ def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
         "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
         "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps, "attention_bias": config.attention_bias,
-        "rope_theta": config.rope_theta, "rope_scaling": None, "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size, "tie_word_embeddings": False, "use_sliding_window": False,
-        "sliding_window": None, "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_parameters if config.rope_parameters["rope_type"] != "default" else None,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size, "tie_word_embeddings": False, "use_sliding_window": config.uses_sliding_window,
+        "sliding_window": config.sliding_window, "layer_types": config.layer_types,
         "block_size": config.block_size, "num_target_layers": config.num_target_layers,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids},
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids,
+                          **published_logit_fields(config)},
         "torch_dtype": str(next(iter(state.values())).dtype).replace("torch.", ""),
     }
     (out / "config.json").write_text(json.dumps(zlab, indent=2))
+    if sliding and not config.causal_layers:
+        zlab["is_causal"] = False  # z-lab's loader would make its sliding-window layers causal
     if config.num_draft_tokens:
         notes.append(f"verify length {config.num_draft_tokens} is an engine flag: pass it as num_speculative_tokens "
                      "(vLLM) / --speculative-num-draft-tokens (SGLang, counts the anchor: +1)")

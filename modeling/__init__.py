@@ -2,7 +2,7 @@
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration_diffusion_drafter import DiffusionDrafterConfig, default_target_layer_ids
+from .configuration_diffusion_drafter import DiffusionDrafterConfig, default_target_layer_ids, published_layout
 from .configuration_dual_drafter import DualDiffusionDrafterConfig
 from .modeling_diffusion_drafter import (
     DiffusionDrafter,
@@ -26,4 +26,5 @@ __all__ = [
     "check_target_compatible",
     "default_target_layer_ids",
     "drafter_config_for_target",
+    "published_layout",
 ]

@@ -2,9 +2,14 @@
 
 Self-contained on purpose (torch/transformers only): `save_pretrained` copies this file into checkpoints so that
 `AutoConfig.from_pretrained(dir, trust_remote_code=True)` works without hf_diffspec installed.
+
+Published DFlash drafters load with no conversion step: `DiffusionDrafterConfig.from_pretrained` reads z-lab's layout
+(a `qwen3`-type config with `dflash_config` nested, what `dflash.DFlashDraftModel` reads) and transformers' own DFlash
+drafter layout (`muse_glimmer_assistant`) and maps every field that changes the drafts onto ours
+(`config_dict_from_published`).
 """
 
-from transformers import PreTrainedConfig
+from transformers import CONFIG_MAPPING, MuseGlimmerAssistantConfig, PreTrainedConfig, Qwen3Config
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -18,6 +23,13 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     last = max(num_target_layers - 3, 1)
     # a set: small targets would otherwise repeat a layer
     return sorted({int(round(1 + i * (last - 1) / (num_features - 1))) for i in range(num_features)})
+
+
+def default_num_target_layers(target_layer_ids: list[int]) -> int:
+    """The target depth `default_target_layer_ids` implies when a checkpoint does not record it: its last feature
+    layer is L-3, so L = max(ids) + 3 (Qwen3-8B: [1, 9, 17, 25, 33] -> 36 layers)."""
+    return max(target_layer_ids) + 3
+
 
 class DiffusionDrafterConfig(PreTrainedConfig):
     r"""
@@ -33,8 +45,23 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         num_attention_heads / num_key_value_heads / head_dim (`int`): attention shape (GQA, QK-norm, RoPE).
         rms_norm_eps (`float`), hidden_act (`str`), initializer_range (`float`), attention_bias (`bool`).
         rope_theta (`float`): RoPE base; taken from the target by `from_target`.
+        rope_parameters (`dict`, *optional*): transformers' RoPE parameters (`rope_type` and its fields, e.g. Llama 3's
+            `llama3` scaling); computed by transformers' `ROPE_INIT_FUNCTIONS`. `rope_scaling` is read as well.
+            Default: plain RoPE with `rope_theta`.
         max_position_embeddings (`int`): longest context the drafter is meant for.
-        vocab_size (`int`): vocabulary of the target whose LM head the drafter borrows.
+        vocab_size (`int`, *optional*): vocabulary of the target whose LM head the drafter borrows (`None`: the
+            target's, filled in at bind time; transformers' DFlash layout does not record it).
+        layer_types (`list[str]`, *optional*): per drafter layer, `"full_attention"` (default) or
+            `"sliding_attention"`: the layer's queries see only keys less than `sliding_window` positions away.
+        sliding_window (`int`, *optional*): window of the sliding-attention layers: a key is visible when
+            |query position - key position| < sliding_window. `None`: no window.
+        causal_layers (`list[int]`, *optional*): drafter layers in which a block slot sees only the slots up to itself
+            (and the context), instead of the whole block (DFlash's default, `[]`); z-lab's sliding-window layers are
+            causal.
+        output_multiplier (`float`): draft logits are the target LM head's times this (z-lab's `output_multiplier`).
+        final_logit_softcapping (`float`, *optional*): then tanh-capped at this value (z-lab's, for Gemma targets).
+        input_embedding_scale (`float`, *optional*): embed the block's tokens as the target's raw embedding rows
+            times this (z-lab's drafters); `None` (default): through the target's input embedding module as it is.
         block_size (`int`): tokens per block `[anchor, MASK x (block_size-1)]`; one forward drafts block_size-1 tokens.
         target_layer_ids (`list[int]`): 0-based target decoder layers whose outputs are fused into the drafter's
             context (`hidden_states[i + 1]` in transformers' numbering). Defaults to DFlash's uniform spread.
@@ -54,7 +81,8 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         length_head_size (`int`): width of the head's MLP.
         draft_tree_budget (`int`, *optional*): draft a best-first TREE of at most this many nodes per step instead of
             a chain, from the same single drafter pass (DDTree-style: token paths ranked by the product of their
-            slot probabilities); the cost model may verify fewer. `None` (default): chains.
+            slot probabilities); the cost model may verify fewer. `None` (default): chains. A published layout loads
+            with the runtime's defaults (`RUNTIME_DEFAULTS`: trees and prompt lookup) unless the call sets them.
         draft_tree_width (`int`): most children per tree node (the top-ranked tokens of a slot).
         prompt_lookup_num_tokens (`int`, *optional*): when decoding greedily, also verify up to this many tokens
             copied from the row's own text after an earlier occurrence of its last tokens (prompt lookup, as
@@ -81,6 +109,10 @@ class DiffusionDrafterConfig(PreTrainedConfig):
     """
 
     model_type = "diffusion_drafter"
+    #: what a drafter whose checkpoint does not choose (a published layout) runs with: best-first trees of up to 15
+    #: nodes per step, sized by the measured cost model, and prompt-lookup branches when decoding greedily (the
+    #: shipped SmolLM2 drafter's measured choice)
+    RUNTIME_DEFAULTS = {"draft_tree_budget": 15, "draft_tree_width": 8, "prompt_lookup_num_tokens": 10}
 
     def __init__(
         self,
@@ -95,8 +127,15 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         initializer_range: float = 0.02,
         attention_bias: bool = False,
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
         max_position_embeddings: int = 8192,
-        vocab_size: int = 49152,
+        vocab_size: int | None = 49152,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        causal_layers: list[int] | None = None,
+        output_multiplier: float = 1.0,
+        final_logit_softcapping: float | None = None,
+        input_embedding_scale: float | None = None,
         block_size: int = 16,
         target_layer_ids: list[int] | None = None,
         num_target_layers: int = 30,
@@ -137,8 +176,24 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.attention_bias = attention_bias
         self.rope_theta = float(rope_theta)
+        # standardised (with `rope_theta` and a `rope_scaling` kwarg) by PreTrainedConfig.__init__ below
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else None
         self.max_position_embeddings = max_position_embeddings
         self.vocab_size = vocab_size
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if len(self.layer_types) != num_hidden_layers or unknown:
+            raise ValueError(f"layer_types must name 'full_attention' or 'sliding_attention' for each of the "
+                             f"{num_hidden_layers} layers, got {self.layer_types}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None for no window), got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.causal_layers = sorted(causal_layers or [])
+        if any(not 0 <= i < num_hidden_layers for i in self.causal_layers):
+            raise ValueError(f"causal_layers {self.causal_layers} must be drafter layers (0..{num_hidden_layers - 1})")
+        self.output_multiplier = float(output_multiplier)
+        self.final_logit_softcapping = final_logit_softcapping or None
+        self.input_embedding_scale = input_embedding_scale
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.target_layer_ids = (
@@ -165,7 +220,7 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         if prompt_lookup_num_tokens is not None and prompt_lookup_num_tokens < 0:
             raise ValueError(f"prompt_lookup_num_tokens must be >= 0 (or None for no lookup), got {prompt_lookup_num_tokens}")
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
-        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab_size:
+        if draft_vocab_size is not None and not 1 <= draft_vocab_size <= (vocab_size or draft_vocab_size):
             raise ValueError(
                 f"draft_vocab_size must be between 1 and vocab_size={vocab_size} (or None for the full vocabulary), "
                 f"got {draft_vocab_size}"
@@ -179,6 +234,8 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         self.block_conv = bool(block_conv)
         self.block_conv_kernel = block_conv_kernel
         self.block_conv_group_size = block_conv_group_size
+        if selector_rank is not None and vocab_size is None:
+            raise ValueError("the candidate selector has a codebook row per target token: set vocab_size")
         if selector_rank is not None and (selector_rank < 1 or not 1 <= selector_top_k <= vocab_size):
             raise ValueError(f"the selector needs selector_rank >= 1 and 1 <= selector_top_k <= vocab_size, got rank "
                              f"{selector_rank} and top-k {selector_top_k}")
@@ -186,6 +243,126 @@ class DiffusionDrafterConfig(PreTrainedConfig):
         self.selector_top_k = selector_top_k
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+        self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
+        self.validate_rope()
+
+    @property
+    def uses_sliding_window(self) -> bool:
+        return self.sliding_window is not None and "sliding_attention" in self.layer_types
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """`PreTrainedConfig.get_config_dict`, with a published DFlash layout read as ours."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return config_dict_from_published(config_dict), kwargs
 
 
-__all__ = ["DiffusionDrafterConfig", "default_target_layer_ids"]
+def published_layout(config_dict: dict) -> str | None:
+    """`"zlab"` for z-lab's DFlash / DFlash 2 layout, `"hf-native"` for transformers' DFlash drafter, else None."""
+    if config_dict.get("model_type") == DiffusionDrafterConfig.model_type:
+        return None
+    architectures = config_dict.get("architectures") or []
+    if "dflash_config" in config_dict or any(a in architectures for a in ("DFlashDraftModel", "DFlash2DraftModel")):
+        return "zlab"
+    if config_dict.get("model_type") == MuseGlimmerAssistantConfig.model_type:
+        return "hf-native"
+    return None
+
+
+def config_dict_from_published(config_dict: dict) -> dict:
+    """Our config fields for a published DFlash drafter's `config.json` (returned unchanged when it is ours).
+
+    The published dict is first read by the config class its own drafter reads (z-lab's: the transformers config
+    of its `model_type`, Qwen3's by default; transformers': `MuseGlimmerAssistantConfig`), so absent fields take the
+    defaults that drafter runs with. The runtime's defaults (`DiffusionDrafterConfig.RUNTIME_DEFAULTS`) are added:
+    a published checkpoint does not choose trees or prompt lookup.
+    """
+    layout = published_layout(config_dict)
+    if layout is None:
+        return config_dict
+    fields = {k: v for k, v in config_dict.items()
+              if k not in ("architectures", "auto_map", "model_type", "transformers_version")}
+    if layout == "zlab":
+        source_class = CONFIG_MAPPING.get(config_dict.get("model_type"), Qwen3Config)
+        ours = _from_zlab(source_class(**fields), config_dict.get("dflash_config") or {},
+                          config_dict.get("architectures") or [])
+    else:
+        ours = _from_hf_native(MuseGlimmerAssistantConfig(**fields))
+    for name in ("dtype", "torch_dtype"):
+        if config_dict.get(name) is not None:
+            ours["dtype"] = config_dict[name]
+    return {"model_type": DiffusionDrafterConfig.model_type, **DiffusionDrafterConfig.RUNTIME_DEFAULTS, **ours}
+
+
+def _shared_fields(source) -> dict:
+    heads = source.num_attention_heads
+    return dict(
+        hidden_size=source.hidden_size, intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=getattr(source, "num_key_value_heads", None) or heads,
+        head_dim=getattr(source, "head_dim", None) or source.hidden_size // heads,
+        hidden_act=getattr(source, "hidden_act", "silu"), rms_norm_eps=source.rms_norm_eps,
+        rope_parameters=dict(source.rope_parameters), max_position_embeddings=source.max_position_embeddings,
+        vocab_size=getattr(source, "vocab_size", None), tie_word_embeddings=False,
+    )
+
+
+def _from_zlab(source, nested: dict, architectures: list[str]) -> dict:
+    """What `dflash.DFlashDraftModel` (0.1.0) reads: a `dflash_config` field first, then the config attribute."""
+
+    def value(name, default=None):
+        return nested.get(name, getattr(source, name, default))
+
+    num_target_layers = getattr(source, "num_target_layers", None)
+    layer_ids = value("target_layer_ids")
+    if layer_ids is None and num_target_layers is None:
+        raise ValueError("this z-lab DFlash config has neither dflash_config.target_layer_ids nor num_target_layers: "
+                         "the target layers the drafter reads are unknown")
+    if layer_ids is None:  # z-lab's rule: one target layer per drafter layer, spread like ours
+        layer_ids = default_target_layer_ids(num_target_layers, source.num_hidden_layers)
+    mask_token_id = value("mask_token_id")
+    if mask_token_id is None:
+        raise ValueError("this z-lab DFlash config has no dflash_config.mask_token_id: the target token whose "
+                         "embedding is MASK is unknown")
+    layer_types = list(getattr(source, "layer_types", None) or ["full_attention"] * source.num_hidden_layers)
+    # z-lab: a sliding-window layer attends causally unless the config's `is_causal` says otherwise
+    is_causal = getattr(source, "is_causal", None)
+    causal = [i for i, kind in enumerate(layer_types)
+              if (kind == "sliding_attention" if is_causal is None else bool(is_causal))]
+    softcap = value("final_logit_softcapping")
+    fields = dict(
+        _shared_fields(source), attention_bias=getattr(source, "attention_bias", False),
+        block_size=int(value("block_size", 16)), target_layer_ids=list(layer_ids),
+        num_target_layers=num_target_layers or default_num_target_layers(layer_ids), mask_token_id=mask_token_id,
+        layer_types=layer_types,
+        sliding_window=getattr(source, "sliding_window", None) if "sliding_attention" in layer_types else None,
+        causal_layers=causal, output_multiplier=float(value("output_multiplier", 1.0)),
+        final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+        input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+    )
+    dflash_2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    if "DFlash2DraftModel" in architectures or any(value(name) is not None for name in dflash_2):
+        missing = [name for name in dflash_2 if value(name) is None]
+        if missing:
+            raise ValueError(f"this DFlash 2 config lacks {missing} (dflash_config or top level)")
+        fields.update(block_conv=True, block_conv_kernel=int(value("conv_kernel_size")),
+                      block_conv_group_size=int(value("conv_group_size")),
+                      selector_rank=int(value("selector_rank")), selector_top_k=int(value("selector_top_k")))
+    return fields
+
+
+def _from_hf_native(source) -> dict:
+    """What transformers' `MuseGlimmerAssistantModel` reads. Its bidirectional window is inclusive
+    (|query - key| <= sliding_window), ours exclusive: one more."""
+    layer_types = list(source.layer_types)
+    return dict(
+        _shared_fields(source), attention_bias=False, block_size=source.block_size,
+        target_layer_ids=list(source.target_layer_ids),
+        num_target_layers=default_num_target_layers(source.target_layer_ids), mask_token_id=source.mask_token_id,
+        layer_types=layer_types,
+        sliding_window=source.sliding_window + 1 if "sliding_attention" in layer_types else None,
+    )
+
+
+__all__ = ["DiffusionDrafterConfig", "config_dict_from_published", "default_num_target_layers",
+           "default_target_layer_ids", "published_layout"]

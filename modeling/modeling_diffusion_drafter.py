@@ -11,11 +11,29 @@ checkpoints for `trust_remote_code` loading.
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .configuration_diffusion_drafter import DiffusionDrafterConfig
+from .configuration_diffusion_drafter import DiffusionDrafterConfig, published_layout
+
+#: checkpoint tensor names of published DFlash drafters -> ours (transformers' `key_mapping` of `from_pretrained`):
+#: transformers' DFlash drafter names the feature projection `encoder.*`; z-lab's DFlash 2 names its convolutions
+#: per sublayer and its selector `candidate_selector` (upstream files store the codebooks without `.weight`)
+PUBLISHED_KEY_MAPPING = {
+    r"^encoder\.fc\.": "fc.",
+    r"^encoder\.output_norm_enc\.": "hidden_norm.",
+    r"\.attention_conv\.base_kernel": ".block_convs.0.base",
+    r"\.attention_conv\.kernel_projection": ".block_convs.0.delta",
+    r"\.mlp_conv\.base_kernel": ".block_convs.1.base",
+    r"\.mlp_conv\.kernel_projection": ".block_convs.1.delta",
+    r"^candidate_selector\.hidden_projection": "selector.proj",
+    r"^candidate_selector\.predecessor_codebook(?:\.weight)?": "selector.previous_codes",
+    r"^candidate_selector\.successor_codebook(?:\.weight)?": "selector.candidate_codes",
+}
 
 
 class DiffusionDrafterRMSNorm(nn.Module):
@@ -32,23 +50,35 @@ class DiffusionDrafterRMSNorm(nn.Module):
 
 
 class DiffusionDrafterRotaryEmbedding(nn.Module):
-    """Plain RoPE over absolute positions; returns (cos, sin) of shape (batch, seq, head_dim)."""
+    """RoPE over absolute positions with transformers' RoPE functions (`config.rope_parameters`: plain, Llama 3's
+    `llama3`, `yarn`, `dynamic`, ...); returns (cos, sin) of shape (batch, seq, head_dim)."""
 
     def __init__(self, config: DiffusionDrafterConfig):
         super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
         self.config = config
-        self.register_buffer("inv_freq", self.compute_inv_freq(config), persistent=False)
+        self.rope_type = config.rope_parameters["rope_type"]
+        inv_freq, self.attention_scaling = self.rope_init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @property
+    def rope_init_fn(self):
+        return self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
 
     @staticmethod
-    def compute_inv_freq(config: DiffusionDrafterConfig) -> torch.Tensor:
-        dim = config.head_dim
-        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    def compute_default_rope_parameters(config: DiffusionDrafterConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        return inv_freq, 1.0
 
     @torch.no_grad()
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+    @dynamic_rope_update  # RoPE types whose frequencies depend on the sequence length (dynamic, longrope)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,15 +97,21 @@ class DiffusionDrafterAttention(nn.Module):
 
     The fused target features never pass through Q, the MLP or the residual stream: in every layer they are projected
     by that layer's own k_proj/v_proj (+ k_norm, RoPE at their absolute positions) and act as a K/V prefix. The cache,
-    when given, accumulates them across decoding steps.
+    when given, accumulates them across decoding steps. The attention itself is transformers' implementation named
+    by `config._attn_implementation` (sdpa by default, eager), given the additive float mask the drafter built.
     """
+
+    is_causal = False  # the block attends bidirectionally; causal layers get it from their mask
 
     def __init__(self, config: DiffusionDrafterConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -108,11 +144,12 @@ class DiffusionDrafterAttention(nn.Module):
             layer = cache.layers[self.layer_idx]
             k = torch.cat([layer.keys.expand(batch, -1, -1, -1), k], dim=2)
             v = torch.cat([layer.values.expand(batch, -1, -1, -1), v], dim=2)
+        if attention_mask is not None and attention_mask.shape[-1] > k.shape[2]:
+            attention_mask = attention_mask[..., -k.shape[2]:]  # a sliding-window cache layer keeps the latest keys
 
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
+        return self.o_proj(out.reshape(batch, q_len, -1))
 
 
 class DiffusionDrafterMLP(nn.Module):
@@ -128,29 +165,39 @@ class DiffusionDrafterMLP(nn.Module):
 
 
 class DiffusionDrafterBlockConv(nn.Module):
-    """DFlash 2's grouped dynamic causal convolution over the positions of each block (see `block_conv` in the
-    config). Queries arrive as whole blocks of `block_size` positions, one after another."""
+    """DFlash 2's grouped dynamic causal convolutions around one sublayer (see `block_conv` in the config): one over
+    the sublayer's normed input before it, one over its output after it, both with dynamic kernels projected from
+    that normed input. `base` (2, kernel, hidden) holds the static kernels (before, after); `delta` projects to
+    both dynamic kernels, (before, after) x offset x channel group, the layout of z-lab's DFlash 2 checkpoints.
+    Queries arrive as whole blocks of `block_size` positions, one after another."""
 
     def __init__(self, config: DiffusionDrafterConfig):
         super().__init__()
         self.config = config  # block_size is read per call: a trainer may change it on a loaded drafter
         self.kernel = config.block_conv_kernel
         self.group_size = config.block_conv_group_size
-        self.base = nn.Parameter(torch.zeros(self.kernel, config.hidden_size))  # base[0] = 1: identity (_init_weights)
-        self.delta = nn.Linear(config.hidden_size, self.kernel * config.hidden_size // self.group_size, bias=False)
+        self.base = nn.Parameter(torch.zeros(2, self.kernel, config.hidden_size))  # base[:, 0] = 1: identity
+        self.delta = nn.Linear(config.hidden_size, 2 * self.kernel * config.hidden_size // self.group_size, bias=False)
 
-    def forward(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        batch, q_len, hidden = x.shape
+    def forward(self, sublayer, normed: torch.Tensor) -> torch.Tensor:
+        batch, q_len, hidden = normed.shape
         size = self.config.block_size
         if q_len % size:
             raise ValueError(f"block_conv needs whole blocks of {size} positions, got {q_len}")
-        blocks = x.view(batch, -1, size, hidden)
-        delta = self.delta(normed).view(batch, -1, size, self.kernel, hidden // self.group_size)
+        delta = self.delta(normed).view(batch, -1, size, 2, self.kernel, hidden // self.group_size)
         delta = delta.repeat_interleave(self.group_size, dim=-1)
+        before = self.convolve(normed, self.base[0], delta[..., 0, :, :])
+        return self.convolve(sublayer(before), self.base[1], delta[..., 1, :, :])
+
+    def convolve(self, x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """out_t = sum_o (base[o] + delta_t[o]) * x_{t-o}, zero before the block's first position."""
+        batch, q_len, hidden = x.shape
+        size = self.config.block_size
+        blocks = x.view(batch, -1, size, hidden)
         out = torch.zeros_like(blocks)
-        for offset in range(self.kernel):  # x_{t - offset}, zero before the block's first position
+        for offset in range(self.kernel):
             shifted = F.pad(blocks, (0, 0, offset, 0))[:, :, :size]
-            out = out + (self.base[offset] + delta[..., offset, :]) * shifted
+            out = out + (base[offset] + delta[..., offset, :]) * shifted
         return out.view(batch, q_len, hidden)
 
 
@@ -161,15 +208,12 @@ class DiffusionDrafterDecoderLayer(nn.Module):
         self.mlp = DiffusionDrafterMLP(config)
         self.input_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffusionDrafterRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # DFlash 2: a convolution before (prepare) and after (finish) each sublayer; None for DFlash
-        convs = 4 if config.block_conv else 0
-        self.block_convs = nn.ModuleList(DiffusionDrafterBlockConv(config) for _ in range(convs)) if convs else None
+        # DFlash 2: convolutions around the attention (0) and the MLP (1); None for DFlash
+        self.block_convs = (nn.ModuleList(DiffusionDrafterBlockConv(config) for _ in range(2))
+                            if config.block_conv else None)
 
     def _sublayer(self, index: int, sublayer, normed: torch.Tensor) -> torch.Tensor:
-        if self.block_convs is None:
-            return sublayer(normed)
-        prepare, finish = self.block_convs[2 * index], self.block_convs[2 * index + 1]
-        return finish(sublayer(prepare(normed, normed)), normed)
+        return sublayer(normed) if self.block_convs is None else self.block_convs[index](sublayer, normed)
 
     def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None, extend_cache=True):
         def attend(x):
@@ -225,6 +269,19 @@ class DiffusionDrafterSelector(nn.Module):
         return candidate_logits.float() + pair.float()
 
 
+class ScaledTargetEmbedding(nn.Module):
+    """The target's raw embedding rows times `scale`: how z-lab's drafters embed their block
+    (`input_embedding_scale`), whatever scaling the target's own embedding module applies (Gemma's, for one)."""
+
+    def __init__(self, embedding: nn.Module, scale: float):
+        super().__init__()
+        self.embedding = embedding
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embedding.weight) * self.scale
+
+
 class DiffusionDrafterPreTrainedModel(PreTrainedModel):
     config_class = DiffusionDrafterConfig
     base_model_prefix = "drafter"
@@ -233,6 +290,8 @@ class DiffusionDrafterPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DiffusionDrafterDecoderLayer"]
     # forward has no loss-related kwargs: keep Trainer from assuming it scales the loss for accumulation
     accepts_loss_kwargs = False
+    # transformers' attention functions that take the additive float masks trees and ragged batches need
+    _supports_sdpa = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -244,11 +303,13 @@ class DiffusionDrafterPreTrainedModel(PreTrainedModel):
         elif isinstance(module, DiffusionDrafterRMSNorm):
             module.weight.fill_(1.0)
         elif isinstance(module, DiffusionDrafterRotaryEmbedding):
-            # a non-persistent buffer: from_pretrained materialises it empty, so it is (re)computed here
-            module.inv_freq.copy_(module.compute_inv_freq(self.config))
+            # non-persistent buffers: from_pretrained materialises them empty, so they are (re)computed here
+            inv_freq, _ = module.rope_init_fn(module.config)
+            module.inv_freq.copy_(inv_freq)
+            module.original_inv_freq.copy_(inv_freq)
         elif isinstance(module, DiffusionDrafterBlockConv):  # an exact no-op until trained
             module.base.zero_()
-            module.base[0].fill_(1.0)
+            module.base[:, 0].fill_(1.0)
             module.delta.weight.zero_()
         elif isinstance(module, DiffusionDrafterSelector):  # B = 0: an exact no-op until trained
             # unit-scale A: with both A and W h at initializer scale, <A[a] * W h, B[b]> would take thousands of steps
@@ -284,6 +345,9 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
 
     The target's input embeddings and LM head are borrowed, frozen, through `bind_target` (done by `from_target` and
     `from_pretrained(..., target=...)`).
+
+    `from_pretrained` also reads published DFlash drafters as they are on the Hub: z-lab's layout (DFlash and DFlash 2)
+    and transformers' own DFlash drafter (see `DiffusionDrafterConfig` and `PUBLISHED_KEY_MAPPING`).
 
     With `config.draft_vocab_size` set, the drafter drafts over a reduced vocabulary: the sorted target ids in its
     `draft_vocab_ids` buffer (saved with the weights; `set_draft_vocabulary` changes them). Only those rows of the
@@ -324,10 +388,15 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
     # ----- binding to a target -------------------------------------------------------------------------------------
     def bind_target(self, target: PreTrainedModel) -> "DiffusionDrafter":
         """Borrow `target`'s input embeddings and LM head after checking that the drafter was built for it."""
+        if self.config.vocab_size is None:  # a layout that does not record it (transformers' DFlash drafter)
+            self.config.vocab_size = target.config.get_text_config().vocab_size
         check_target_compatible(self.config, target)
         if self.draft_vocab_ids is not None:
             check_draft_vocab_ids(self.draft_vocab_ids, self.config.vocab_size)
-        self._borrowed = {"embed_tokens": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
+        embed = target.get_input_embeddings()
+        if self.config.input_embedding_scale is not None:
+            embed = ScaledTargetEmbedding(embed, self.config.input_embedding_scale)
+        self._borrowed = {"embed_tokens": embed, "lm_head": target.get_output_embeddings()}
         self._draft_head = None
         return self
 
@@ -402,6 +471,7 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
             ["selector."] if kwargs.get("selector_rank") is not None else [])
         # mismatched shapes are reported below, naming the tensors
         kwargs.setdefault("ignore_mismatched_sizes", True)
+        kwargs.setdefault("key_mapping", PUBLISHED_KEY_MAPPING)
         try:
             drafter, info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -433,10 +503,20 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
                 "with draft_vocab_size=None to draft over the full vocabulary."
             )
         if broken:
+            layout = published_layout(PreTrainedConfig.get_config_dict(pretrained_model_name_or_path)[0])
+            if layout is not None:
+                raise OSError(
+                    f"the {layout} DFlash checkpoint at {pretrained_model_name_or_path} does not hold the tensors its "
+                    f"config describes: {broken}. If its download was cut short, download it again; if a complete "
+                    "published drafter fails so, its layout differs from the ones this version maps (z-lab DFlash / "
+                    "DFlash 2, transformers' DFlash drafter): please report it with its config.json."
+                )
             raise OSError(
                 f"the drafter checkpoint at {pretrained_model_name_or_path} is incomplete or corrupt: {broken}. "
                 "Re-save it with drafter.save_pretrained(...) or re-download it."
             )
+        # saved again, the drafter is in our layout: transformers would otherwise write the published names back
+        drafter._weight_conversions = None
         if target is not None:
             drafter = drafter.to(target.device).bind_target(target)
         return (drafter, info) if wants_info else drafter
@@ -497,18 +577,61 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         elif attention_mask is not None:
             attention_mask = attention_mask.to(noise_embeds.dtype)
 
-        cos, sin = self.rotary_emb(position_ids, noise_embeds.dtype)
+        masks = self.layer_masks(attention_mask, position_ids.expand(batch, -1), q_len, cache, extend_cache,
+                                 noise_embeds.dtype)
+        cos, sin = self.rotary_emb(noise_embeds, position_ids)
         hidden_states = noise_embeds
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, context, cos, sin, attention_mask, cache, extend_cache)
+        for layer, mask in zip(self.layers, masks):
+            hidden_states = layer(hidden_states, context, cos, sin, mask, cache, extend_cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+    def layer_masks(self, attention_mask, position_ids, q_len: int, cache, extend_cache: bool, dtype) -> list:
+        """Each layer's additive mask: the caller's, where the layer is causal (`causal_layers`: no key after the
+        query) or has a sliding window (`layer_types`: no key `sliding_window` or more positions away) also
+        blocking those keys. Positions, not slot indices, decide: a batch's cache holds slots a row does not see."""
+        config = self.config
+        kinds = [(i in config.causal_layers, config.uses_sliding_window and kind == "sliding_attention")
+                 for i, kind in enumerate(config.layer_types)]
+        if not any(causal or window for causal, window in kinds):
+            return [attention_mask] * len(self.layers)
+        distance = position_ids[:, -q_len:, None] - self.key_positions(position_ids, cache, extend_cache)[:, None]
+        masks = {}
+        for causal, window in set(kinds):
+            blocked = torch.zeros_like(distance, dtype=torch.bool)
+            if causal:
+                blocked |= distance < 0
+            if window:
+                blocked |= distance.abs() >= config.sliding_window
+            base = attention_mask if attention_mask is not None else distance.new_zeros(distance.shape, dtype=dtype)[:, None]
+            masks[causal, window] = base.masked_fill(blocked[:, None], torch.finfo(dtype).min)
+        return [masks[kind] if kind in masks else attention_mask for kind in kinds]
+
+    def key_positions(self, position_ids: torch.Tensor, cache, extend_cache: bool = True) -> torch.Tensor:
+        """Positions of the keys a forward attends to, [cached ; context ; block], (batch, kv), given those of
+        [context ; block]. With a sliding window, the positions of cached keys are kept in the cache beside the
+        layers' K/V, as one more layer: whatever crops the cache or selects its rows keeps them aligned with the
+        keys. Without one (or in a cache of fixed layers), cached keys are taken as the positions just before."""
+        if cache is None:
+            return position_ids
+        slot = self.config.num_hidden_layers
+        if self.config.uses_sliding_window and getattr(cache, "layer_class_to_replicate", None) is not None:
+            new = position_ids[:, None, :, None].float()  # shaped like keys: (batch, 1, seq, 1)
+            if extend_cache:
+                return cache.update(new, new, slot)[0][:, 0, :, 0].long()
+            cached = cache.layers[slot].keys[:, 0, :, 0].long().expand(position_ids.shape[0], -1)
+            return torch.cat([cached, position_ids], dim=1)
+        past = cache.get_seq_length()
+        before = position_ids[:, :1] - torch.arange(past, 0, -1, device=position_ids.device)
+        return torch.cat([before, position_ids], dim=1)
 
     @torch.no_grad()
     def prefill_context(self, context_hidden_states: torch.Tensor, position_ids: torch.Tensor, cache) -> None:
         """Append the K/V of new context tokens to `cache` in every layer, without drafting a block. Context K/V
         depend only on the fused features (never on the block), so they can be computed ahead of any draft."""
         context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
-        cos, sin = self.rotary_emb(position_ids, context.dtype)
+        if self.config.uses_sliding_window:
+            self.key_positions(position_ids, cache)  # recorded beside the K/V
+        cos, sin = self.rotary_emb(context, position_ids)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_context(context, cos, sin)
             cache.update(k, v, i)
@@ -550,15 +673,23 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
     def compute_draft_vocab_logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the draft vocabulary only, (..., draft_vocab_size), and the target ids of their columns; with
         the full vocabulary, the target's logits and `None`. For callers that map columns back themselves (training's
-        cross-entropy over V' logits): no full-vocabulary tensor is built."""
+        cross-entropy over V' logits): no full-vocabulary tensor is built. A published drafter's `output_multiplier`
+        and `final_logit_softcapping` apply."""
         lm_head = self.target_lm_head
         # a slice of the block (its draft slots) is a strided view; CPU bf16 matmuls take a slow path on those
         # (measured: 8192 rows x 15 slots, 3.1 ms strided against 0.5 ms contiguous)
         hidden_states = hidden_states.to(lm_head.weight.dtype).contiguous()
         if self.draft_vocab_ids is None:
-            return lm_head(hidden_states), None
-        weight, bias, ids = self.draft_vocab_head()
-        return F.linear(hidden_states, weight, bias), ids
+            logits, ids = lm_head(hidden_states), None
+        else:
+            weight, bias, ids = self.draft_vocab_head()
+            logits = F.linear(hidden_states, weight, bias)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits, ids
 
     def select_drafts(self, draft_hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
                       temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -615,9 +746,11 @@ def expand_padding_mask(mask_2d: torch.Tensor, q_len: int, dtype: torch.dtype) -
 
 
 def drafter_config_for_target(target_config, **overrides) -> DiffusionDrafterConfig:
-    """A `DiffusionDrafterConfig` whose attention shape, RoPE and vocabulary follow `target_config`."""
+    """A `DiffusionDrafterConfig` whose attention shape, RoPE (type and scaling included) and vocabulary follow
+    `target_config`; a target with RoPE per layer type lends its full-attention layers' RoPE."""
     text_config = target_config.get_text_config()
-    rope = getattr(text_config, "rope_parameters", None) or {}
+    rope = dict(getattr(text_config, "rope_parameters", None) or {})
+    rope = dict(rope.get("full_attention") or {}) if "full_attention" in rope else rope
     rope_theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
     heads = text_config.num_attention_heads
     values = dict(
@@ -628,6 +761,7 @@ def drafter_config_for_target(target_config, **overrides) -> DiffusionDrafterCon
         head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
         rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
+        rope_parameters=rope or None,
         max_position_embeddings=getattr(text_config, "max_position_embeddings", 8192),
         vocab_size=text_config.vocab_size,
         num_target_layers=text_config.num_hidden_layers,
@@ -663,4 +797,4 @@ def check_target_compatible(config: DiffusionDrafterConfig, target: PreTrainedMo
         )
 
 
-__all__ = ["DiffusionDrafter", "DiffusionDrafterLengthHead", "DiffusionDrafterPreTrainedModel", "drafter_config_for_target", "check_target_compatible", "check_draft_vocab_ids"]
+__all__ = ["PUBLISHED_KEY_MAPPING", "DiffusionDrafter", "DiffusionDrafterLengthHead", "DiffusionDrafterPreTrainedModel", "drafter_config_for_target", "check_target_compatible", "check_draft_vocab_ids"]

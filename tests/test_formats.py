@@ -112,7 +112,9 @@ def test_zlab_checkpoint_drafts_identically_in_every_route(zlab_dir, tmp_path, m
     ref = target.generate(ids, **kwargs)
 
     main(["convert", str(zlab_dir), "--from", "zlab", "--out", str(tmp_path / "ours")])
-    ours = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "ours", target=target)
+    # chains, as transformers' DFlash path drafts (a published drafter otherwise gets trees and prompt lookup)
+    ours = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "ours", target=target, draft_tree_budget=None,
+                                                        prompt_lookup_num_tokens=0)
     assert ours.config.mask_token_id == MASK_ID and ours.config.target_layer_ids == LAYER_IDS
 
     hf_drafts = record_hf_drafts(monkeypatch)
@@ -172,14 +174,10 @@ def test_broken_external_checkpoints_name_the_problem(zlab_dir, tmp_path):
     del state["layers.1.mlp.up_proj.weight"]
     state["fc.weight"] = torch.zeros(H, H)
     save_file(state, zlab_dir / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing layers\.1\.mlp\.up_proj\.weight.*fc\.weight: checkpoint \(64, 64\)"):
+    with pytest.raises(OSError, match=r"zlab DFlash checkpoint .*layers\.1\.mlp\.up_proj\.weight.*fc\.weight.*download"):
         main(["convert", str(zlab_dir), "--from", "zlab", "--out", str(tmp_path / "o")])
     config = zlab_config()
     del config["dflash_config"]
     (zlab_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="target_layer_ids"):
-        main(["convert", str(zlab_dir), "--from", "zlab", "--out", str(tmp_path / "o")])
-    config = {**zlab_config(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    (zlab_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="mask_token_id"):
         main(["convert", str(zlab_dir), "--from", "zlab", "--out", str(tmp_path / "o")])

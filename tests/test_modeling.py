@@ -78,7 +78,7 @@ def test_block_conv_starts_as_an_exact_no_op_and_reaches_back_within_the_block_o
     drafter = tiny_drafter(target, block_size=4)
     drafter.save_pretrained(tmp_path)
     with_conv = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path, target=target, block_conv=True)
-    assert len(with_conv.layers[0].block_convs) == 4  # before and after attention and MLP
+    assert len(with_conv.layers[0].block_convs) == 2  # around the attention and around the MLP
     noise = torch.randn(2, 8, drafter.config.hidden_size)
     context = torch.randn(2, 5, drafter.fc.in_features)
     same = [m(noise_embeds=noise, context_hidden_states=context).last_hidden_state for m in (drafter, with_conv)]
@@ -87,14 +87,19 @@ def test_block_conv_starts_as_an_exact_no_op_and_reaches_back_within_the_block_o
     conv = with_conv.layers[0].block_convs[0]
     assert isinstance(conv, DiffusionDrafterBlockConv)
     with torch.no_grad():
-        conv.base[1].fill_(0.5)
+        conv.base[:, 1].fill_(0.5)
         conv.delta.weight.normal_()
     x = torch.randn(1, 8, drafter.config.hidden_size)  # two blocks of 4
     later = x.clone()
     later[:, 2] += 1.0
-    moved = (conv(later, x) - conv(x, x)).abs().sum(-1)[0]
-    assert moved[2] > 0 and moved[3] > 0  # the position itself and the next one
-    assert moved[[0, 1, 4, 5, 6, 7]].eq(0).all()  # nothing earlier, nothing in the next block
+    bump = torch.zeros_like(x)
+    bump[:, 2] = 1.0
+    identity = conv(lambda h: h, x)
+    for moved in ((conv(lambda h: h, later) - identity),  # the input changes: both convolutions see it
+                  (conv(lambda h: h + bump, x) - identity)):  # the sublayer's output changes: the one after it
+        moved = moved.abs().sum(-1)[0]
+        assert moved[2] > 0 and moved[3] > 0  # the position itself and the next one
+        assert moved[[0, 1, 4, 5, 6, 7]].eq(0).all()  # nothing earlier, nothing in the next block
     with pytest.raises(ValueError, match="block_conv_group_size"):
         hf_diffspec.DiffusionDrafterConfig(block_conv=True, hidden_size=40, block_conv_group_size=16,
                                            num_attention_heads=4, num_key_value_heads=4)
@@ -221,3 +226,60 @@ def test_modeling_files_import_only_torch_transformers_and_each_other():
                 continue
             assert roots <= {"torch", "transformers", "."}, f"{path.name}: {ast.unparse(node)}"
 
+
+
+def _decoding_and_training_outputs(drafter, target):
+    """A decoding step (cached context, ragged 4D mask) and a training forward (many blocks, the trainer's block
+    mask, a backward pass): outputs and the gradient of fc."""
+    from hf_diffspec.trainers.block_diffusion import block_attention_mask
+
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 12, drafter.fc.in_features, generator=generator)
+    cache = DynamicCache()
+    drafter.prefill_context(features[:, :8], torch.arange(8)[None].expand(2, -1), cache)
+    valid = torch.ones(2, 8 + 4 + 4)
+    valid[1, :3] = 0  # the second row's padding
+    step = drafter(noise_embeds=drafter.block_embeds(torch.tensor([5, 9])), context_hidden_states=features[:, 8:],
+                   position_ids=torch.arange(8, 16)[None].expand(2, -1), attention_mask=valid,
+                   cache=cache).last_hidden_state
+    anchors = torch.tensor([[2, 6], [3, 7]])
+    slots = (anchors[:, :, None] + torch.arange(4)).flatten(1)
+    mask = block_attention_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), torch.ones(2, 12), 4,
+                                torch.float32)
+    noise = target.get_input_embeddings()(torch.randint(2, 128, slots.shape, generator=generator))
+    drafter.zero_grad()
+    hidden = drafter(noise_embeds=noise, context_hidden_states=features,
+                     position_ids=torch.cat([torch.arange(12).expand(2, -1), slots], 1), attention_mask=mask,
+                     mask_positions=(torch.arange(8) % 4 != 0).expand(2, -1)).last_hidden_state
+    hidden.square().sum().backward()
+    return step.detach(), hidden.detach(), drafter.fc.weight.grad.clone()
+
+
+def test_attention_runs_through_transformers_attention_interface():
+    """The drafter's attention is transformers' function for `config._attn_implementation`: sdpa (the default) and
+    eager give the same outputs and gradients in fp32, in decoding and in training, and a registered function is
+    what runs."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    assert drafter.config._attn_implementation == "sdpa"
+    sdpa = _decoding_and_training_outputs(drafter, target)
+    drafter.set_attn_implementation("eager")
+    eager = _decoding_and_training_outputs(drafter, target)
+    for a, b in zip(sdpa, eager):  # two kernels: fp32 rounding apart
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    calls = []
+
+    def counting(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("counting_sdpa", counting)
+    drafter.set_attn_implementation("counting_sdpa")
+    counted = _decoding_and_training_outputs(drafter, target)
+    assert len(calls) == 2 * drafter.config.num_hidden_layers
+    for a, b in zip(sdpa, counted):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -13,6 +13,7 @@ from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriter
 
 from .drafting import first_drafter, is_diffusion_drafter
 from .decoding import speculative_generate
+from .support import refuse_unsupported
 
 _UNSUPPORTED = {
     "num_beams": (1, "beam search"),
@@ -29,6 +30,7 @@ def run_speculative(model, args, kwargs, drafter, streamer, generate_fn):
         value = kwargs.get(name, getattr(config, name, allowed))
         if value not in (None, allowed):
             raise ValueError(f"speculative decoding with a DiffusionDrafter does not support {what} ({name}={value})")
+    refuse_unsupported(model, config, kwargs)
     _move_stop_strings_into_criteria(config, kwargs)
     num_draft_tokens = _fixed_draft_length(config, kwargs)
     prompt_lookup_tokens = _prompt_lookup_tokens(config, kwargs, drafter)

@@ -1,0 +1,54 @@
+"""What our decoding loop cannot run losslessly, refused before the first forward with the alternative named.
+
+Imports: torch/transformers only (this file travels in `custom_generate/`).
+"""
+
+from transformers import DynamicCache
+
+
+def refuse_unsupported(model, generation_config, kwargs) -> None:
+    """Raise ValueError when the target, its attention backend or its cache cannot run our loop.
+
+    - Trees and ragged batches verify with 4D additive float masks: FlashAttention (and paged attention) kernels take
+      no such mask. eager, sdpa and flex_attention (the mask becomes a score modifier) do.
+    - Every step crops the target's cache to the accepted tokens and compacts the accepted tree path into place:
+      only a `DynamicCache` kept on the device allows that; static, offloaded and quantized caches do not.
+    - The loop feeds the target's own decoder hidden states to the drafter: decoder-only targets.
+    - Rolling a step back is cropping full-attention KV: a target with other layers (linear attention's recurrent
+      state, sliding windows) would continue from a state that saw rejected drafts.
+    """
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model; speculative decoding with a DiffusionDrafter runs "
+            "decoder-only (causal LM) targets. Use transformers' assisted generation with a small assistant model "
+            "(generate(..., assistant_model=<an encoder-decoder assistant>)) for this one."
+        )
+    other_layers = sorted(set(getattr(config.get_text_config(), "layer_types", None) or []) - {"full_attention"})
+    if other_layers:
+        raise ValueError(
+            f"{type(model).__name__} has {other_layers} layers; this version rolls rejected drafts back by cropping "
+            "full-attention KV only, which would leave those layers' state wrong. Decode this target with plain "
+            "generate (no assistant_model)."
+        )
+    attention = str(config._attn_implementation or "")
+    if "flash" in attention or "paged" in attention:
+        raise ValueError(
+            f"attn_implementation={attention!r} cannot take the 4D float attention masks that draft trees and "
+            "batches of different lengths are verified with; load the target with attn_implementation='sdpa' "
+            "(or 'eager')."
+        )
+    cache_implementation = kwargs.get("cache_implementation", generation_config.cache_implementation)
+    if cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={cache_implementation!r} is not supported: speculative decoding crops the target's "
+            "cache to the accepted tokens and compacts accepted tree paths every step, which needs a dynamic cache "
+            "on the device. Leave cache_implementation unset (or 'dynamic')."
+        )
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # `past_key_values`: its name before 5.24
+    if cache is not None and (not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False)):
+        raise ValueError(
+            f"a cache of type {type(cache).__name__}{' (offloaded)' if isinstance(cache, DynamicCache) else ''} "
+            "is not supported: speculative decoding crops the target's cache to the accepted tokens and compacts "
+            "accepted tree paths every step, which needs a DynamicCache on the device. Pass a DynamicCache or none."
+        )
