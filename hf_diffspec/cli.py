@@ -111,9 +111,14 @@ def cmd_data(args) -> None:
         n = write_relabel_data(tok, args.target, args.out, args.num_samples, max_length=args.max_length,
                                seed=args.seed, skip=args.skip)
     else:
+        from accelerate import PartialState
+
         from .prompts import load_prompts_file
 
-        target, tok = load_target(args.target, dtype=dtype, device=args.device)
+        # under torchrun / accelerate launch, each process answers its share of the prompts on its own device
+        state = PartialState(cpu=args.device in (None, "cpu"))
+        device = state.device if state.num_processes > 1 else args.device
+        target, tok = load_target(args.target, dtype=dtype, device=device)
         prompts = None if args.source == "sharegpt" else load_prompts_file(args.source)
         n = write_generated_data(target, tok, args.target, args.out, args.num_samples,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
