@@ -163,7 +163,9 @@ def cmd_train(args) -> None:
     except ValueError as error:
         raise SystemExit(str(error)) from None
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if fast_bf16(args.device) else torch.float32)
-    target, tok = load_target(args.target, dtype=dtype, device=args.device)
+    # under torchrun / accelerate launch, each process's target on that process's training device
+    device = config.device if config.world_size > 1 else args.device
+    target, tok = load_target(args.target, dtype=dtype, device=device)
     command = "hf-diffspec " + " ".join(sys.argv[1:])
     if args.train_command == "opd":
         prompts = on_policy_prompts(args.prompts_file, seed=config.seed, skip=args.skip)

@@ -70,7 +70,7 @@ def main(plan_path: str) -> None:
     sys.addaudithook(record_writes)
     for job in plan["jobs"]:
         trained.clear()
-        del touched[:]
+        touched.clear()
         clocks = job.get("clock_seconds_per_call")
         block_diffusion.time = types.SimpleNamespace(perf_counter=CountingClock(clocks[str(rank)]).perf_counter) \
             if clocks else time
@@ -80,7 +80,8 @@ def main(plan_path: str) -> None:
         cli.main(job["argv"])
         block_diffusion.VariablePrefixTrainer.prefix_lengths = prefixes
         written = list(touched)
-        torch.save({"trained": trained, "written": written}, os.path.join(plan["results"], f"{job['name']}-rank{rank}.pt"))
+        torch.save({"trained": trained, "written": written},
+                   os.path.join(plan["results"], f"{job['name']}-rank{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -151,7 +151,8 @@ class BlockDiffusionTrainer(Trainer):
     Args (beyond `Trainer`'s):
         args: a `DrafterTrainingArguments` (block loss decay, time budget; a plain `TrainingArguments` gets their
             defaults). `remove_unused_columns` is forced to False (the collator's columns are not forward arguments).
-        target: the frozen target model (teacher and feature source); moved to the training device.
+        target: the frozen target model (teacher and feature source); moved to the training device. Under DDP or
+            FSDP every process holds its own whole copy (never sharded).
 
     With a reduced draft vocabulary (`drafter.config.draft_vocab_size`), the cross-entropy runs over the V' logits
     of the drafter's vocabulary, and slots whose label (the target's token) lies outside it are ignored in the loss
@@ -256,7 +257,8 @@ class BlockDiffusionTrainer(Trainer):
         block_tokens = torch.where(is_real & in_range, input_ids.gather(1, slot_positions.flatten(1)).view_as(slot_positions), 0)
         embed = self.target.get_input_embeddings()
         noise = embed(block_tokens.flatten(1))                                               # (B, n*size, H)
-        positions = torch.cat([torch.arange(seq, device=input_ids.device).expand(batch, -1), block_positions.flatten(1)], 1)
+        context_positions = torch.arange(seq, device=input_ids.device).expand(batch, -1)
+        positions = torch.cat([context_positions, block_positions.flatten(1)], 1)
         mask = block_attention_mask(anchors, anchor_mask, attention_mask, size, noise.dtype)
         hidden = forward(
             noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask,
