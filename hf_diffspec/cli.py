@@ -33,11 +33,11 @@ def target_dtype(args) -> torch.dtype:
     return DTYPES[args.dtype]
 
 
-def load_target_of(args):
-    """(model, tokenizer) of `--target` in `--dtype` on `--device`."""
+def load_target_of(args, device=None):
+    """(model, tokenizer) of `--target` in `--dtype` on `device` (default: `--device`)."""
     from . import load_target
 
-    return load_target(args.target, dtype=target_dtype(args), device=args.device)
+    return load_target(args.target, dtype=target_dtype(args), device=device or args.device)
 
 
 def comma_separated(text: str, kind=str, error: str | None = None) -> list:
@@ -147,9 +147,13 @@ def cmd_data(args) -> None:
         n = write_relabel_data(tok, args.target, args.out, args.num_samples, max_length=args.max_length,
                                seed=args.seed, skip=args.skip)
     else:
+        from accelerate import PartialState
+
         from .prompts import load_prompts_file
 
-        target, tok = load_target_of(args)
+        # under torchrun / accelerate launch, each process answers its share of the prompts on its own device
+        state = PartialState(cpu=args.device in (None, "cpu"))
+        target, tok = load_target_of(args, device=state.device if state.num_processes > 1 else None)
         prompts = None if args.source == "sharegpt" else load_prompts_file(args.source)
         n = write_generated_data(target, tok, args.target, args.out, args.num_samples,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
@@ -181,7 +185,8 @@ def cmd_train(args) -> None:
         config = args.config_class(**{f.name: getattr(args, f.name) for f in fields(args.config_class) if f.init})
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    target, tok = load_target_of(args)
+    # under torchrun / accelerate launch, each process's target on that process's training device
+    target, tok = load_target_of(args, device=config.device if config.world_size > 1 else None)
     command = "hf-diffspec " + " ".join(sys.argv[1:])
     if args.train_command == "opd":
         prompts = on_policy_prompts(args.prompts_file, seed=config.seed, skip=args.skip)

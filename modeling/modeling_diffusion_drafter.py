@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -201,7 +202,7 @@ class DiffusionDrafterBlockConv(nn.Module):
         return out.view(batch, q_len, hidden)
 
 
-class DiffusionDrafterDecoderLayer(nn.Module):
+class DiffusionDrafterDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffusionDrafterConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DiffusionDrafterAttention(config, layer_idx)
@@ -286,7 +287,7 @@ class DiffusionDrafterPreTrainedModel(PreTrainedModel):
     config_class = DiffusionDrafterConfig
     base_model_prefix = "drafter"
     main_input_name = "noise_embeds"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DiffusionDrafterDecoderLayer"]
     # forward has no loss-related kwargs: keep Trainer from assuming it scales the loss for accumulation
     accepts_loss_kwargs = False

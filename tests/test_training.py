@@ -2,11 +2,13 @@
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
 
 import hf_diffspec
 from hf_diffspec.runtime.cost_model import save_profile
@@ -103,6 +105,27 @@ def test_collator_samples_anchors_on_response_tokens():
     a0 = batch["anchors"][0][batch["anchor_mask"][0]].tolist()
     assert len(a0) == 3 and all(6 <= a <= 8 for a in a0)  # anchor and the next token are response tokens
     assert batch["anchors"][1][batch["anchor_mask"][1]].tolist() == [3]
+
+
+def test_collator_anchors_differ_between_processes_workers_and_epochs():
+    """Every process and dataloader worker draws its own anchors (a generator copied into the workers would repeat
+    the same ones in each), fresh every epoch, and the same again for the same seed."""
+    rows = [{"input_ids": torch.arange(1, 41), "prompt_length": 2}] * 4  # the same row: only the anchors differ
+
+    def anchors(process_index=0, workers=0):
+        collate = BlockDiffusionCollator(pad_token_id=0, num_anchors=4, seed=0, process_index=process_index)
+        torch.manual_seed(0)  # the dataloader draws its workers' seeds from it, anew for every epoch
+        loader = DataLoader(rows, batch_size=2, collate_fn=collate, num_workers=workers)
+        return [batch["anchors"] for _ in range(2) for batch in loader]  # two epochs of two batches
+
+    def distinct(batches):
+        return len({tuple(b.flatten().tolist()) for b in batches})
+
+    alone, other_process = anchors(), anchors(process_index=1)
+    assert distinct(alone) == 4 and distinct(alone + other_process) == 8
+    with_workers = anchors(workers=2)  # each epoch: worker 0 collates the first batch, worker 1 the second
+    assert distinct(with_workers) == 4
+    assert all(torch.equal(a, b) for a, b in zip(with_workers, anchors(workers=2)))  # seeded: the same again
 
 
 def test_block_mask_sees_strictly_earlier_context_and_its_own_block_only():
@@ -294,6 +317,7 @@ def test_reverse_kl_loss_clips_each_positions_share():
     trainer = ReverseKLTrainer.__new__(ReverseKLTrainer)  # the loss needs no model: just its parameters
     trainer.alpha, trainer.kl_clip, trainer.temperature = 0.8, 0.01, 1.0
     trainer._metrics = {"reverse_kl": []}
+    trainer.accelerator = SimpleNamespace(num_processes=1)
     logits, teacher = torch.randn(4, 9, requires_grad=True), torch.randn(4, 9)
     labels, weights = teacher.argmax(-1), torch.tensor([1.0, 0.8, 0.6, 0.5])
     loss = trainer.block_loss(logits, labels, weights, lambda: teacher)
@@ -346,6 +370,28 @@ def test_a_checkpoint_missing_its_length_head_says_so(tmp_path):
         hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "d", target=target)
     plain = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "d", target=target, length_head=False)
     assert plain.length_head is None
+
+
+def test_activation_checkpointing_recomputes_the_layers_and_trains_the_same_drafter(target_and_data, tokenizer,
+                                                                                   tmp_path, monkeypatch):
+    from hf_diffspec.modeling.modeling_diffusion_drafter import DiffusionDrafterMLP
+
+    target, data = target_and_data
+    calls = []
+    forward = DiffusionDrafterMLP.forward
+    monkeypatch.setattr(DiffusionDrafterMLP, "forward", lambda self, x: calls.append(1) or forward(self, x))
+    weights = {}
+    for checkpointing in (False, True):
+        calls.clear()
+        cfg = DrafterTrainingArguments(output_dir=str(tmp_path / str(checkpointing)), num_layers=1, block_size=4,
+                                       num_anchors=8, per_device_train_batch_size=2, max_steps=2, bf16=False,
+                                       save_steps=1000, activation_checkpointing=checkpointing)
+        weights[checkpointing] = load_file(train_drafter(target, tokenizer, "tiny", [str(data)], cfg, command="test")
+                                           / "model.safetensors")
+        # one MLP call per step in the forward, and with checkpointing one more when the backward recomputes it
+        assert len(calls) == 2 * (1 + checkpointing)
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor)
 
 
 def test_bf16_training_is_the_default_only_where_bf16_is_native(monkeypatch, tmp_path):

@@ -12,6 +12,11 @@ The target lives on the trainer (frozen, never optimised, never saved); features
 forward per batch, computed on the fly. Subclasses change the loss (`block_loss`: reverse KL for AdaFlash's OPD),
 the block contents (`prefix_lengths`: D²SD's VP drafter) or what is trained (the length head), and share everything
 else. Each Trainer reads its own fields from its configuration class (`configs.py`).
+
+Under DDP or FSDP (`torchrun`, `accelerate launch`) everything a loss trains runs inside the wrapped model's forward
+(`run_as_forward`: the length head and the selector too), losses are normalised over the whole batch of every process
+(`batch_sum`), the time budget follows the main process's clock, and the collator seeds its anchors per process and
+per dataloader worker. Every process holds its own full copy of the frozen target (not sharded, also under FSDP).
 """
 
 import math
@@ -22,6 +27,8 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import broadcast_object_list, gather_object
+from torch.utils.data import get_worker_info
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .configs import DrafterTrainingArguments, LengthHeadConfig, ReverseKLConfig, VariablePrefixConfig
@@ -52,12 +59,26 @@ class BlockDiffusionCollator:
 
     An anchor `a` is valid when tokens a and a+1 are both response tokens. Rows with fewer valid anchors get padding
     anchors with `anchor_mask` False.
+
+    The anchors' generator is seeded by `seed`, the process (`process_index` under DDP/FSDP) and, in a dataloader
+    worker, the worker's seed, which torch draws anew for every worker and every epoch: each process and worker draws
+    its own anchors (a generator copied into the workers would repeat the same ones in all of them).
     """
 
-    def __init__(self, pad_token_id: int, num_anchors: int = 64, seed: int | None = None):
+    def __init__(self, pad_token_id: int, num_anchors: int = 64, seed: int | None = None, process_index: int = 0):
         self.pad_token_id = pad_token_id
         self.num_anchors = num_anchors
-        self.rng = random.Random(seed)
+        self.seed, self.process_index = seed, process_index
+        self._rng, self._rng_worker_seed = None, None
+
+    @property
+    def rng(self) -> random.Random:
+        worker = get_worker_info()
+        worker_seed = None if worker is None else worker.seed
+        if self._rng is None or worker_seed != self._rng_worker_seed:
+            self._rng_worker_seed = worker_seed
+            self._rng = random.Random(None if self.seed is None else f"{self.seed}/{self.process_index}/{worker_seed}")
+        return self._rng
 
     def __call__(self, features: list[dict]) -> dict:
         width = max(len(f["input_ids"]) for f in features)
@@ -96,6 +117,24 @@ def block_attention_mask(anchors, anchor_mask, attention_mask, block_size: int, 
     return mask[:, None]
 
 
+def run_as_forward(model, accelerator, fn, *args):
+    """`fn(forward, *args)` run as the forward of `model`'s own module, inside every wrapper around it (DDP, FSDP,
+    DeepSpeed), with `forward` the module's own forward (and the autocast accelerate may have given it). Parameters
+    that `fn` uses outside that forward (the length head, the selector) are then gathered for it like the forward's,
+    and their gradients are synchronised with the others'."""
+    module = accelerator.unwrap_model(model)
+    patched = module.__dict__.get("forward")  # accelerate's mixed-precision wrapper, when it set one
+    forward = module.forward
+    module.forward = lambda *inputs: fn(forward, *inputs)
+    try:
+        return model(*args)
+    finally:
+        if patched is None:
+            del module.forward
+        else:
+            module.forward = patched
+
+
 def as_config(args: TrainingArguments | None, config_class: type[DrafterTrainingArguments]):
     """`args` as `config_class` (plain `TrainingArguments` keep their values and get the class's own defaults)."""
     if isinstance(args, config_class):
@@ -112,7 +151,8 @@ class BlockDiffusionTrainer(Trainer):
     Args (beyond `Trainer`'s):
         args: a `DrafterTrainingArguments` (block loss decay, time budget; a plain `TrainingArguments` gets their
             defaults). `remove_unused_columns` is forced to False (the collator's columns are not forward arguments).
-        target: the frozen target model (teacher and feature source); moved to the training device.
+        target: the frozen target model (teacher and feature source); moved to the training device. Under DDP or
+            FSDP every process holds its own whole copy (never sharded).
 
     With a reduced draft vocabulary (`drafter.config.draft_vocab_size`), the cross-entropy runs over the V' logits
     of the drafter's vocabulary, and slots whose label (the target's token) lies outside it are ignored in the loss
@@ -134,25 +174,28 @@ class BlockDiffusionTrainer(Trainer):
         self.block_size = drafter.config.block_size
         self.loss_decay = self.args.loss_decay or default_loss_decay(self.block_size)
         self._metrics = defaultdict(list)
-        self.time_budget_s = self.args.time_budget_minutes * 60 if self.args.time_budget_minutes else None
-        if self.time_budget_s:
-            self.add_callback(_StopAtTimeBudget(self))
+        self.time_budget = None
+        if self.args.time_budget_minutes:
+            self.time_budget = TimeBudget(self.args.time_budget_minutes * 60)
+            self.add_callback(self.time_budget)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        # training tokens seen, for held-out tau against training tokens: transformers counts `main_input_name`,
-        # which a drafter's forward does not take; kept in the trainer state, so a resumed run counts on
-        self.state.num_input_tokens_seen += int(inputs["attention_mask"].sum())
+        # training tokens seen (every process's), for held-out tau against training tokens: transformers counts
+        # `main_input_name`, which a drafter's forward does not take; kept in the trainer state, so a resumed run
+        # counts on
+        tokens = inputs["attention_mask"].sum()
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum())
         return super().training_step(model, inputs, num_items_in_batch)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """With a time budget, warmup + cosine follow the fraction of the budget spent instead of the step count."""
-        if not self.time_budget_s:
+        if not self.time_budget:
             return super().create_scheduler(num_training_steps, optimizer)
         warmup = self.args.warmup_steps if 0 < self.args.warmup_steps < 1 else 0.04
-        self._budget_start = time.perf_counter()
+        self.time_budget.start()
 
         def factor(_step):
-            frac = min(1.0, (time.perf_counter() - self._budget_start) / self.time_budget_s)
+            frac = min(1.0, self.time_budget.spent)
             if frac < warmup:
                 return max(frac / warmup, 1e-3)
             return 0.5 * (1 + math.cos(math.pi * (frac - warmup) / (1 - warmup)))
@@ -171,15 +214,23 @@ class BlockDiffusionTrainer(Trainer):
         return torch.zeros_like(anchors)
 
     def block_loss(self, logits, labels, weights, target_logits_fn):
-        """Weighted mean cross-entropy over the selected slots. `target_logits_fn()` gives the target's logits there
-        (unused here; the reverse-KL trainer needs them). With a reduced draft vocabulary, `logits`, `labels` and the
-        target's logits are all over its V' columns, and only slots whose label lies inside it are passed."""
+        """Weighted mean cross-entropy over the selected slots (of the whole batch: `batch_sum`). `target_logits_fn()`
+        gives the target's logits there (unused here; the reverse-KL trainer needs them). With a reduced draft
+        vocabulary, `logits`, `labels` and the target's logits are all over its V' columns, and only slots whose label
+        lies inside it are passed."""
         ce = F.cross_entropy(logits.float(), labels, reduction="none")
-        return (weights * ce).sum() / weights.sum().clamp(min=1e-6)
+        return (weights * ce).sum() / self.batch_sum(weights).clamp(min=1e-6)
+
+    def batch_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values.sum()` over the whole batch, every process's share of it (no gradient): what losses divide by. Each
+        process divides its own sum by it and `compute_loss` multiplies by the number of processes whose gradients
+        are averaged, so N processes train as one would on their batches together."""
+        total = values.detach().sum()
+        return self.accelerator.reduce(total, "sum") if self.accelerator.num_processes > 1 else total
 
     # ----- the shared machinery ------------------------------------------------------------------------------------
-    def block_forward(self, model, inputs) -> "BlockForward":
-        """One drafter forward over every block of the batch (the DFlash mask), with the target's labels."""
+    def block_forward(self, forward, inputs) -> "BlockForward":
+        """One drafter `forward` over every block of the batch (the DFlash mask), with the target's labels."""
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         anchors, anchor_mask, loss_mask = inputs["anchors"], inputs["anchor_mask"], inputs["loss_mask"]
         batch, seq = input_ids.shape
@@ -196,17 +247,20 @@ class BlockDiffusionTrainer(Trainer):
             del out
 
         offsets = torch.arange(size, device=input_ids.device)
-        slot_positions = anchors[:, :, None] + offsets                                      # (B, n, size)
-        in_range = slot_positions < seq
-        slot_positions = slot_positions.clamp(max=seq - 1)
+        # a block's positions and contents past its own row's end (rows are right-padded) are the same however wide
+        # the batch is padded: a process's share of a batch trains as that batch does
+        block_positions = anchors[:, :, None] + offsets                                     # (B, n, size)
+        in_range = block_positions < attention_mask.sum(1)[:, None, None]
+        slot_positions = block_positions.clamp(max=seq - 1)                                 # for gathers only
         prefix = self.prefix_lengths(anchors)                                                # (B, n)
         is_real = offsets[None, None, :] <= prefix[:, :, None]                              # anchor + prefix tokens
         block_tokens = torch.where(is_real & in_range, input_ids.gather(1, slot_positions.flatten(1)).view_as(slot_positions), 0)
         embed = self.target.get_input_embeddings()
         noise = embed(block_tokens.flatten(1))                                               # (B, n*size, H)
-        positions = torch.cat([torch.arange(seq, device=input_ids.device).expand(batch, -1), slot_positions.flatten(1)], 1)
+        context_positions = torch.arange(seq, device=input_ids.device).expand(batch, -1)
+        positions = torch.cat([context_positions, block_positions.flatten(1)], 1)
         mask = block_attention_mask(anchors, anchor_mask, attention_mask, size, noise.dtype)
-        hidden = model(
+        hidden = forward(
             noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask,
             mask_positions=~is_real.flatten(1),
         ).last_hidden_state.view(batch, n, size, -1)
@@ -229,7 +283,15 @@ class BlockDiffusionTrainer(Trainer):
         return consistent
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        blocks = self.block_forward(model, inputs)
+        loss, outputs = run_as_forward(model, self.accelerator, self.drafter_loss, inputs)
+        # each process's loss is its share of the whole batch's (`batch_sum`), and the gradients are averaged
+        loss = loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+    def drafter_loss(self, forward, inputs) -> tuple[torch.Tensor, dict]:
+        """The loss of a batch and the outputs `compute_loss` returns; runs as the wrapped drafter's forward
+        (`run_as_forward`), `forward` being the drafter's own."""
+        blocks = self.block_forward(forward, inputs)
         hidden, selected, prefix, slot_positions = blocks.hidden, blocks.selected, blocks.prefix, blocks.slot_positions
         offsets = torch.arange(self.block_size, device=hidden.device)
         k_after_prefix = (offsets[None, None, :] - prefix[:, :, None]).clamp(min=1).float()
@@ -262,7 +324,7 @@ class BlockDiffusionTrainer(Trainer):
             loss = loss + self.selector_loss(hidden[selected][learnable], previous[selected][learnable],
                                              logits[learnable], labels[learnable], vocab_ids, weights)
         self._record_metrics(drafts, blocks.labels, selected, prefix)
-        return (loss, {"hidden": hidden}) if return_outputs else loss
+        return loss, {"hidden": hidden}
 
     def selector_loss(self, hidden, previous, logits, labels, vocab_ids, weights) -> torch.Tensor:
         """DFlash 2's selector loss: a k-way cross-entropy of S(previous token, .) over the slot's top-k candidates,
@@ -275,11 +337,12 @@ class BlockDiffusionTrainer(Trainer):
         gold = (candidates == labels[:, None]).float().argmax(-1)
         ids = candidates if vocab_ids is None else vocab_ids[candidates]
         scores = self.drafter.selector(hidden, previous, ids, logits.gather(-1, candidates))
-        loss = (weights * F.cross_entropy(scores, gold, reduction="none")).sum() / weights.sum().clamp(min=1e-6)
-        self._metrics["selector_loss"].append(float(loss.detach()))
-        # teacher-forced: how often the selector's pick is the label (draft_accuracy is the drafter's argmax alone)
-        self._metrics["selector_accuracy"].append(float((scores.detach().argmax(-1) == gold).float().mean()))
-        return loss
+        weighted = weights * F.cross_entropy(scores, gold, reduction="none")
+        if len(weighted):
+            self._metrics["selector_loss"].append(float(weighted.detach().sum() / weights.sum().clamp(min=1e-6)))
+            # teacher-forced: how often the selector's pick is the label (draft_accuracy is the drafter's argmax)
+            self._metrics["selector_accuracy"].append(float((scores.detach().argmax(-1) == gold).float().mean()))
+        return weighted.sum() / self.batch_sum(weights).clamp(min=1e-6)
 
     def draft_vocab_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, width) logits of `hidden` (rows, H) over the drafter's draft vocabulary in chunks, and the target
@@ -301,10 +364,15 @@ class BlockDiffusionTrainer(Trainer):
         self._metrics["draft_accuracy"].append(float(correct[selected].float().mean()))
 
     def log(self, logs: dict, *args, **kwargs) -> None:
-        for key, values in self._metrics.items():
-            if values:
-                logs[key] = round(sum(values) / len(values), 4)
+        """The logged metrics are means over every process's steps: Trainer calls `log` on all processes alike."""
+        shares = [{key: (sum(values), len(values)) for key, values in self._metrics.items() if values}]
         self._metrics.clear()
+        totals = defaultdict(lambda: [0.0, 0])
+        for share in gather_object(shares):
+            for key, (total, count) in share.items():
+                totals[key][0] += total
+                totals[key][1] += count
+        logs.update({key: round(total / count, 4) for key, (total, count) in totals.items()})
         super().log(logs, *args, **kwargs)
 
 
@@ -329,9 +397,9 @@ class LengthHeadTrainer(BlockDiffusionTrainer):
         drafter.requires_grad_(False)
         drafter.length_head.requires_grad_(True)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def drafter_loss(self, forward, inputs) -> tuple[torch.Tensor, dict]:
         with torch.no_grad():
-            blocks = self.block_forward(model, inputs)
+            blocks = self.block_forward(forward, inputs)
             draft_hidden = blocks.hidden[:, :, 1:].flatten(0, 1)                      # (blocks, size-1, H)
             ok = blocks.selected[:, :, 1:].flatten(0, 1)
             labels = blocks.labels[:, :, 1:].flatten(0, 1)
@@ -348,16 +416,15 @@ class LengthHeadTrainer(BlockDiffusionTrainer):
             reached = torch.cumprod(torch.cat([torch.ones_like(accepted[:, :1]), accepted[:, :-1]], 1).long(), 1).bool()
             use = reached & ok
         logits = self.drafter.length_head(draft_hidden)
-        if not use.any():
-            return logits.sum() * 0.0
         target = accepted[use].float()
-        loss = F.binary_cross_entropy_with_logits(logits[use].float(), target)
-        with torch.no_grad():  # the baseline: the drafter's own confidence as the acceptance probability
-            baseline = F.binary_cross_entropy(confidences[use].clamp(1e-6, 1 - 1e-6), target)
-            self._metrics["confidence_bce"].append(float(baseline))
-            self._metrics["acceptance_rate"].append(float(target.mean()))
-            self._metrics["predicted_rate"].append(float(logits[use].float().sigmoid().mean()))
-        return (loss, {"logits": logits}) if return_outputs else loss
+        bce = F.binary_cross_entropy_with_logits(logits[use].float(), target, reduction="sum")
+        if use.any():
+            with torch.no_grad():  # the baseline: the drafter's own confidence as the acceptance probability
+                baseline = F.binary_cross_entropy(confidences[use].clamp(1e-6, 1 - 1e-6), target)
+                self._metrics["confidence_bce"].append(float(baseline))
+                self._metrics["acceptance_rate"].append(float(target.mean()))
+                self._metrics["predicted_rate"].append(float(logits[use].float().sigmoid().mean()))
+        return bce / self.batch_sum(use.float()).clamp(min=1), {"logits": logits}
 
 
 class VariablePrefixTrainer(BlockDiffusionTrainer):
@@ -397,8 +464,9 @@ class ReverseKLTrainer(BlockDiffusionTrainer):
     def block_loss(self, logits, labels, weights, target_logits_fn):
         ce = super().block_loss(logits, labels, weights, target_logits_fn)
         kl = reverse_kl(logits, target_logits_fn(), self.temperature)
-        total = weights.sum().clamp(min=1e-6)
-        self._metrics["reverse_kl"].append(float((weights * kl).sum().detach() / total))
+        if len(kl):
+            self._metrics["reverse_kl"].append(float((weights * kl).sum().detach() / weights.sum().clamp(min=1e-6)))
+        total = self.batch_sum(weights).clamp(min=1e-6)
         # the clip applies per position, to that position's share of the mean (AdaFlash's reference code)
         return self.alpha * ce + (1 - self.alpha) * (weights * torch.clamp(kl / total, max=self.kl_clip)).sum()
 
@@ -410,13 +478,24 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     return (log_s.exp() * (log_s - log_t)).sum(-1) * temperature**2
 
 
-class _StopAtTimeBudget(TrainerCallback):
-    def __init__(self, trainer):
-        self.trainer = trainer
+class TimeBudget(TrainerCallback):
+    """`--time-budget`: the fraction of the budget `spent`, read on the main process's clock after every optimizer
+    step and broadcast to every process, which all follow it: the same learning rate (the trainer's warmup + cosine
+    over it) and a stop at the same step. A process stopping on its own clock would leave the others waiting in a
+    collective."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.started, self.spent = None, 0.0
+
+    def start(self) -> None:
+        self.started, self.spent = time.perf_counter(), 0.0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.spent = broadcast_object_list([(time.perf_counter() - self.started) / self.seconds])[0]
 
     def on_step_end(self, args, state, control, **kwargs):
-        start = getattr(self.trainer, "_budget_start", None)
-        if start is not None and time.perf_counter() - start >= self.trainer.time_budget_s:
+        if self.spent >= 1:
             control.should_training_stop = True
             control.should_save = True
 

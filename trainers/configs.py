@@ -117,7 +117,8 @@ class DrafterTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Stop after this many minutes, with warmup + cosine following the fraction of the budget "
                           "spent. Each run has its own budget: with --resume, the learning rate warms up again and "
-                          "follows a new cosine over the new budget (a restart, as in SGDR).",
+                          "follows a new cosine over the new budget (a restart, as in SGDR). Under several processes "
+                          "the main process's clock decides for all of them.",
                   "aliases": ["--time-budget"]},
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in OUT/checkpoints."})

@@ -12,6 +12,10 @@ looks complete. The sidecar is written last and marks a shard complete: the load
 and a rerun skips the ids already written, after removing what an interrupted run left (temporary files of processes
 that are gone, arrays without their sidecar).
 
+Generation under `torchrun` / `accelerate launch` is shared out: each process answers its share of the prompts and
+writes its own shard set, `shard-rankR-NNNNN`, the main process first (it writes `meta.json`). A rerun, with any
+number of processes, skips the ids that any shard set already holds.
+
 Evaluation prompts (HumanEval, MATH-500, MT-Bench) are never used for training: records whose prompt matches one of
 them are dropped.
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate import PartialState
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
@@ -63,13 +68,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 class ShardWriter:
-    """Buffers records and writes them as shards of `shard_size` records; knows which ids are already on disk
-    (resume). One writer per directory at a time."""
+    """Buffers records and writes them as shards of `shard_size` records named `{prefix}-NNNNN`; knows which ids
+    are already on disk, in any shard set (resume). One writer per shard set at a time."""
 
-    def __init__(self, out_dir, target_name: str, tokenizer, source: str, shard_size: int = SHARD_SIZE):
+    def __init__(self, out_dir, target_name: str, tokenizer, source: str, shard_size: int = SHARD_SIZE,
+                 prefix: str = "shard"):
         if shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, got {shard_size}")
         self.shard_size = shard_size
+        self.prefix = prefix
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         fingerprint = tokenizer_fingerprint(tokenizer)
@@ -89,19 +96,26 @@ class ShardWriter:
         self._remove_interrupted_writes()
         self.done_ids = {rid for shard in sorted(self.dir.glob("shard-*.json")) for rid in json.loads(shard.read_text())["ids"]}
         # after the highest number on disk, not the count: a shard deleted by hand is never overwritten
-        self.next_shard = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("shard-*.json")), default=-1)
+        own = [self._number(p.name) for p in self.dir.glob(f"{prefix}-*.json")]
+        self.next_shard = 1 + max((n for n in own if n is not None), default=-1)
         self.buffer: list[dict] = []
 
+    def _number(self, name: str) -> int | None:
+        """The shard number of a file of this writer's set (`PREFIX-NNNNN.npz|json`), else None."""
+        match = re.fullmatch(rf"{re.escape(self.prefix)}-(\d+)\.(npz|json)", name)
+        return int(match.group(1)) if match else None
+
     def _remove_interrupted_writes(self) -> None:
-        """Delete what a killed run left: `atomic_write`'s temporary files (`.NAME.tmp-PID`) of processes that are
-        gone, and arrays whose sidecar was never written (the next flush writes that shard again). None of them is
-        ever read, but they would pile up over kills."""
-        for tmp in self.dir.glob(".shard-*.tmp-*"):
-            pid = tmp.name.rsplit("-", 1)[-1]
-            if os.name == "posix" and pid.isdigit() and not _process_alive(int(pid)):
+        """Delete what a killed run left in this writer's shard set: `atomic_write`'s temporary files
+        (`.NAME.tmp-PID`) of processes that are gone, and arrays whose sidecar was never written (the next flush
+        writes that shard again). None of them is ever read, but they would pile up over kills. Other shard sets are
+        left to their own writers, which may be writing them now."""
+        for tmp in self.dir.glob(f".{self.prefix}-*.tmp-*"):
+            name, _, pid = tmp.name[1:].rpartition(".tmp-")
+            if self._number(name) is not None and os.name == "posix" and pid.isdigit() and not _process_alive(int(pid)):
                 tmp.unlink(missing_ok=True)
-        for arrays in self.dir.glob("shard-*.npz"):
-            if not arrays.with_suffix(".json").exists():
+        for arrays in self.dir.glob(f"{self.prefix}-*.npz"):
+            if self._number(arrays.name) is not None and not arrays.with_suffix(".json").exists():
                 arrays.unlink(missing_ok=True)
 
     def add(self, record_id: str, tokens: list[int], prompt_length: int, domain: str) -> None:
@@ -113,7 +127,7 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.buffer:
             return
-        name = f"shard-{self.next_shard:05d}"
+        name = f"{self.prefix}-{self.next_shard:05d}"
         tokens = np.concatenate([np.asarray(r["tokens"], dtype=np.int32) for r in self.buffer])
         offsets = np.cumsum([0] + [len(r["tokens"]) for r in self.buffer]).astype(np.int64)
         prompt_lengths = np.asarray([r["prompt_length"] for r in self.buffer], dtype=np.int32)
@@ -130,6 +144,15 @@ class ShardWriter:
         atomic_write(self.dir / f"{name}.json", json.dumps(sidecar))
         self.next_shard += 1
         self.buffer = []
+
+
+def process_shard_writer(out_dir, target_name: str, tokenizer, source: str, shard_size: int = SHARD_SIZE):
+    """This process's `ShardWriter`: alone, shards `shard-NNNNN`; one of several processes (`torchrun`, `accelerate
+    launch`), its own shard set `shard-rankR-NNNNN`, created after the main process's (which writes meta.json)."""
+    state = PartialState()
+    prefix = "shard" if state.num_processes == 1 else f"shard-rank{state.process_index}"
+    with state.main_process_first():
+        return ShardWriter(out_dir, target_name, tokenizer, source=source, shard_size=shard_size, prefix=prefix)
 
 
 def _process_alive(pid: int) -> bool:
@@ -191,8 +214,10 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
                          batch_size: int = 16, max_prompt_length: int = 512, seed: int = 0, skip: int = 0,
                          prompts: list[dict] | None = None, shard_size: int = SHARD_SIZE) -> int:
     """The target's own greedy answers (batched, left-padded, chat template) to ShareGPT prompts, or to `prompts`
-    ({"id", "prompt"} records, e.g. from a JSONL file)."""
-    writer = ShardWriter(out_dir, target_name, tokenizer, source="generated", shard_size=shard_size)
+    ({"id", "prompt"} records, e.g. from a JSONL file). Under several processes each answers its share of the
+    `num_samples` prompts into its own shard set (`process_shard_writer`); all return once every share is written."""
+    state = PartialState()
+    writer = process_shard_writer(out_dir, target_name, tokenizer, source="generated", shard_size=shard_size)
     exclude = eval_prompt_texts()
     if prompts is None:
         source = [(rid, prompt) for rid, prompt, _ in sharegpt_exchanges(seed, exclude)]
@@ -206,7 +231,8 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
         if len(ids) <= max_prompt_length:
             todo.append((record_id, prompt, ids))
     todo = todo[:num_samples]
-    pending = [t for t in todo if t[0] not in writer.done_ids]
+    with state.split_between_processes(todo) as share:
+        pending = [t for t in share if t[0] not in writer.done_ids]
     pending.sort(key=lambda t: len(t[2]))  # similar lengths per batch: less padding
     pad = pad_token_id(tokenizer)
     eos = tokenizer.eos_token_id
@@ -229,6 +255,7 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
         bar.update(len(batch))
     bar.close()
     writer.flush()
+    state.wait_for_everyone()
     return len(todo)
 
 

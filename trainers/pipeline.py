@@ -4,16 +4,23 @@
 LoRA through peft), optionally measures it on held-out prompts, and saves it with `hf_diffspec.save_drafter`.
 `run_opd` runs AdaFlash's on-policy distillation: rounds of "decode prompts with the live speculative system, then
 train on what it produced" with the reverse-KL loss, each round through `train_drafter`.
+
+Under `torchrun` / `accelerate launch` every process runs these functions (DDP or FSDP through the Trainer): the
+trained drafter is gathered with `Trainer.save_model` by all of them, and the main process alone merges, measures
+and writes it while the others wait; OPD rounds decode their prompts shared out, one shard set per process.
 """
 
-import copy
 import json
+import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 from transformers import TrainerCallback, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
@@ -34,7 +41,7 @@ from .block_diffusion import (
     loss_curve_summary,
 )
 from .configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig, VariablePrefixConfig
-from .data import DrafterDataset, ShardWriter, classify_domain, sharegpt_exchanges
+from .data import DrafterDataset, classify_domain, process_shard_writer, sharegpt_exchanges
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"]
 # most specific configuration first: each Trainer declares the configuration class it reads
@@ -106,12 +113,29 @@ def copy_target_layers(drafter: DiffusionDrafter, target) -> None:
                                for k, v in own.items()})
 
 
+def trained_drafter(trainer, folder, base=None) -> DiffusionDrafter | None:
+    """The drafter as trained so far, whole and in float32, on the main process (None on the others, which must all
+    call this too): written to `folder` by `Trainer.save_model`, which gathers FSDP or DeepSpeed shards, and read back;
+    a LoRA adapter is merged into `base()`, the drafter it was trained on, built afresh."""
+    if trainer.is_fsdp_enabled:  # one file with the whole drafter, not one shard per process
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model(str(folder))
+    if not trainer.is_world_process_zero():
+        return None
+    if base is None:
+        return DiffusionDrafter.from_pretrained(folder, dtype=torch.float32)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base(), folder).merge_and_unload()
+
+
 def train_drafter(target, tokenizer, target_name: str, data: list[str], args: DrafterTrainingArguments,
                   command: str | None = None) -> Path:
     """Train a drafter on the data directories `data` and save it to `args.output_dir` (Trainer checkpoints under
     its `checkpoints/`); returns that folder. The configuration's class picks the Trainer: `DrafterTrainingArguments`
     (KD), `VariablePrefixConfig`, `LengthHeadConfig` or `ReverseKLConfig`. With `args.resume`, training continues
-    from the newest complete checkpoint there (`last_complete_checkpoint`)."""
+    from the newest complete checkpoint there (`last_complete_checkpoint`). Under several processes all of them call
+    it and all return once the main process has written the drafter."""
     set_seed(args.seed)
     out = Path(args.output_dir)
     resume_from = None
@@ -124,7 +148,11 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
             )
     dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length)
     vocab_size = target.get_input_embeddings().num_embeddings
-    drafter = build_drafter(target, args, resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size))
+    mask_token_id = resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size)
+    drafter = build_drafter(target, args, mask_token_id)
+    if drafter.length_head is not None and not isinstance(args, LengthHeadConfig):
+        # only `train length-head` trains it (no other loss reaches it; DDP then needs no unused-parameter search)
+        drafter.length_head.requires_grad_(False)
     model = drafter
     added = added_modules(drafter, args)
     if args.train_only_added:
@@ -147,35 +175,44 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
     pad = pad_token_id(tokenizer)
     if pad is None:
         raise ValueError("the tokenizer has neither a pad nor an EOS token to pad batches with: set its pad_token")
+    collator = BlockDiffusionCollator(pad, num_anchors=args.num_anchors, seed=args.seed,
+                                      process_index=args.process_index)
     trainer = trainer_class_for(args)(
         model=model, args=replace(args, output_dir=str(out / "checkpoints")), train_dataset=dataset, target=target,
-        data_collator=BlockDiffusionCollator(pad, num_anchors=args.num_anchors, seed=args.seed),
+        data_collator=collator,
     )
+    base = (lambda: build_drafter(target, args, mask_token_id)) if args.lora else None  # what LoRA merges into
     if args.heldout_tau_steps > 0:
         trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
-                                                args.heldout_tau_prompts, args.heldout_tau_max_new_tokens))
+                                                args.heldout_tau_prompts, args.heldout_tau_max_new_tokens, base))
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
 
-    if args.lora:
-        model.save_pretrained(out / "adapter")  # the adapter alone, loadable with PeftModel.from_pretrained
-        drafter = model.merge_and_unload()
-    drafter = drafter.to(target.dtype).eval()
-    drafter.bind_target(target)
-    info = {
-        "target": target_name, "data": [{"dir": d, **m} for d, m in zip(data, dataset.meta)],
-        "sequences": len(dataset), "tokens": dataset.num_tokens, "steps": trainer.state.global_step,
-        "train_seconds": round(seconds, 1),
-        "device": torch.cuda.get_device_name(0) if trainer.args.device.type == "cuda" else "cpu",
-        "loss_curve": loss_curve_summary(trainer.state.log_history),
-        "config": {"kind": args.kind, **args.to_dict()}, "command": command or " ".join(sys.argv),
-    }
-    if isinstance(args, LengthHeadConfig):
-        info["length_head"] = length_head_summary(trainer.state.log_history)
-    if args.eval_prompts > 0:
-        info["evaluation"] = evaluate_drafter(target, tokenizer, drafter, args.eval_prompts, args.eval_max_new_tokens)
-    save_drafter(drafter, out, training_info=info)
+    # with LoRA the adapter alone is kept (loadable with PeftModel.from_pretrained); full weights are only read back
+    saved = out / "adapter" if args.lora else out / "checkpoints" / "trained"
+    drafter = trained_drafter(trainer, saved, base)
+    if trainer.is_world_process_zero():
+        if not args.lora:
+            shutil.rmtree(saved)
+        drafter = drafter.to(target.dtype).eval()
+        drafter.bind_target(target)
+        info = {
+            "target": target_name, "data": [{"dir": d, **m} for d, m in zip(data, dataset.meta)],
+            "sequences": len(dataset), "tokens": dataset.num_tokens, "steps": trainer.state.global_step,
+            "train_seconds": round(seconds, 1),
+            "device": torch.cuda.get_device_name(0) if trainer.args.device.type == "cuda" else "cpu",
+            "processes": trainer.accelerator.num_processes,
+            "loss_curve": loss_curve_summary(trainer.state.log_history),
+            "config": {"kind": args.kind, **args.to_dict()}, "command": command or " ".join(sys.argv),
+        }
+        if isinstance(args, LengthHeadConfig):
+            info["length_head"] = length_head_summary(trainer.state.log_history)
+        if args.eval_prompts > 0:
+            info["evaluation"] = evaluate_drafter(target, tokenizer, drafter, args.eval_prompts,
+                                                  args.eval_max_new_tokens)
+        save_drafter(drafter, out, training_info=info)
+    trainer.accelerator.wait_for_everyone()
     return out
 
 
@@ -203,15 +240,19 @@ class HeldOutTauCallback(TrainerCallback):
     copy of the drafter (merged, in the target's dtype) is measured by `heldout_tau` on the same held-out prompts,
     and one JSON line is appended to `path`: step, training tokens seen, tau per domain and over all, seconds taken.
     A resumed run appends to the same file, so the curve outlives the machine that started it (a step measured
-    twice, before and after an interruption, keeps its last line; `read_heldout_tau`)."""
+    twice, before and after an interruption, keeps its last line; `read_heldout_tau`). Under several processes the
+    main one measures and writes; the others wait. `base` builds the drafter a LoRA adapter merges into."""
 
-    def __init__(self, trainer, path, tokenizer, every: int, prompts_per_domain: int, max_new_tokens: int):
+    def __init__(self, trainer, path, tokenizer, every: int, prompts_per_domain: int, max_new_tokens: int,
+                 base=None):
         self.trainer, self.path, self.every, self.max_new_tokens = trainer, Path(path), every, max_new_tokens
-        self.tokenizer = tokenizer
+        self.tokenizer, self.base = tokenizer, base
         self.prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tokenizer)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step not in read_heldout_tau(self.path):
+        # the main process's reading of the log decides for all (it may be writing to it while another reads)
+        measured = broadcast_object_list([state.global_step in read_heldout_tau(self.path)])[0]
+        if not measured:
             self.measure(state)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -225,11 +266,14 @@ class HeldOutTauCallback(TrainerCallback):
     @torch.no_grad()
     def measure(self, state) -> None:
         start = time.perf_counter()
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        borrowed = {id(m): m for m in self.trainer.drafter._borrowed.values()}  # the target's, shared, not copied
-        drafter = copy.deepcopy(model, memo=borrowed)
-        if hasattr(drafter, "merge_and_unload"):  # peft: the adapter merged into the copy, the trained one untouched
-            drafter = drafter.merge_and_unload()
+        folder = Path(self.trainer.args.output_dir) / "heldout-tau-drafter"
+        drafter = trained_drafter(self.trainer, folder, self.base)  # a copy: the trained one stays untouched
+        if drafter is not None:
+            shutil.rmtree(folder)
+            self.write_tau(drafter, state, start)
+        self.trainer.accelerator.wait_for_everyone()
+
+    def write_tau(self, drafter, state, start: float) -> None:
         target = self.trainer.target
         drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
         drafter.config.draft_tree_budget = None  # chains of the whole block, whatever the checkpoint's defaults
@@ -324,22 +368,30 @@ def on_policy_prompts(prompts_file: str | None = None, seed: int = 0, skip: int 
 @torch.no_grad()
 def write_trajectories(target, tokenizer, drafter, prompts: list[dict], out_dir, target_name: str,
                        max_new_tokens: int, do_sample: bool = False) -> dict:
-    """Decode `prompts` with the speculative system and store prompt + response as shards; returns tau per domain."""
-    writer = ShardWriter(out_dir, target_name, tokenizer, source="on-policy")
-    committed, steps = {}, {}
-    for record in tqdm(prompts, desc="on-policy trajectories"):
-        if record["id"] in writer.done_ids:
-            continue
-        ids = torch.tensor([chat_prompt(tokenizer, record["prompt"], tokenize=True)], device=target.device)
-        out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                              return_dict_in_generate=True)
-        domain = record.get("domain") or classify_domain(record["prompt"])
-        writer.add(record["id"], out.sequences[0].tolist(), ids.shape[1], domain)
-        per_step = out.speculation_stats.committed_per_step
-        committed[domain] = committed.get(domain, 0) + sum(per_step)
-        steps[domain] = steps.get(domain, 0) + len(per_step)
+    """Decode `prompts` with the speculative system and store prompt + response as shards; returns tau per domain.
+    Under several processes each decodes its share into its own shard set, and all return the tau of all shares
+    once every share is written."""
+    state = PartialState()
+    writer = process_shard_writer(out_dir, target_name, tokenizer, source="on-policy")
+    committed, steps = Counter(), Counter()
+    with state.split_between_processes(prompts) as share:
+        for record in tqdm(share, desc="on-policy trajectories"):
+            if record["id"] in writer.done_ids:
+                continue
+            ids = torch.tensor([chat_prompt(tokenizer, record["prompt"], tokenize=True)], device=target.device)
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                  return_dict_in_generate=True)
+            domain = record.get("domain") or classify_domain(record["prompt"])
+            writer.add(record["id"], out.sequences[0].tolist(), ids.shape[1], domain)
+            per_step = out.speculation_stats.committed_per_step
+            committed[domain] += sum(per_step)
+            steps[domain] += len(per_step)
     writer.flush()
-    return {d: committed[d] / steps[d] for d in committed if steps[d]}
+    all_committed, all_steps = Counter(), Counter()
+    for share_committed, share_steps in gather_object([(committed, steps)]):  # every process's (all wait for all)
+        all_committed.update(share_committed)
+        all_steps.update(share_steps)
+    return {d: all_committed[d] / all_steps[d] for d in all_committed if all_steps[d]}
 
 
 def run_opd(target, tokenizer, target_name: str, prompts: list[dict], args: OnPolicyDistillationConfig,
@@ -352,7 +404,8 @@ def run_opd(target, tokenizer, target_name: str, prompts: list[dict], args: OnPo
     trains the drafter on them with the reverse-KL loss into `OUT/round-N/drafter`; the next round decodes with the
     updated drafter. `round.json` is written last and marks a round finished: an interrupted run resumes at the first
     round without it, keeping that round's data shards and continuing its training from its newest complete
-    checkpoint.
+    checkpoint. Under several processes the rounds' prompts are decoded shared out (`write_trajectories`) and the
+    main process writes `round.json` and `opd_history.json`.
     """
     if not args.init:
         raise ValueError("on-policy distillation improves an existing drafter: pass --init DRAFTER")
@@ -362,6 +415,7 @@ def run_opd(target, tokenizer, target_name: str, prompts: list[dict], args: OnPo
     if len(prompts) < needed:
         raise ValueError(f"{args.rounds} rounds x {args.samples_per_round} samples need {needed} prompts, "
                          f"got {len(prompts)}")
+    main = PartialState().is_main_process
     history = []
     for r in range(args.rounds):
         round_dir = out / f"round-{r}"
@@ -381,8 +435,10 @@ def run_opd(target, tokenizer, target_name: str, prompts: list[dict], args: OnPo
                              eval_prompts=args.eval_prompts if last else 0)
         train_drafter(target, tokenizer, target_name, [str(round_dir / "data")], round_args, command=command)
         info = {"round": r, "tau_while_generating": tau, "init": str(current)}
-        atomic_write(round_dir / "round.json", json.dumps(info, indent=2))
+        if main:
+            atomic_write(round_dir / "round.json", json.dumps(info, indent=2))
         history.append(info)
         current = drafter_dir
-    atomic_write(out / "opd_history.json", json.dumps(history, indent=2))
+    if main:
+        atomic_write(out / "opd_history.json", json.dumps(history, indent=2))
     return current
