@@ -1,15 +1,7 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures (the markers are registered in pyproject.toml)."""
 
 import pytest
 import torch
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "real_model: uses the real SmolLM2-135M-Instruct target (the first run downloads ~93 MB from PyPI)",
-    )
-    config.addinivalue_line("markers", "speculation_gate: let the policy's timing-based gate choose plain steps")
 
 
 @pytest.fixture(scope="session")

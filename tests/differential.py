@@ -58,7 +58,6 @@ import itertools
 import logging
 import math
 import random
-import string
 import sys
 import tempfile
 import time
@@ -75,15 +74,22 @@ from transformers import (  # noqa: E402
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
-    PreTrainedTokenizerFast,
     StoppingCriteria,
     StoppingCriteriaList,
 )
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import hf_diffspec  # noqa: E402
-from helpers import NoisyOracle, install_oracle, tiny_drafter, tiny_target  # noqa: E402
+from helpers import (  # noqa: E402
+    NoisyOracle,
+    RecordingStreamer,
+    StopOnTokens,
+    char_tokenizer,
+    install_oracle,
+    tiny_drafter,
+    tiny_dual_drafter,
+    tiny_target,
+)
 
 SAMPLES = 400  # draws per sampling case
 MIN_EXPECTED = 10  # chi-square bins: expected count at least this
@@ -102,29 +108,6 @@ EXPECTED_REFUSALS = {
 
 
 # ----- user-defined generate hooks (what a user would write) --------------------------------------------------------
-class RecordingStreamer(BaseStreamer):
-    """Records every chunk `generate` puts, and whether it ended."""
-
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.tolist())
-
-    def end(self):
-        self.ended = True
-
-
-class StopOnTokens(StoppingCriteria):
-    """A row stops when its last token is one of `tokens` (row by row, stateless)."""
-
-    def __init__(self, tokens):
-        self.tokens = torch.tensor(tokens)
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.isin(input_ids[:, -1], self.tokens.to(input_ids.device))
-
-
 class StopAtRowLengths(StoppingCriteria):
     """Row i stops once it is `lengths[i]` tokens long: reads the batch index."""
 
@@ -192,19 +175,6 @@ class AllowedTokens:
     def __call__(self, batch_id: int, input_ids: torch.Tensor) -> list[int]:
         last = int(input_ids[-1])
         return [t for t in range(self.vocab_size) if (t + last + batch_id) % self.modulus == 0] or [batch_id]
-
-
-def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A tokenizer for the tiny targets, for stop strings: token i is a short string of its own (one character for the
-    first 75 ids, then two), text splits into characters and tokens decode by concatenation."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = string.ascii_letters + string.digits + "+-*/=<>()[]{}"
-    pieces = list(alphabet) + [a + b for a in "xyz" for b in alphabet]
-    tokenizer = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces[:vocab_size])}, unk_token="a"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def _gate_steps(pattern: str, seed: int):
@@ -416,20 +386,17 @@ def _sampling_options(rng: random.Random, vocab: int) -> dict:
 # ----- building what a case runs ------------------------------------------------------------------------------------
 def build_target(case: Case):
     t = case.target
-    target = tiny_target(t["kind"], seed=t["seed"], vocab_size=t["vocab_size"], attn=t["attn"], layers=t["layers"])
-    with torch.no_grad():
-        target.lm_head.weight.mul_(t["sharpen"])
-    return target
+    return tiny_target(t["kind"], seed=t["seed"], vocab_size=t["vocab_size"], attn=t["attn"], layers=t["layers"],
+                       sharpen=t["sharpen"])
 
 
 def build_drafter(case: Case, target):
     d = case.drafter
-    first = tiny_drafter(target, block_size=d["block_size"], seed=d["seed"])
     if d["kind"] != "dual":
-        return first
-    vp = tiny_drafter(target, block_size=d["block_size"], seed=d["seed"] + 1) if d["vp"] else None
-    return hf_diffspec.DualDiffusionDrafter.from_drafters(
-        first, vp, num_branches=d["num_branches"], max_depth=d["max_depth"], tree_budget=d["tree_budget"],
+        return tiny_drafter(target, block_size=d["block_size"], seed=d["seed"])
+    return tiny_dual_drafter(
+        target, block_size=d["block_size"], seed=d["seed"], vp_seed=d["seed"] + 1 if d["vp"] else None,
+        num_branches=d["num_branches"], max_depth=d["max_depth"], tree_budget=d["tree_budget"],
         branch_length=d["branch_length"], branches_from_first_pass=d["branches_from_first_pass"])
 
 

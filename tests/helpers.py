@@ -1,21 +1,36 @@
-"""Shared test helpers: tiny random targets and a noisy-oracle drafting policy.
+"""Shared test helpers: tiny random targets and drafters, oracles that stand in for a well-trained drafter, and the
+user-side generate hooks (streamer, stopping criterion, tokenizer) that several test files and
+`tests/differential.py` use.
 
-The oracle stands in for a well-trained drafter so that tests exercise acceptance (long accepted paths, branches,
-bonus tokens): it proposes the target's own greedy continuation, corrupted at random, optionally with wrong sibling
-branches. The loop must be lossless for ANY proposals, so this is a fair test of verification, not of drafting.
+The oracles make tests exercise acceptance (long accepted paths, branches, bonus tokens): `NoisyOracle` proposes the
+target's own greedy continuation, corrupted at random, optionally with wrong sibling branches; `oracle_drafter_outputs`
+makes a drafter's own forward point at that continuation, so the real drafting code (limits, trees) runs on it. The
+loop must be lossless for ANY proposals, so this is a fair test of verification, not of drafting.
 """
 
 import random
+import string
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    StoppingCriteria,
+)
+from transformers.generation.streamers import BaseStreamer
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.runtime.tree import CandidateTree
 
 
-def tiny_target(kind: str = "llama", seed: int = 0, vocab_size: int = 128, attn: str = "sdpa", layers: int = 4):
+def tiny_target(kind: str = "llama", seed: int = 0, vocab_size: int = 128, attn: str = "sdpa", layers: int = 4,
+                sharpen: float = 1.0):
+    """A tiny random Llama or Qwen3 in fp32. `sharpen` scales its LM head: sharper distributions make random drafts
+    agree with the target more often, and a wrong position or prefix change the greedy tokens."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -29,6 +44,9 @@ def tiny_target(kind: str = "llama", seed: int = 0, vocab_size: int = 128, attn:
     else:
         raise ValueError(kind)
     model.set_attn_implementation(attn)
+    if sharpen != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(sharpen)
     # generate() must not stop at the random model's EOS unless a test asks for it
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
@@ -38,6 +56,44 @@ def tiny_target(kind: str = "llama", seed: int = 0, vocab_size: int = 128, attn:
 def tiny_drafter(target, block_size: int = 4, seed: int = 0, **kw):
     torch.manual_seed(seed)
     return hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size, **kw)
+
+
+def tiny_dual_drafter(target, block_size: int = 8, seed: int = 0, vp_seed: int | None = None, **config):
+    """A D²SD dual drafter of tiny random drafters: a VP drafter (seeded `vp_seed`) only when `vp_seed` is given;
+    `config`: the dual drafter's own settings (num_branches, tree_budget, max_depth, ...)."""
+    first = tiny_drafter(target, block_size=block_size, seed=seed)
+    vp = tiny_drafter(target, block_size=block_size, seed=vp_seed) if vp_seed is not None else None
+    return hf_diffspec.DualDiffusionDrafter.from_drafters(first, vp, **config)
+
+
+def random_ids(seed: int, length: int, vocab: int = 128, rows: int = 1) -> torch.Tensor:
+    """(rows, length) seeded random prompt ids, never 0 or 1 (the tiny targets' BOS and EOS)."""
+    return torch.randint(2, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def oracle_drafter_outputs(monkeypatch, drafter, target, reference, margin: float = 30.0) -> None:
+    """Make `drafter`'s output at position p point at the LM-head row of the reference token at p, with a logit
+    `margin` over the other tokens: through the full head it drafts the reference exactly and confidently; through a
+    reduced head only where the reference lies in the subset. `reference`: one 1-D sequence (prompt and the target's
+    continuation), or one per row of a batch whose rows never leave it early (each row's own prompt without padding
+    and its continuation: row positions index it directly). Every caller of the drafter's forward sees it."""
+    rows = target.get_output_embeddings().weight.detach()
+    references = [torch.as_tensor(r) for r in (reference if isinstance(reference, list) else [reference])]
+    table = torch.nn.utils.rnn.pad_sequence(references, batch_first=True)  # (rows, longest)
+    forward = drafter.forward
+
+    def oracle_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        hidden = out.last_hidden_state.clone()
+        positions = kwargs["position_ids"][:, -hidden.shape[1]:]
+        tokens = table.expand(hidden.shape[0], -1).gather(1, positions.clamp(max=table.shape[1] - 1))
+        known = positions < table.shape[1]
+        wanted = rows[tokens[known]]
+        hidden[known] = (margin * wanted / wanted.pow(2).sum(-1, keepdim=True)).to(hidden.dtype)
+        out.last_hidden_state = hidden
+        return out
+
+    monkeypatch.setattr(drafter, "forward", oracle_forward)
 
 
 class NoisyOracle:
@@ -102,6 +158,26 @@ def install_oracle(monkeypatch, oracle: NoisyOracle):
                         lambda self, *args: oracle.propose(self, *args))
 
 
+class ProposalRecorder:
+    """Records what `cls.propose` returns at every step: `steps` holds (remaining, trees) per call, `remaining`
+    being the tokens each row could still commit after its anchor; `trees` is every tree, in order."""
+
+    def __init__(self, monkeypatch, cls=DiffusionCandidateGenerator):
+        self.steps: list[tuple[list[int], list[CandidateTree]]] = []
+        propose = cls.propose
+
+        def recording(generator, root_tokens, root_positions, remaining):
+            trees = propose(generator, root_tokens, root_positions, remaining)
+            self.steps.append((list(remaining), trees))
+            return trees
+
+        monkeypatch.setattr(cls, "propose", recording)
+
+    @property
+    def trees(self) -> list[CandidateTree]:
+        return [tree for _, trees in self.steps for tree in trees]
+
+
 def two_sample_chi2(a: torch.Tensor, b: torch.Tensor) -> float:
     """Chi-square statistic of two count vectors over the same categories (bins empty in both are dropped)."""
     total = a + b
@@ -129,3 +205,40 @@ def assert_sampling_matches_plain(target, ids, vocab, drafter, limit: float, n: 
     ours = marginal_counts(target, ids, vocab, n, 90_000, assistant_model=drafter, **(drafter_kwargs or {}), **kwargs)
     for slot in range(2):
         assert two_sample_chi2(plain[slot], ours[slot]) < limit
+
+
+# ----- user-side generate hooks (what a user would write) -----------------------------------------------------------
+class RecordingStreamer(BaseStreamer):
+    """Records every chunk `generate` puts, and whether it ended."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+class StopOnTokens(StoppingCriteria):
+    """A row stops when its last token is one of `tokens` (row by row, stateless)."""
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.isin(input_ids[:, -1], self.tokens.to(input_ids.device))
+
+
+def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A tokenizer for the tiny targets, for stop strings: token i is a short string of its own (one character for the
+    first 75 ids, then two), text splits into characters and tokens decode by concatenation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = string.ascii_letters + string.digits + "+-*/=<>()[]{}"
+    pieces = list(alphabet) + [a + b for a in "xyz" for b in alphabet]
+    tokenizer = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces[:vocab_size])}, unk_token="a"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)

@@ -4,8 +4,18 @@ times. Every row must equal that prompt generated alone by plain `generate` (fp3
 import pytest
 import torch
 
-import hf_diffspec
-from helpers import NoisyOracle, install_oracle, marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
+from hf_diffspec.runtime.drafting import PrefixTreeCandidateGenerator
+from helpers import (
+    NoisyOracle,
+    ProposalRecorder,
+    install_oracle,
+    marginal_counts,
+    oracle_drafter_outputs,
+    tiny_drafter,
+    tiny_dual_drafter,
+    tiny_target,
+    two_sample_chi2,
+)
 
 PAD = 0
 
@@ -113,27 +123,28 @@ def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
 
 @pytest.mark.parametrize("variant", ["vp", "resample"])
 def test_d2sd_trees_in_a_batch(monkeypatch, variant):
-    target = tiny_target("qwen3", seed=4)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4)
-    first = tiny_drafter(target, block_size=8, seed=1)
-    second = tiny_drafter(target, block_size=8, seed=2) if variant == "vp" else None
-    dual = hf_diffspec.DualDiffusionDrafter.from_drafters(first, second, num_branches=3, tree_budget=10,
-                                                          branches_from_first_pass=variant == "resample")
+    target = tiny_target("qwen3", seed=4, sharpen=4)
+    dual = tiny_dual_drafter(target, block_size=8, seed=1, vp_seed=2 if variant == "vp" else None, num_branches=3,
+                             tree_budget=10, branches_from_first_pass=variant == "resample")
     prompts = mixed_prompts(7, lengths=(5, 9, 2))
     ids, mask = left_padded(prompts)
-    out = target.generate(ids, attention_mask=mask, assistant_model=dual, max_new_tokens=24, do_sample=False)
     alone = rows_alone(target, prompts, max_new_tokens=24, do_sample=False)
-    assert [strip(out[r], len(p), ids.shape[1], None) for r, p in enumerate(prompts)] == alone
+    # the first drafter knows each row's continuation: trees of every row are walked deep, in one batch
+    oracle_drafter_outputs(monkeypatch, dual.first, target, alone)
+    proposals = ProposalRecorder(monkeypatch, PrefixTreeCandidateGenerator)
+    out = target.generate(ids, attention_mask=mask, assistant_model=dual, max_new_tokens=24, do_sample=False,
+                          return_dict_in_generate=True)
+    assert [strip(out.sequences[r], len(p), ids.shape[1], None) for r, p in enumerate(prompts)] == alone
+    assert all(len(trees) == 3 for _, trees in proposals.steps)
+    assert any(not t.is_chain for t in proposals.trees)
+    assert out.speculation_stats.tau > 3, "the oracle's main chains should be accepted"
 
 
 def test_batched_sampling_is_exactly_the_targets_distribution(monkeypatch):
     """Each row of a batched sampled generation is distributed as that prompt sampled alone (chi-square on the
     marginals of its 2nd and last new tokens), with drafts drawn and verified by rejection sampling."""
     vocab = 16
-    target = tiny_target("llama", seed=12, vocab_size=vocab)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8)
+    target = tiny_target("llama", seed=12, vocab_size=vocab, sharpen=8)
     drafter = tiny_drafter(target, block_size=4)
     prompts = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)]
     ids, mask = left_padded(prompts)

@@ -5,47 +5,40 @@ import torch
 from transformers import AutoModel
 
 import hf_diffspec
-from hf_diffspec.runtime.drafting import PrefixTreeCandidateGenerator
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
 from hf_diffspec.runtime.prefix_tree import build_prefix_tree, plan_branches
-from helpers import marginal_counts, tiny_drafter, tiny_target, two_sample_chi2
+from helpers import (
+    ProposalRecorder,
+    marginal_counts,
+    oracle_drafter_outputs,
+    random_ids,
+    tiny_drafter,
+    tiny_dual_drafter,
+    tiny_target,
+    two_sample_chi2,
+)
 
 
 def dual_for(target, variant="vp", seed=0, **tree):
     """variant: "vp" (a second drafter), "reuse" (the first drafter re-drafts), "resample" (no second pass)."""
-    first = tiny_drafter(target, block_size=8, seed=seed)
-    second = tiny_drafter(target, block_size=8, seed=seed + 100) if variant == "vp" else None
-    return hf_diffspec.DualDiffusionDrafter.from_drafters(first, second, branches_from_first_pass=variant == "resample",
-                                                          **tree)
-
-
-def record_trees(monkeypatch):
-    trees = []
-    original = PrefixTreeCandidateGenerator.propose
-
-    def recording(self, *args, **kwargs):
-        proposed = original(self, *args, **kwargs)
-        trees.extend(proposed)
-        return proposed
-
-    monkeypatch.setattr(PrefixTreeCandidateGenerator, "propose", recording)
-    return trees
+    return tiny_dual_drafter(target, block_size=8, seed=seed, vp_seed=seed + 100 if variant == "vp" else None,
+                             branches_from_first_pass=variant == "resample", **tree)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("variant", ["vp", "reuse", "resample"])
 @pytest.mark.parametrize("seed", range(3))
 def test_d2sd_greedy_is_identical_to_plain_generate(monkeypatch, kind, variant, seed):
-    target = tiny_target(kind, seed=seed)
-    # sharpen the random target so that some drafts get accepted and trees get walked below the root
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4)
+    # a sharpened target: some drafts get accepted and trees get walked below the root
+    target = tiny_target(kind, seed=seed, sharpen=4)
     dual = dual_for(target, variant, seed=seed, num_branches=3, tree_budget=10, max_depth=6)
     ids = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(seed))
     kwargs = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.1)
-    trees = record_trees(monkeypatch)
+    proposals = ProposalRecorder(monkeypatch, PrefixTreeCandidateGenerator)
     out = target.generate(ids, assistant_model=dual, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, target.generate(ids, **kwargs))
-    assert all(len(t) <= 10 and t.max_depth <= 6 for t in trees)
+    trees = proposals.trees
+    assert trees and all(len(t) <= 10 and t.max_depth <= 6 for t in trees)
     assert any(not t.is_chain for t in trees)
     assert sum(out.speculation_stats.committed_per_step) + 1 == 30
 
@@ -94,19 +87,20 @@ def test_rejection_sampling_with_drawn_drafts_is_exactly_the_targets_distributio
     """Drafts drawn from the drafters' distributions, verified by recursive rejection sampling: the marginals of
     the 2nd and last tokens match plain sampling (two-sample chi-square, df <= 15 each)."""
     vocab = 16
-    target = tiny_target("llama", seed=5, vocab_size=vocab)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(6)
-    first = tiny_drafter(target, block_size=6, seed=1)
-    drafter = first if variant == "chain" else hf_diffspec.DualDiffusionDrafter.from_drafters(
-        first, tiny_drafter(target, block_size=6, seed=2), num_branches=3, tree_budget=10)
-    trees = record_trees(monkeypatch)
+    target = tiny_target("llama", seed=5, vocab_size=vocab, sharpen=6)
+    if variant == "chain":
+        drafter, generator_class = tiny_drafter(target, block_size=6, seed=1), DiffusionCandidateGenerator
+    else:
+        drafter = tiny_dual_drafter(target, block_size=6, seed=1, vp_seed=2, num_branches=3, tree_budget=10)
+        generator_class = PrefixTreeCandidateGenerator
+    proposals = ProposalRecorder(monkeypatch, generator_class)
     ids = torch.randint(2, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
     kwargs = dict(max_new_tokens=5, do_sample=True, temperature=0.8, top_k=0)
     n = 300
     plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
     spec = marginal_counts(target, ids, vocab, n, 10_000, assistant_model=drafter, **kwargs)
-    assert all(t.draft_probs is not None for t in trees if len(t) > 1)
+    trees = [t for t in proposals.trees if len(t) > 1]
+    assert trees and all(t.draft_probs is not None for t in trees)
     if variant == "vp":
         assert any(not t.is_chain for t in trees)
     accepted = 0  # drafts must really be accepted for the check to mean anything
@@ -135,10 +129,23 @@ def test_bad_d2sd_configurations_are_refused():
                                                       max_new_tokens=4)
 
 
-@pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
-def test_trees_never_exceed_the_token_budget(max_new_tokens):
+@pytest.mark.parametrize("max_new_tokens", [2, 3, 5, 12])
+def test_trees_never_exceed_the_token_budget(monkeypatch, max_new_tokens):
+    """A row's tree is cut at the tokens the row may still commit (and at the node budget). The first drafter is an
+    oracle, so every main draft is right and trees are as deep as they may be: without the cut they would verify
+    drafts past max_new_tokens. The last step is the edge: its tree was cut by the budget, and all of it accepted."""
     target = tiny_target("qwen3", seed=2)
-    dual = dual_for(target, num_branches=3, tree_budget=12)
-    ids = torch.randint(2, 128, (1, 7))
-    assert torch.equal(target.generate(ids, assistant_model=dual, max_new_tokens=max_new_tokens),
-                       target.generate(ids, max_new_tokens=max_new_tokens))
+    dual = dual_for(target, num_branches=3, tree_budget=12)  # max_depth 7 (block 8)
+    ids = random_ids(2, 7)
+    ref = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    oracle_drafter_outputs(monkeypatch, dual.first, target, target.generate(ids, max_new_tokens=20)[0])
+    proposals = ProposalRecorder(monkeypatch, PrefixTreeCandidateGenerator)
+    out = target.generate(ids, assistant_model=dual, max_new_tokens=max_new_tokens, do_sample=False,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert proposals.steps
+    for remaining, trees in proposals.steps:
+        assert all(t.max_depth <= left and len(t) <= 12 for t, left in zip(trees, remaining))
+    (left,), (last,) = proposals.steps[-1]
+    assert left < dual.config.max_depth and last.max_depth == left, "the last tree must be cut by the token budget"
+    assert out.speculation_stats.committed_per_step[-1] == left + 1  # its main chain accepted, then the bonus token

@@ -1,17 +1,27 @@
 """Lossless speculative decoding through `target.generate(assistant_model=drafter)` on tiny random models (fp32)."""
 
+import sys
+
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import StoppingCriteriaList
 
 import hf_diffspec
-from helpers import NoisyOracle, install_oracle, tiny_drafter, tiny_target
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from helpers import (
+    NoisyOracle,
+    RecordingStreamer,
+    StopOnTokens,
+    install_oracle,
+    random_ids,
+    tiny_drafter,
+    tiny_target,
+    two_sample_chi2,
+)
 
 
 def prompt(seed: int, length: int = 12, vocab: int = 128) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (1, length), generator=g)
+    return random_ids(seed, length, vocab)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -64,34 +74,15 @@ def test_eos_inside_an_accepted_block_stops_exactly(monkeypatch):
     assert torch.equal(out, ref)
 
 
-class StopAfterToken(StoppingCriteria):
-    def __init__(self, token):
-        self.token = token
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
-
-
-class Recorder(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
-
-
 def test_custom_stopping_criteria_streamer_and_scores_match_plain_generate(monkeypatch):
     target = tiny_target("qwen3", seed=5)
     drafter = tiny_drafter(target, block_size=6)
     ids = prompt(5)
     free = target.generate(ids, max_new_tokens=30, do_sample=False)
-    stop = StoppingCriteriaList([StopAfterToken(int(free[0, ids.shape[1] + 12]))])
+    stop = StoppingCriteriaList([StopOnTokens([int(free[0, ids.shape[1] + 12])])])
     kwargs = dict(max_new_tokens=30, do_sample=False, stopping_criteria=stop, return_dict_in_generate=True,
                   output_scores=True, output_logits=True, no_repeat_ngram_size=3)
-    ref_streamer, streamer = Recorder(), Recorder()
+    ref_streamer, streamer = RecordingStreamer(), RecordingStreamer()
     ref = target.generate(ids, streamer=ref_streamer, **kwargs)
     install_oracle(monkeypatch, NoisyOracle(free, vocab_size=128, noise=0.1))
     out = target.generate(ids, assistant_model=drafter, streamer=streamer, **kwargs)
@@ -136,14 +127,44 @@ def test_left_padded_prompt_matches_plain_generate():
     assert torch.equal(out, ref)
 
 
-def test_stock_assisted_decoding_runs_our_candidate_generator():
+def test_stock_assisted_decoding_runs_our_candidate_generator(monkeypatch):
+    """transformers' own `_assisted_decoding` asks our `DiffusionCandidateGenerator` for every step's candidates
+    (our loop never runs), and the instance-level `_get_candidate_generator` is gone afterwards, also after a
+    failure inside generation."""
     target = tiny_target("llama", seed=9)
     drafter = tiny_drafter(target, block_size=4)
     ids = prompt(9)
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+
+    def fail(*a, **k):
+        raise AssertionError("hf_diffspec's loop must not run inside transformers' assisted decoding")
+
+    monkeypatch.setattr(hf_diffspec.generation, "run_speculative", fail)
+    callers, drafted = [], []
+    get_candidates = DiffusionCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, *args, **kwargs):
+        callers.append(sys._getframe(1).f_code.co_name)
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        drafted.append(candidates.shape[1] - input_ids.shape[1])
+        return candidates, logits
+
+    monkeypatch.setattr(DiffusionCandidateGenerator, "get_candidates", spy)
+    drafter_forwards = []
+    drafter.register_forward_hook(lambda *args: drafter_forwards.append(1))
     out = hf_diffspec.assisted_generate_with_stock_loop(target, drafter, inputs=ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(out, ref)
-    assert not hasattr(target.__dict__, "_get_candidate_generator")
+    assert callers and set(callers) == {"_assisted_decoding"}
+    assert max(drafted) > 0 and len(drafter_forwards) >= sum(n > 0 for n in drafted)
+    assert "_get_candidate_generator" not in target.__dict__
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("drafting failed")
+
+    monkeypatch.setattr(DiffusionCandidateGenerator, "get_candidates", broken)
+    with pytest.raises(RuntimeError, match="drafting failed"):
+        hf_diffspec.assisted_generate_with_stock_loop(target, drafter, inputs=ids, max_new_tokens=20, do_sample=False)
+    assert "_get_candidate_generator" not in target.__dict__
 
 
 def test_other_assistants_keep_transformers_behaviour(monkeypatch):
@@ -164,9 +185,7 @@ def test_sampling_is_exactly_the_targets_distribution(monkeypatch):
     """Same seed -> same samples as plain sampling (the loop consumes randomness like `_sample`), and the marginal
     of a later token matches plain sampling across many seeds."""
     vocab = 16
-    target = tiny_target("llama", seed=12, vocab_size=vocab)
-    with torch.no_grad():  # sharpen the random model a bit so that drafts are sometimes accepted
-        target.lm_head.weight.mul_(8)
+    target = tiny_target("llama", seed=12, vocab_size=vocab, sharpen=8)  # so that drafts are sometimes accepted
     drafter = tiny_drafter(target, block_size=4)
     ids = prompt(12, vocab=vocab)
     greedy = target.generate(ids, max_new_tokens=8, do_sample=False)
@@ -188,11 +207,8 @@ def test_sampling_is_exactly_the_targets_distribution(monkeypatch):
         spec_counts[out.sequences[0, -1]] += 1
     assert accepted > 50, "the check is only meaningful if drafts get accepted"
     assert same >= 0.97 * n
-    # two-sample chi-square on the last token's marginal (df <= 15); 40 is far beyond the 0.999 quantile (~37.7)
-    total = plain_counts + spec_counts
-    keep = total > 0
-    expected = total[keep] / 2
-    chi2 = (((plain_counts[keep] - expected) ** 2 + (spec_counts[keep] - expected) ** 2) / expected).sum()
+    # two-sample chi-square on the last token's marginal (df <= 15); 40 is beyond the 0.999 quantile (~37.7)
+    chi2 = two_sample_chi2(plain_counts, spec_counts)
     assert chi2 < 40, f"chi2={chi2:.1f}"
 
 

@@ -11,7 +11,6 @@ from transformers import AutoModel, TrainingArguments
 import hf_diffspec
 from hf_diffspec.cli import main
 from hf_diffspec.formats import export_for_engine, reduce_vocabulary
-from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.trainers.block_diffusion import (
     BlockDiffusionCollator,
     BlockDiffusionTrainer,
@@ -20,13 +19,13 @@ from hf_diffspec.trainers.block_diffusion import (
 )
 from hf_diffspec.trainers.data import DrafterDataset, ShardWriter
 from hf_diffspec.trainers.draft_vocabulary import count_response_tokens, most_frequent_tokens
-from helpers import tiny_drafter, tiny_target
+from helpers import ProposalRecorder, oracle_drafter_outputs, random_ids, tiny_drafter, tiny_target
 
 VOCAB = 128
 
 
 def prompt(seed: int, length: int = 10) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+    return random_ids(seed, length, VOCAB)
 
 
 def subset_missing(tokens: torch.Tensor, every: int = 3) -> torch.Tensor:
@@ -99,37 +98,6 @@ def test_logits_are_the_targets_on_the_subset_and_minus_inf_elsewhere():
     assert drafter.compute_logits(hidden.double()).dtype == torch.float64
 
 
-def hidden_state_oracle(monkeypatch, drafter, target, reference: torch.Tensor) -> None:
-    """Make the drafter's output at block position p point at the LM-head row of `reference[p]`: through the full
-    head it would draft the reference continuation exactly; through a reduced one only where it lies in the subset."""
-    rows = target.get_output_embeddings().weight.detach()
-    forward = drafter.forward
-
-    def oracle_forward(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        hidden = out.last_hidden_state.clone()
-        positions = kwargs["position_ids"][:, -hidden.shape[1]:]
-        known = positions < reference.shape[-1]
-        hidden[known] = 10 * rows[reference[positions[known]]].to(hidden.dtype)
-        out.last_hidden_state = hidden
-        return out
-
-    monkeypatch.setattr(drafter, "forward", oracle_forward)
-
-
-def record_drafts(monkeypatch) -> list[torch.Tensor]:
-    drafts = []
-    propose = DiffusionCandidateGenerator.propose
-
-    def recording(self, *args):
-        trees = propose(self, *args)
-        drafts.extend(tree.tokens[1:] for tree in trees)
-        return trees
-
-    monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording)
-    return drafts
-
-
 @pytest.mark.parametrize("kind,seed", [("llama", 0), ("qwen3", 1)])
 def test_greedy_generation_is_identical_and_drafts_stay_in_the_subset(monkeypatch, kind, seed):
     target = tiny_target(kind, seed=seed)
@@ -137,12 +105,12 @@ def test_greedy_generation_is_identical_and_drafts_stay_in_the_subset(monkeypatc
     ref = target.generate(ids, max_new_tokens=40, do_sample=False)
     subset = subset_missing(ref[0, ids.shape[1]:])
     drafter = tiny_drafter(target, block_size=8).set_draft_vocabulary(subset)
-    hidden_state_oracle(monkeypatch, drafter, target, ref[0])
-    drafts = record_drafts(monkeypatch)
+    oracle_drafter_outputs(monkeypatch, drafter, target, ref[0])
+    proposals = ProposalRecorder(monkeypatch)
     out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False,
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    drafted = torch.cat(drafts)
+    drafted = torch.cat([tree.tokens[1:] for tree in proposals.trees])
     assert drafted.numel() and torch.isin(drafted, subset).all()
     assert not torch.isin(ref[0, ids.shape[1]:], subset).all(), "the subset must miss some of the target's tokens"
     assert out.speculation_stats.tau > 1.1, "drafts inside the subset are accepted"
@@ -152,10 +120,10 @@ def test_sampled_drafts_stay_in_the_subset(monkeypatch):
     target = tiny_target(seed=2)
     subset = torch.arange(0, VOCAB, 2)
     drafter = tiny_drafter(target, block_size=6).set_draft_vocabulary(subset)
-    drafts = record_drafts(monkeypatch)
+    proposals = ProposalRecorder(monkeypatch)
     torch.manual_seed(0)
     target.generate(prompt(5), assistant_model=drafter, max_new_tokens=30, do_sample=True, temperature=1.5)
-    drafted = torch.cat(drafts)
+    drafted = torch.cat([tree.tokens[1:] for tree in proposals.trees])
     assert drafted.numel() and torch.isin(drafted, subset).all()
 
 

@@ -55,9 +55,7 @@ def test_a_trained_selector_changes_the_path_and_greedy_stays_identical():
 def test_selector_sampling_is_the_targets_distribution():
     """The draft distribution is the selector's over its top-k candidates (sparse); rejection sampling uses it."""
     vocab = 12
-    target = tiny_target("llama", seed=3, vocab_size=vocab)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(5)
+    target = tiny_target("llama", seed=3, vocab_size=vocab, sharpen=5)
     _, drafter = _with_selector(target, top_k=3, seed=3, scramble=True)
     ids = torch.randint(2, vocab, (1, 5), generator=torch.Generator().manual_seed(3))
     kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0)

@@ -94,9 +94,7 @@ def test_best_first_trees_greedy_identical_to_plain_generate(monkeypatch, kind, 
 
 def test_best_first_tree_sampling_is_the_targets_distribution(monkeypatch):
     vocab = 12
-    target = tiny_target("llama", seed=3, vocab_size=vocab)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(5)
+    target = tiny_target("llama", seed=3, vocab_size=vocab, sharpen=5)
     drafter = _tree_drafter(target, budget=6, width=3, seed=3)
     ids = torch.randint(2, vocab, (1, 5), generator=torch.Generator().manual_seed(3))
     kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0)
