@@ -135,12 +135,28 @@ class DrafterTrainingArguments(TrainingArguments):
     )
     heldout_tau_prompts: int = field(default=2, metadata={"help": "Held-out prompts per domain for that tau."})
     heldout_tau_max_new_tokens: int = field(default=96, metadata={"help": "New tokens per prompt for that tau."})
+    offline_acceptance_steps: int = field(
+        default=0,
+        metadata={"help": "Every N optimizer steps (and at the start and the end), measure the offline acceptance "
+                          "length (the drafter at every anchor of the target's own held-out sequences, no decoding) "
+                          "on --offline-acceptance-data and append it to OUT/offline_acceptance.jsonl (0: never)."},
+    )
+    offline_acceptance_data: list[str] | None = field(
+        default=None, metadata={"help": "Data directories of held-out sequences the target wrote (greedy), e.g. "
+                                        "data/heldout-smollm2; never trained on."}
+    )
+    offline_acceptance_sequences: int | None = field(
+        default=64, metadata={"help": "The offline acceptance length reads the first N of those sequences."}
+    )
 
     def __post_init__(self):
         if self.use_cpu is None:
             self.use_cpu = not torch.cuda.is_available()
         if self.bf16 is None:
             self.bf16 = fast_bf16("cpu" if self.use_cpu else None)
+        if self.offline_acceptance_steps > 0 and not self.offline_acceptance_data:
+            raise ValueError("--offline-acceptance-steps measures on held-out sequences: pass --offline-acceptance-data "
+                             "DIR (e.g. data/heldout-smollm2, written by examples/drafter_campaign_cpu.sh heldout)")
         super().__post_init__()
 
 

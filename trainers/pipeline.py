@@ -154,6 +154,12 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
     if args.heldout_tau_steps > 0:
         trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
                                                 args.heldout_tau_prompts, args.heldout_tau_max_new_tokens))
+    if args.offline_acceptance_steps > 0:
+        from .offline_acceptance import OFFLINE_ACCEPTANCE_LOG, OfflineAcceptanceCallback  # it builds on this module
+
+        trainer.add_callback(OfflineAcceptanceCallback(
+            trainer, out / OFFLINE_ACCEPTANCE_LOG, args.offline_acceptance_data, args.offline_acceptance_steps,
+            args.offline_acceptance_sequences, tokenizer))
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
@@ -225,23 +231,28 @@ class HeldOutTauCallback(TrainerCallback):
     @torch.no_grad()
     def measure(self, state) -> None:
         start = time.perf_counter()
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        borrowed = {id(m): m for m in self.trainer.drafter._borrowed.values()}  # the target's, shared, not copied
-        drafter = copy.deepcopy(model, memo=borrowed)
-        if hasattr(drafter, "merge_and_unload"):  # peft: the adapter merged into the copy, the trained one untouched
-            drafter = drafter.merge_and_unload()
-        target = self.trainer.target
-        drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+        drafter = deployed_drafter(self.trainer)
         drafter.config.draft_tree_budget = None  # chains of the whole block, whatever the checkpoint's defaults
         drafter.config.prompt_lookup_num_tokens = None
-        drafter.bind_target(target)
-        tau = heldout_tau(target, self.tokenizer, drafter, self.prompts, self.max_new_tokens)
+        tau = heldout_tau(self.trainer.target, self.tokenizer, drafter, self.prompts, self.max_new_tokens)
         line = {"step": state.global_step, "training_tokens": state.num_input_tokens_seen, "tau": tau.pop("all"),
                 "tau_per_domain": tau, "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
                 "seconds": round(time.perf_counter() - start, 1)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as log:  # one whole line per write: a kill leaves earlier lines intact
             log.write(json.dumps(line) + "\n")
+
+
+def deployed_drafter(trainer):
+    """A copy of the trainer's drafter as it is deployed: merged (peft), in the target's dtype and device, eval
+    mode, bound to the target; the trained one is left untouched."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    borrowed = {id(m): m for m in trainer.drafter._borrowed.values()}  # the target's, shared, not copied
+    drafter = copy.deepcopy(model, memo=borrowed)
+    if hasattr(drafter, "merge_and_unload"):  # peft: the adapter merged into the copy, the trained one untouched
+        drafter = drafter.merge_and_unload()
+    target = trainer.target
+    return drafter.to(device=target.device, dtype=target.dtype).eval().bind_target(target)
 
 
 def read_heldout_tau(path) -> dict[int, dict]:
