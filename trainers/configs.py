@@ -104,6 +104,11 @@ class DrafterTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Decay of the position weights exp(-(k-1)/decay) (default: DFlash's for the block size)."},
     )
+    loss_depth: int | None = field(
+        default=None,
+        metadata={"help": "Leave block slots deeper than this out of the loss (slots acceptance rarely reaches: with "
+                          "tau ~1.5, slot 4 almost never; default: every slot)."},
+    )
     target_consistent_labels: bool = field(
         default=True,
         metadata={"help": "Supervise a block slot only while the text from the anchor to it is the target's own greedy "
@@ -117,8 +122,21 @@ class DrafterTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Stop after this many minutes, with warmup + cosine following the fraction of the budget "
                           "spent. Each run has its own budget: with --resume, the learning rate warms up again and "
-                          "follows a new cosine over the new budget (a restart, as in SGDR).",
+                          "follows a new cosine over the new budget (a restart, as in SGDR); with --schedule-steps "
+                          "the budget only stops each run.",
                   "aliases": ["--time-budget"]},
+    )
+    schedule_steps: int | None = field(
+        default=None,
+        metadata={"help": "One warmup + cosine over this many optimizer steps in total, kept by every --resume of "
+                          "this run (restored from the checkpoint, whatever a later run passes), while each run stops "
+                          "at its own --max_steps or --time-budget: one curve across machines."},
+    )
+    ema_decay: float = field(
+        default=0.0,
+        metadata={"help": "Keep an exponential moving average of the weights with this decay per optimizer step "
+                          "(e.g. 0.99), saved in every checkpoint and restored on --resume; the average is what is "
+                          "measured on the schedules and saved at the end (0: no average)."},
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in OUT/checkpoints."})
     eval_prompts: int = field(

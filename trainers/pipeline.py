@@ -34,6 +34,7 @@ from .block_diffusion import (
     loss_curve_summary,
 )
 from .configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig, VariablePrefixConfig
+from .continuation import EMACallback, ema_callback
 from .data import DrafterDataset, ShardWriter, classify_domain, sharegpt_exchanges
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"]
@@ -151,6 +152,8 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         model=model, args=replace(args, output_dir=str(out / "checkpoints")), train_dataset=dataset, target=target,
         data_collator=BlockDiffusionCollator(pad, num_anchors=args.num_anchors, seed=args.seed),
     )
+    if args.ema_decay:  # before the measuring callbacks: they measure the average
+        trainer.add_callback(EMACallback(args.ema_decay))
     if args.heldout_tau_steps > 0:
         trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
                                                 args.heldout_tau_prompts, args.heldout_tau_max_new_tokens))
@@ -244,11 +247,13 @@ class HeldOutTauCallback(TrainerCallback):
 
 
 def deployed_drafter(trainer):
-    """A copy of the trainer's drafter as it is deployed: merged (peft), in the target's dtype and device, eval
-    mode, bound to the target; the trained one is left untouched."""
+    """A copy of the trainer's drafter as it is deployed: its weight average if it keeps one, merged (peft), in the
+    target's dtype and device, eval mode, bound to the target; the trained one is left untouched."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     borrowed = {id(m): m for m in trainer.drafter._borrowed.values()}  # the target's, shared, not copied
     drafter = copy.deepcopy(model, memo=borrowed)
+    if (ema := ema_callback(trainer)) is not None and ema.average is not None:
+        ema.copy_to(drafter)
     if hasattr(drafter, "merge_and_unload"):  # peft: the adapter merged into the copy, the trained one untouched
         drafter = drafter.merge_and_unload()
     target = trainer.target
