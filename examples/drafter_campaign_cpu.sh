@@ -12,8 +12,13 @@
 # heldout: the target's greedy answers, one prompt at a time as the benchmark decodes them, to the held-out prompts
 #          (code/math/chat evaluation sets and the unseen families), under data/heldout-smollm2: the sequences the
 #          offline acceptance length is measured on. Never trained on.
-# train:   the continuation recipe (examples/campaign_recipe.md) from the shipped drafter, resumed by step from
-#          $RUN/checkpoints, with the offline acceptance length every $EVERY steps in $RUN/offline_acceptance.jsonl.
+# train:   the continuation recipe (below) from the shipped drafter on the shards written so far, resumed by step from
+#          $RUN/checkpoints (machine-local: ~300 MB a checkpoint), with the offline acceptance length every 10 optimizer
+#          steps in $RUN/offline_acceptance.jsonl. On a machine without those checkpoints it starts again from the
+#          shipped drafter on the committed shards: the same recipe, a new curve.
+#
+# Stop a stage with `kill -- -PGID` of its process group (nohup keeps the group of the shell that started it) or
+# `kill PID` of its python process; a rerun resumes. Pause it while anything is timed (kill -STOP / -CONT).
 #
 # THREADS (default 1) caps the threads of each stage, so that stages can share the cores with other work.
 set -euo pipefail
@@ -63,6 +68,18 @@ write_heldout_data(target, tok, "smollm2-135m-instruct", out, heldout_prompts(to
 unseen = load_prompts_file("examples/prompts/unseen_families.jsonl", tokenizer=tok)
 write_heldout_data(target, tok, "smollm2-135m-instruct", out.rstrip("/") + "-unseen", unseen, tokens)
 EOF
+    ;;
+train)
+    RUN=${RUN:-runs/campaign}
+    # the recipe (issue 29 item 3): 4 sequences x 64 anchors x 8 accumulated = 2,048 blocks per optimizer step,
+    # peak lr 1e-4 on one cosine of 2,000 steps across every resume, EMA 0.995, loss over slots 1-8
+    resume=()
+    ls "$RUN"/checkpoints/checkpoint-*/trainer_state.json >/dev/null 2>&1 && resume=(--resume)
+    hf-diffspec train kd --init checkpoints/smollm2-135m-instruct-dflash --data "$DATA" data/regen-smollm2 \
+        --out "$RUN" --batch-size 4 --num-anchors 64 --grad-accum 8 --max-length 512 --lr 1e-4 \
+        --schedule-steps 2000 --warmup_steps 20 --max_steps 2000 --ema-decay 0.995 --loss-depth 8 \
+        --save_steps 5 --logging_steps 1 --offline-acceptance-steps 10 --offline-acceptance-data "$HELDOUT" \
+        --offline-acceptance-sequences 60 "${resume[@]}"
     ;;
 *)
     echo "unknown stage $STAGE (data | heldout | train)" >&2

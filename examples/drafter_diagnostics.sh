@@ -4,7 +4,8 @@
 #
 #   nohup nice -n 19 bash examples/drafter_diagnostics.sh equivalence > runs/diag-equivalence.log 2>&1 &
 #   nohup nice -n 19 bash examples/drafter_diagnostics.sh overfit > runs/diag-overfit.log 2>&1 &
-#   nohup nice -n 19 bash examples/drafter_diagnostics.sh drift > runs/diag-drift.log 2>&1 &
+#   ARM=high nohup nice -n 19 bash examples/drafter_diagnostics.sh drift > runs/diag-drift-high.log 2>&1 &
+#   ARM=low nohup nice -n 19 bash examples/drafter_diagnostics.sh drift > runs/diag-drift-low.log 2>&1 &
 #
 # equivalence: the real target and the shipped drafter in fp32, on 3 held-out prompts: the offline acceptance length
 #     step by step against a dflash-block decode of the same prompts (tests/test_offline_acceptance.py does the same
@@ -12,7 +13,7 @@
 # overfit: from the shipped drafter, 32 target-regenerated sequences of data/regen-smollm2, every response position
 #     an anchor, 300 steps; the offline acceptance on those sequences every 50 steps, then the decoded dflash-block
 #     tau on the same prompts.
-# drift: the same short continuation (data/regen-mix-smollm2, as far as it is written) at lr 2e-4 (the earlier CPU
+# drift: the same short continuation (data/regen-smollm2, 150 steps of 4 x 32 blocks) at lr 2e-4 (the earlier CPU
 #     runs) and at 3e-5 with EMA, scored by the offline acceptance on data/heldout-smollm2.
 set -euo pipefail
 STAGE=${1:?usage: drafter_diagnostics.sh equivalence|overfit|drift}
@@ -96,6 +97,21 @@ for name, path in [("shipped", "checkpoints/smollm2-135m-instruct-dflash"), ("ov
     print(name, result[name], flush=True)
 json.dump(result, open(f"{diag}/overfit_decoded_tau.json", "w"), indent=1)
 EOF
+    ;;
+drift)
+    # ARM=high: lr 2e-4, no average (the earlier CPU continuations); ARM=low: lr 3e-5 with an EMA; same data order
+    ARM=${ARM:?ARM=high or ARM=low}
+    case "$ARM" in
+        high) recipe=(--lr 2e-4) ;;
+        low) recipe=(--lr 3e-5 --ema-decay 0.99) ;;
+        *) echo "ARM is high or low" >&2; exit 2 ;;
+    esac
+    resume=()
+    ls "$DIAG/drift-$ARM"/checkpoints/checkpoint-*/trainer_state.json >/dev/null 2>&1 && resume=(--resume)
+    hf-diffspec train kd --init "$SHIPPED" --data data/regen-smollm2 --out "$DIAG/drift-$ARM" \
+        --batch-size 4 --num-anchors 32 --max-length 512 --max_steps 150 --schedule-steps 150 --save_steps 25 \
+        --logging_steps 5 --offline-acceptance-steps 25 --offline-acceptance-data data/heldout-smollm2 \
+        --offline-acceptance-sequences 60 "${recipe[@]}" "${resume[@]}"
     ;;
 *)
     echo "unknown stage $STAGE (equivalence | overfit | drift)" >&2
