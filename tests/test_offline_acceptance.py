@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hf_diffspec import DiffusionDrafter
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer
 from hf_diffspec.trainers.configs import DrafterTrainingArguments
@@ -61,8 +62,17 @@ def decode(target, drafter, prompt, monkeypatch):
     return out.sequences[0], out.speculation_stats.committed_per_step, proposed
 
 
-def test_offline_acceptance_equals_the_decoded_dflash_block_tau(trained, monkeypatch):
+@pytest.mark.parametrize("selector", [False, True])
+def test_offline_acceptance_equals_the_decoded_dflash_block_tau(trained, monkeypatch, tmp_path, selector):
     target, drafter, trainer, prompts, records = trained
+    if selector:  # drafts chosen left to right by a selector that disagrees with the drafter's argmax
+        drafter.save_pretrained(tmp_path)
+        drafter = DiffusionDrafter.from_pretrained(tmp_path, target=target, selector_rank=4, selector_top_k=4).eval()
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(0)
+            for codes in (drafter.selector.previous_codes, drafter.selector.candidate_codes):
+                codes.copy_(torch.randn(codes.shape, generator=generator) * 3)
+            drafter.selector.proj.weight.mul_(30)
     report = offline_acceptance(trainer, drafter, records)
     committed, steps = 0, 0
     for prompt, record, offline_steps in zip(prompts, records, report["committed_per_step"]):

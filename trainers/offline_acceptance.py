@@ -42,11 +42,11 @@ DRAFT_ROWS = 64  # blocks whose (rows, slots, vocabulary) logits exist at a time
 
 @torch.no_grad()
 def block_drafts(trainer: BlockDiffusionTrainer, model, inputs: dict) -> tuple[torch.Tensor, ...]:
-    """One training forward over all blocks of `inputs` (the collator's columns): the greedy drafts of every block
-    (batch, anchors, block_size - 1), the target's token at each draft slot, and which slots can be judged (inside
-    the sequence, the text from the anchor to the slot the target's own greedy choice, whatever the training
-    configuration's target_consistent_labels says) and which would be judged but for that last condition. `model`
-    is the drafter module to run (for example a copy in the target's dtype); `trainer` supplies the target."""
+    """One training forward over all blocks of `inputs` (the collator's columns) with `model`, the drafter to measure
+    (e.g. a copy in the target's dtype; `trainer` supplies the target and the forward). Returns, per draft slot
+    (batch, anchors, block_size - 1): the greedy draft, the target's token there, whether the slot is judged (inside
+    the sequence, and the text from the anchor to it the target's own greedy choice, whatever the training
+    configuration's target_consistent_labels says) and whether it is inside the sequence."""
     if type(trainer).prefix_lengths is not BlockDiffusionTrainer.prefix_lengths:
         raise ValueError(f"{type(trainer).__name__} drafts after a prefix of real tokens; the offline acceptance "
                          "length measures first (DFlash) drafters, whose blocks are [anchor, MASK...]")
@@ -56,7 +56,7 @@ def block_drafts(trainer: BlockDiffusionTrainer, model, inputs: dict) -> tuple[t
     consistent = torch.ones_like(labels, dtype=torch.bool)
     consistent[..., 2:] = torch.cumprod((written == labels)[..., 1:-1].long(), -1).bool()
     anchor_tokens = inputs["input_ids"].gather(1, inputs["anchors"]).flatten()
-    drafts = draft_tokens(trainer.drafter, blocks.hidden[:, :, 1:].flatten(0, 1), anchor_tokens)
+    drafts = draft_tokens(model, blocks.hidden[:, :, 1:].flatten(0, 1), anchor_tokens)
     offsets = torch.arange(1, labels.shape[-1], device=labels.device)
     in_sequence = (inputs["anchors"][:, :, None] + offsets) < inputs["attention_mask"].sum(1)[:, None, None]
     in_sequence &= inputs["anchor_mask"][:, :, None]
