@@ -10,9 +10,10 @@
 # equivalence: the real target and the shipped drafter in fp32, on 3 held-out prompts: the offline acceptance length
 #     step by step against a dflash-block decode of the same prompts (tests/test_offline_acceptance.py does the same
 #     with tiny models).
-# overfit: from the shipped drafter, 32 target-regenerated sequences of data/regen-smollm2, every response position
-#     an anchor, 300 steps; the offline acceptance on those sequences every 50 steps, then the decoded dflash-block
-#     tau on the same prompts.
+# overfit: from the shipped drafter, 32 target-regenerated sequences of data/regen-smollm2 (~8k response positions),
+#     300 steps of 2 sequences x 64 random anchors (~5 visits of every position; all of a sequence's anchors in one
+#     step cost ~7x more in the dense block mask), lr 5e-4; the offline acceptance on those sequences every 100
+#     steps, then the decoded dflash-block tau on the same prompts.
 # drift: the same short continuation (data/regen-smollm2, 150 steps of 4 x 32 blocks) at lr 2e-4 (the earlier CPU
 #     runs) and at 3e-5 with EMA, scored by the offline acceptance on data/heldout-smollm2.
 set -euo pipefail
@@ -69,8 +70,8 @@ EOF
     resume=()
     ls "$DIAG"/overfit/checkpoints/checkpoint-*/trainer_state.json >/dev/null 2>&1 && resume=(--resume)
     hf-diffspec train kd --init "$SHIPPED" --data "$DIAG/overfit-data" --out "$DIAG/overfit" \
-        --batch-size 2 --num-anchors 512 --max-length 512 --lr 5e-4 --max_steps 300 --save_steps 25 \
-        --logging_steps 5 --offline-acceptance-steps 50 --offline-acceptance-data "$DIAG/overfit-data" \
+        --batch-size 2 --num-anchors 64 --max-length 512 --lr 5e-4 --max_steps 300 --save_steps 25 \
+        --logging_steps 5 --offline-acceptance-steps 100 --offline-acceptance-data "$DIAG/overfit-data" \
         --offline-acceptance-sequences 32 "${resume[@]}"
     python - "$DIAG" <<'EOF'
 import json, sys
