@@ -1,4 +1,4 @@
-"""Command line: `hf-diffspec demo | bench | profile | data | train | push | convert | export`."""
+"""Command line: `hf-diffspec demo | bench | profile | data | train | eval | push | convert | export`."""
 
 import argparse
 import logging
@@ -195,6 +195,34 @@ def cmd_train(args) -> None:
         print(f"drafter saved to {train_drafter(target, tok, args.target, args.data, config, command=command)}")
 
 
+def cmd_eval(args) -> None:
+    from . import load_target
+    from .drafters import load_drafter
+    from .runtime.files import atomic_write
+    from .trainers.data import DrafterDataset
+    from .trainers.offline_acceptance import measuring_trainer, offline_acceptance
+
+    target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    try:
+        drafter = load_drafter(args.drafter, target, args.target, length_head=False)
+        dataset = DrafterDataset(args.data, tokenizer=tok)
+        report = offline_acceptance(measuring_trainer(drafter, target), drafter, dataset, args.max_sequences)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(str(error)) from None
+    print("| domain | sequences | blocks | tau (± s.e.) | decode tau | reach of slots 1-4 |\n|---|---|---|---|---|---|")
+    for name, row in [*report["per_domain"].items(), ("all", report)]:
+        reach = " / ".join(f"{r:.3f}" for r in row["reach"][:4])
+        print(f"| {name} | {row['sequences']} | {row['blocks']} | {row['tau']:.4f} ± {row['tau_se']:.4f} | "
+              f"{row['decode_tau']:.4f} | {reach} |")
+    if report["unjudged_blocks"]:
+        print(f"{report['unjudged_blocks']} blocks stopped where the text is not this target's own greedy choice "
+              "(data written in another precision or by another target)")
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "func"}
+        atomic_write(args.json, json.dumps({"config": config, **report}, indent=1))
+        print(f"wrote {args.json}")
+
+
 def cmd_push(args) -> None:
     import tempfile
 
@@ -358,6 +386,20 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeats", type=int, default=5)
     profile.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows per forward to measure")
     profile.set_defaults(func=cmd_profile)
+
+    evaluate = sub.add_parser("eval", help="drafter quality without decoding")
+    eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
+    acceptance = eval_sub.add_parser(
+        "acceptance", help="offline acceptance length: the drafter at every anchor of the target's own sequences")
+    acceptance.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
+    acceptance.add_argument("--data", nargs="+", required=True, metavar="DIR",
+                            help="held-out data directories of sequences the target wrote itself (greedy)")
+    acceptance.add_argument("--max-sequences", type=int, default=None, help="read only the first N sequences")
+    acceptance.add_argument("--target", default=DEFAULT_TARGET)
+    acceptance.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    acceptance.add_argument("--device", default=None)
+    acceptance.add_argument("--json", default=None, help="write the report (per domain, per slot, per step) here")
+    acceptance.set_defaults(func=cmd_eval)
 
     push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")
     push.add_argument("folder")

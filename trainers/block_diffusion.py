@@ -32,6 +32,7 @@ from torch.utils.data import get_worker_info
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .configs import DrafterTrainingArguments, LengthHeadConfig, ReverseKLConfig, VariablePrefixConfig
+from .continuation import WarmupCosine
 
 LOGITS_CHUNK = 8192
 
@@ -188,11 +189,18 @@ class BlockDiffusionTrainer(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        """With a time budget, warmup + cosine follow the fraction of the budget spent instead of the step count."""
+        """With a time budget, warmup + cosine follow the fraction of the budget spent instead of the step count;
+        with `schedule_steps`, one warmup + cosine over that many steps, kept by every resumed run (the budget then
+        only stops each run)."""
+        if self.time_budget:
+            self.time_budget.start()
+        if self.args.schedule_steps:
+            schedule = WarmupCosine(self.args.schedule_steps, self.args.get_warmup_steps(self.args.schedule_steps))
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, schedule)
+            return self.lr_scheduler
         if not self.time_budget:
             return super().create_scheduler(num_training_steps, optimizer)
         warmup = self.args.warmup_steps if 0 < self.args.warmup_steps < 1 else 0.04
-        self.time_budget.start()
 
         def factor(_step):
             frac = min(1.0, self.time_budget.spent)
@@ -295,6 +303,8 @@ class BlockDiffusionTrainer(Trainer):
         hidden, selected, prefix, slot_positions = blocks.hidden, blocks.selected, blocks.prefix, blocks.slot_positions
         offsets = torch.arange(self.block_size, device=hidden.device)
         k_after_prefix = (offsets[None, None, :] - prefix[:, :, None]).clamp(min=1).float()
+        if self.args.loss_depth:  # deeper slots, which acceptance rarely reaches, cost the LM head and teach little
+            selected = selected & (k_after_prefix <= self.args.loss_depth)
         weights_all = torch.exp(-(k_after_prefix - 1) / self.loss_decay)
 
         # logits over the drafter's vocabulary: V' columns (target ids `vocab_ids`) with a reduced one, else all V

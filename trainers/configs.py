@@ -104,6 +104,11 @@ class DrafterTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Decay of the position weights exp(-(k-1)/decay) (default: DFlash's for the block size)."},
     )
+    loss_depth: int | None = field(
+        default=None,
+        metadata={"help": "Leave block slots deeper than this out of the loss (slots acceptance rarely reaches: with "
+                          "tau ~1.5, slot 4 almost never; default: every slot)."},
+    )
     target_consistent_labels: bool = field(
         default=True,
         metadata={"help": "Supervise a block slot only while the text from the anchor to it is the target's own greedy "
@@ -117,9 +122,22 @@ class DrafterTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Stop after this many minutes, with warmup + cosine following the fraction of the budget "
                           "spent. Each run has its own budget: with --resume, the learning rate warms up again and "
-                          "follows a new cosine over the new budget (a restart, as in SGDR). Under several processes "
-                          "the main process's clock decides for all of them.",
+                          "follows a new cosine over the new budget (a restart, as in SGDR); with --schedule-steps "
+                          "the budget only stops each run. Under several processes the main process's clock decides "
+                          "for all of them.",
                   "aliases": ["--time-budget"]},
+    )
+    schedule_steps: int | None = field(
+        default=None,
+        metadata={"help": "One warmup + cosine over this many optimizer steps in total, kept by every --resume of "
+                          "this run (restored from the checkpoint, whatever a later run passes), while each run stops "
+                          "at its own --max_steps or --time-budget: one curve across machines."},
+    )
+    ema_decay: float = field(
+        default=0.0,
+        metadata={"help": "Keep an exponential moving average of the weights with this decay per optimizer step "
+                          "(e.g. 0.99), saved in every checkpoint and restored on --resume; the average is what is "
+                          "measured on the schedules and saved at the end (0: no average)."},
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the last checkpoint in OUT/checkpoints."})
     eval_prompts: int = field(
@@ -136,12 +154,28 @@ class DrafterTrainingArguments(TrainingArguments):
     )
     heldout_tau_prompts: int = field(default=2, metadata={"help": "Held-out prompts per domain for that tau."})
     heldout_tau_max_new_tokens: int = field(default=96, metadata={"help": "New tokens per prompt for that tau."})
+    offline_acceptance_steps: int = field(
+        default=0,
+        metadata={"help": "Every N optimizer steps (and at the start and the end), measure the offline acceptance "
+                          "length (the drafter at every anchor of the target's own held-out sequences, no decoding) "
+                          "on --offline-acceptance-data and append it to OUT/offline_acceptance.jsonl (0: never)."},
+    )
+    offline_acceptance_data: list[str] | None = field(
+        default=None, metadata={"help": "Data directories of held-out sequences the target wrote (greedy), e.g. "
+                                        "data/heldout-smollm2; never trained on."}
+    )
+    offline_acceptance_sequences: int | None = field(
+        default=64, metadata={"help": "The offline acceptance length reads the first N of those sequences."}
+    )
 
     def __post_init__(self):
         if self.use_cpu is None:
             self.use_cpu = not torch.cuda.is_available()
         if self.bf16 is None:
             self.bf16 = fast_bf16("cpu" if self.use_cpu else None)
+        if self.offline_acceptance_steps > 0 and not self.offline_acceptance_data:
+            raise ValueError("--offline-acceptance-steps measures on held-out sequences: pass --offline-acceptance-data "
+                             "DIR (e.g. data/heldout-smollm2, written by examples/drafter_campaign_cpu.sh heldout)")
         super().__post_init__()
 
 

@@ -10,6 +10,7 @@ trained drafter is gathered with `Trainer.save_model` by all of them, and the ma
 and writes it while the others wait; OPD rounds decode their prompts shared out, one shard set per process.
 """
 
+import copy
 import json
 import shutil
 import sys
@@ -41,6 +42,7 @@ from .block_diffusion import (
     loss_curve_summary,
 )
 from .configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig, VariablePrefixConfig
+from .continuation import EMACallback, ema_callback
 from .data import DrafterDataset, classify_domain, process_shard_writer, sharegpt_exchanges
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"]
@@ -182,9 +184,20 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         data_collator=collator,
     )
     base = (lambda: build_drafter(target, args, mask_token_id)) if args.lora else None  # what LoRA merges into
+    if args.ema_decay:  # before the measuring callbacks: they measure the average
+        if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+            raise ValueError("--ema-decay averages whole weights on every process; under FSDP or DeepSpeed they are "
+                             "sharded: train without --ema-decay there, or with DDP")
+        trainer.add_callback(EMACallback(args.ema_decay))
     if args.heldout_tau_steps > 0:
         trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
                                                 args.heldout_tau_prompts, args.heldout_tau_max_new_tokens, base))
+    if args.offline_acceptance_steps > 0:
+        from .offline_acceptance import OFFLINE_ACCEPTANCE_LOG, OfflineAcceptanceCallback  # it builds on this module
+
+        trainer.add_callback(OfflineAcceptanceCallback(
+            trainer, out / OFFLINE_ACCEPTANCE_LOG, args.offline_acceptance_data, args.offline_acceptance_steps,
+            args.offline_acceptance_sequences, tokenizer, base))
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
@@ -266,26 +279,47 @@ class HeldOutTauCallback(TrainerCallback):
     @torch.no_grad()
     def measure(self, state) -> None:
         start = time.perf_counter()
-        folder = Path(self.trainer.args.output_dir) / "heldout-tau-drafter"
-        drafter = trained_drafter(self.trainer, folder, self.base)  # a copy: the trained one stays untouched
+        drafter = deployed_drafter(self.trainer, self.base)
         if drafter is not None:
-            shutil.rmtree(folder)
-            self.write_tau(drafter, state, start)
+            self.write(drafter, state, start)
         self.trainer.accelerator.wait_for_everyone()
 
-    def write_tau(self, drafter, state, start: float) -> None:
-        target = self.trainer.target
-        drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+    def write(self, drafter, state, start: float) -> None:
+        """Measure `drafter` (on the main process) and append its line."""
         drafter.config.draft_tree_budget = None  # chains of the whole block, whatever the checkpoint's defaults
         drafter.config.prompt_lookup_num_tokens = None
-        drafter.bind_target(target)
-        tau = heldout_tau(target, self.tokenizer, drafter, self.prompts, self.max_new_tokens)
+        tau = heldout_tau(self.trainer.target, self.tokenizer, drafter, self.prompts, self.max_new_tokens)
         line = {"step": state.global_step, "training_tokens": state.num_input_tokens_seen, "tau": tau.pop("all"),
                 "tau_per_domain": tau, "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
                 "seconds": round(time.perf_counter() - start, 1)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as log:  # one whole line per write: a kill leaves earlier lines intact
             log.write(json.dumps(line) + "\n")
+
+
+def deployed_drafter(trainer, base=None):
+    """A copy of the trainer's drafter as it is deployed, on the main process (None on the others, which must all
+    call this too): its weight average if it keeps one, merged (peft), in the target's dtype and device, eval mode,
+    bound to the target; the trained one is left untouched. Sharded weights (FSDP, DeepSpeed) are gathered by
+    `trained_drafter`; whole ones are copied in memory."""
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        folder = Path(trainer.args.output_dir) / "measured-drafter"
+        drafter = trained_drafter(trainer, folder, base)
+        if drafter is None:
+            return None
+        shutil.rmtree(folder)
+    elif not trainer.is_world_process_zero():
+        return None
+    else:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        borrowed = {id(m): m for m in trainer.drafter._borrowed.values()}  # the target's, shared, not copied
+        drafter = copy.deepcopy(model, memo=borrowed)
+        if (ema := ema_callback(trainer)) is not None and ema.average is not None:
+            ema.copy_to(drafter)
+        if hasattr(drafter, "merge_and_unload"):  # peft: the adapter merged into the copy, the trained one untouched
+            drafter = drafter.merge_and_unload()
+    target = trainer.target
+    return drafter.to(device=target.device, dtype=target.dtype).eval().bind_target(target)
 
 
 def read_heldout_tau(path) -> dict[int, dict]:

