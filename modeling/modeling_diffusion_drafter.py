@@ -748,18 +748,21 @@ def expand_padding_mask(mask_2d: torch.Tensor, q_len: int, dtype: torch.dtype) -
 
 def drafter_config_for_target(target_config, **overrides) -> DiffusionDrafterConfig:
     """A `DiffusionDrafterConfig` whose attention shape, RoPE (type and scaling included) and vocabulary follow
-    `target_config`; a target with RoPE per layer type lends its full-attention layers' RoPE."""
+    `target_config`; a target with RoPE per layer type lends its full-attention layers' RoPE, and one whose layers
+    differ in shape (Gemma 4's wider full-attention layers) lends a full-attention layer's shape with it."""
     text_config = target_config.get_text_config()
     rope = dict(getattr(text_config, "rope_parameters", None) or {})
     rope = dict(rope.get("full_attention") or {}) if "full_attention" in rope else rope
     rope_theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
-    heads = text_config.num_attention_heads
+    layer_types = list(getattr(text_config, "layer_types", None) or [])
+    layer = text_config.per_layer_config[layer_types.index("full_attention") if "full_attention" in layer_types else 0]
+    heads = layer.num_attention_heads
     values = dict(
         hidden_size=text_config.hidden_size,
         intermediate_size=text_config.intermediate_size,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+        num_key_value_heads=getattr(layer, "num_key_value_heads", None) or heads,
+        head_dim=getattr(layer, "head_dim", None) or text_config.hidden_size // heads,
         rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_parameters=rope or None,

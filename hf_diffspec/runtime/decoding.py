@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch import BatchState, RowCommitter, row_processors
@@ -41,6 +40,7 @@ from .drafting import candidate_generator_for
 from .files import pad_token_id
 from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
+from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
 from .tree import CandidateTree, tree_forward_inputs
 
 
@@ -168,8 +168,9 @@ def speculative_generate(
         )
     # verifying drafts needs the prefix cached; with use_cache=False the loop keeps a cache of its own and returns none
     cache = model_kwargs.get("cache") if generation_config.use_cache else None
-    if cache is None:
-        cache = DynamicCache(config=model.config)
+    if cache is None or any(cache.is_sliding):  # generate's own cache would drop keys of sliding layers
+        cache = full_kv_cache(model.config)
+    layout = AttentionLayout.of(model.config)
     attention_mask = model_kwargs.get("attention_mask")
     valid = _check_batch(input_ids, attention_mask, generation_config, streamer, logits_processor, stopping_criteria)
     rows = input_ids.shape[0]
@@ -213,6 +214,7 @@ def speculative_generate(
 
         verify_start = time.perf_counter()
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
+        tree_mask = verify_masks(layout, tree_mask, trees, batch.cache_valid, input_ids.shape[1])
         out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                     cache=cache, use_cache=True, output_hidden_states=layers)
         paths = batch.accept(trees, out.logits)

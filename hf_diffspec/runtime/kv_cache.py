@@ -10,12 +10,14 @@ def keep_accepted_paths(cache, past_length: int, paths: list[list[int]], padded_
     Row r's accepted nodes move to slots past_length + 0..len(path)-1 and the cache is cropped to the longest path;
     `padded_paths` (rows, longest) repeats a shorter row's last node, and those copies are hidden by the row's validity
     mask. RoPE stays right: a node at depth d was written at position root + d, exactly its position on the linear
-    path. Chains that accepted a prefix only need the crop.
+    path. Chains that accepted a prefix only need the crop. Layers that keep no KV of their own (Gemma 4's KV-sharing
+    ones) are skipped.
     """
     kept = padded_paths.shape[1]
     if any(list(p) != list(range(len(p))) for p in paths):
-        index = padded_paths.to(cache.layers[0].keys.device) + past_length
-        for layer in cache.layers:
+        layers = [layer for layer in cache.layers if layer.keys is not None]
+        index = padded_paths.to(layers[0].keys.device) + past_length
+        for layer in layers:
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)
                 gathered = tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3]))

@@ -4,6 +4,7 @@ Imports: torch/transformers only (this file travels in `custom_generate/`).
 """
 
 from transformers import DynamicCache
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 
 def refuse_unsupported(model, generation_config, kwargs) -> None:
@@ -14,8 +15,9 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
     - Every step crops the target's cache to the accepted tokens and compacts the accepted tree path into place:
       only a `DynamicCache` kept on the device allows that; static, offloaded and quantized caches do not.
     - The loop feeds the target's own decoder hidden states to the drafter: decoder-only targets.
-    - Rolling a step back is cropping full-attention KV: a target with other layers (linear attention's recurrent
-      state, sliding windows) would continue from a state that saw rejected drafts.
+    - Rolling a step back is cropping KV: a target with other layers (linear attention's recurrent state, chunked
+      attention) would continue from a state that saw rejected drafts. Sliding-window layers keep all their KV in our
+      cache and see their window through the mask (`sliding_window.py`): one window for all of them, causal only.
     """
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -24,12 +26,30 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
             "decoder-only (causal LM) targets. Use transformers' assisted generation with a small assistant model "
             "(generate(..., assistant_model=<an encoder-decoder assistant>)) for this one."
         )
-    other_layers = sorted(set(getattr(config.get_text_config(), "layer_types", None) or []) - {"full_attention"})
+    text_config = config.get_text_config(decoder=True)
+    # as transformers' caches read them: sliding layers also where only `sliding_window` says so (Mistral), "dummy"
+    # for layers without KV of their own (Gemma 4's KV-sharing layers reuse KV computed in the same forward)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    other_layers = sorted(set(layer_types) - {"full_attention", "sliding_attention", "dummy"})
     if other_layers:
         raise ValueError(
             f"{type(model).__name__} has {other_layers} layers; this version rolls rejected drafts back by cropping "
-            "full-attention KV only, which would leave those layers' state wrong. Decode this target with plain "
+            "attention KV only, which would leave those layers' state wrong. Decode this target with plain "
             "generate (no assistant_model)."
+        )
+    windows = sorted({kw["sliding_window"] for kind, kw in zip(layer_types, layer_kwargs)
+                      if kind == "sliding_attention"})
+    if len(windows) > 1:
+        raise ValueError(
+            f"{type(model).__name__} has sliding-attention layers with different windows {windows}; speculative "
+            "decoding masks one window for all of them. Decode this target with plain generate (no assistant_model)."
+        )
+    if not getattr(text_config, "is_causal", True) or getattr(text_config, "use_bidirectional_attention", None) in (
+            True, "all"):
+        raise ValueError(
+            f"{type(model).__name__} is configured for bidirectional attention (an embedding model); speculative "
+            "decoding verifies drafts with causal attention. Generate with a causal configuration of the model, or "
+            "with plain generate."
         )
     attention = str(config._attn_implementation or "")
     if "flash" in attention or "paged" in attention:
@@ -51,4 +71,10 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
             f"a cache of type {type(cache).__name__}{' (offloaded)' if isinstance(cache, DynamicCache) else ''} "
             "is not supported: speculative decoding crops the target's cache to the accepted tokens and compacts "
             "accepted tree paths every step, which needs a DynamicCache on the device. Pass a DynamicCache or none."
+        )
+    if cache is not None and any(cache.is_sliding):
+        raise ValueError(
+            "a DynamicCache built with the model's config drops the keys of sliding-window layers once they leave the "
+            "window, so it cannot be rolled back to the accepted tokens. Pass DynamicCache() (no config: every layer "
+            "keeps all its keys) or no cache."
         )
