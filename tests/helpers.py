@@ -53,6 +53,55 @@ def tiny_target(kind: str = "llama", seed: int = 0, vocab_size: int = 128, attn:
     return model.eval()
 
 
+# families with sliding-window layers and/or mixture-of-experts MLPs; `tiny_family_target` builds them
+FAMILIES = ("gemma3", "gemma4", "gpt_oss", "qwen3_moe", "mistral")
+
+
+def tiny_family_target(family: str, seed: int = 0, vocab_size: int = 128, window: int = 4, attn: str | None = None,
+                       sharpen: float = 1.0):
+    """A tiny random fp32 target of one of `FAMILIES`, from transformers' own classes, with a `window`-token sliding
+    window: Gemma 3 (sliding and full layers alternating, logit softcapping), Gemma 4 (alternating, per-layer inputs,
+    wider full-attention layers, its last two layers reusing earlier layers' KV), gpt-oss (alternating, attention
+    sinks, MoE; eager attention, its only backend without flash kernels), Qwen3-MoE (full attention, MoE) and Mistral
+    (every layer sliding). `attn`: the family's default backend when None."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
+                              GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+        pad_token_id=1,
+    )
+    alternating = ["sliding_attention", "full_attention"] * 2
+    if family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=window, layer_types=alternating,
+                                                   final_logit_softcapping=30.0, query_pre_attn_scalar=16))
+    elif family == "gemma4":
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            **common, sliding_window=window, layer_types=alternating, global_head_dim=32, num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size, final_logit_softcapping=30.0))
+    elif family == "gpt_oss":
+        model = GptOssForCausalLM(GptOssConfig(**common, sliding_window=window, layer_types=alternating,
+                                               num_local_experts=4, num_experts_per_tok=2))
+        attn = attn or "eager"
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=32))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=window))
+    else:
+        raise ValueError(family)
+    model.set_attn_implementation(attn or "sdpa")
+    if sharpen != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(sharpen)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
 def tiny_drafter(target, block_size: int = 4, seed: int = 0, **kw):
     torch.manual_seed(seed)
     return hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size, **kw)
