@@ -52,16 +52,36 @@ def test_encoder_decoder_targets_are_refused(pair):
     refused(bart, drafter, "encoder-decoder model.*decoder-only.*assistant model")
 
 
-def test_targets_with_other_than_full_attention_layers_are_refused(pair):
-    """Sliding-window or linear-attention layers are not rolled back by cropping full-attention KV."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def test_targets_with_layers_a_crop_cannot_roll_back_are_refused(pair):
+    """Chunked-attention layers (Llama 4) are not rolled back by cropping KV and are not masked by this loop."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     _, drafter = pair
     torch.manual_seed(0)
-    sliding = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=2)).eval()
-    refused(sliding, drafter, r"\['sliding_attention'\] layers.*plain generate")
+    chunked = Llama4ForCausalLM(Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8, num_local_experts=2)).eval()
+    refused(chunked, drafter, r"\['chunked_attention'\] layers.*plain generate")
+
+
+def test_sliding_window_targets_are_refused_only_where_their_window_cannot_be_masked():
+    """Sliding layers of different windows, bidirectional (embedding) configurations and a cache that drops the keys
+    of sliding layers (one built with the model's config) are refused; the same target otherwise runs."""
+    from helpers import tiny_family_target
+
+    target = tiny_family_target("gemma3")
+    drafter = tiny_drafter(target)
+    refused(target, drafter, r"DynamicCache built with the model's config.*Pass DynamicCache\(\)",
+            cache=DynamicCache(config=target.config))
+    bidirectional = tiny_family_target("gemma3")
+    bidirectional.config.use_bidirectional_attention = True
+    refused(bidirectional, drafter, "bidirectional attention.*causal")
+    windows = tiny_family_target("gemma3")
+    windows.config.per_layer_config = {0: {"sliding_window": 4}, 2: {"sliding_window": 8}}
+    refused(windows, drafter, r"different windows \[4, 8\].*plain generate")
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=4, do_sample=False),
+                       target.generate(ids, max_new_tokens=4, do_sample=False))
 
 
 def test_supported_settings_still_run(pair):
