@@ -5,7 +5,9 @@ of scores, streamer chunks, batch ids given to `prefix_allowed_tokens_fn`) is wh
 
 A seeded generator draws cases (`make_case(seed, number)`, the same case on every machine) over
 - targets: tiny random Llama and Qwen3 (`helpers.tiny_target`), sdpa or eager attention, 1-3 layers, vocabularies of
-  16-128 tokens, LM head scaled up (sharper logits make random drafts agree with the target more often);
+  16-128 tokens, LM head scaled up (sharper logits make random drafts agree with the target more often); in 40% of
+  cases instead a 4-layer Gemma 3, Gemma 4, gpt-oss, Qwen3-MoE or Mistral (`helpers.tiny_family_target`: sliding
+  windows of 2-6 tokens, exceeded by most cases, and MoE);
 - drafters: an untrained DFlash drafter (block 2-8), a noisy oracle (the target's own continuation, corrupted at a
   random rate, with wrong sibling branches: a real tree), a D²SD dual drafter (with or without a VP drafter,
   random branches, depth and budget);
@@ -81,6 +83,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 import hf_diffspec  # noqa: E402
 from helpers import (  # noqa: E402
+    FAMILIES,
     NoisyOracle,
     RecordingStreamer,
     StopOnTokens,
@@ -88,6 +91,7 @@ from helpers import (  # noqa: E402
     install_oracle,
     tiny_drafter,
     tiny_dual_drafter,
+    tiny_family_target,
     tiny_target,
 )
 
@@ -249,7 +253,8 @@ class Case:
         runtime = f"gate={self.runtime['gate']}" + (f" profile={self.runtime['profile']}"
                                                       if self.runtime["profile"] else "")
         return (f"case {self.number} (seed {self.seed}, {'sampling' if self.sampling else 'greedy'}): "
-                f"{t['kind']}/{t['attn']} V={t['vocab_size']} layers={t['layers']} x{t['sharpen']} | "
+                f"{t['kind']}/{t['attn']} V={t['vocab_size']} layers={t['layers']} x{t['sharpen']}"
+                + (f" window={t['window']}" if "window" in t else "") + " | "
                 f"{d['kind']}({drafter}) {runtime} | {shape} | {options}")
 
 
@@ -287,6 +292,8 @@ def make_case(seed: int, number: int) -> Case:
     runtime = dict(gate=rng.choices(["always", "alternate", "seeded"], weights=[70, 15, 15])[0],
                    profile=(round(rng.uniform(1e-3, 1e-2), 4), round(rng.uniform(0, 1e-3), 5))
                    if rng.random() < 0.2 else None)
+    if rng.random() < 0.4:  # drawn last: the other draws of a case stay as they were before families were added
+        target.update(kind=rng.choice(FAMILIES), layers=4, window=rng.randint(2, 6))
     return Case(seed, number, sampling, target, drafter, lengths, pass_mask, extra_padding, runtime, options)
 
 
@@ -386,6 +393,9 @@ def _sampling_options(rng: random.Random, vocab: int) -> dict:
 # ----- building what a case runs ------------------------------------------------------------------------------------
 def build_target(case: Case):
     t = case.target
+    if t["kind"] in FAMILIES:
+        return tiny_family_target(t["kind"], seed=t["seed"], vocab_size=t["vocab_size"], window=t["window"],
+                                  attn=t["attn"], sharpen=t["sharpen"])
     return tiny_target(t["kind"], seed=t["seed"], vocab_size=t["vocab_size"], attn=t["attn"], layers=t["layers"],
                        sharpen=t["sharpen"])
 
@@ -818,6 +828,8 @@ def summarize(outcomes: list[Outcome], seed: int) -> str:
                                               if refused else ""),
         f"divergences: {by_status['divergence']}",
         f"unexpected errors: {by_status['error']}",
+        "targets: " + ", ".join(f"{kind} {n}" for kind, n in sorted(Counter(o.case.target["kind"]
+                                                                              for o in outcomes).items())),
     ]
     if by_status["plain_error"]:
         lines.append(f"plain generate refused the options (not counted): {by_status['plain_error']}")
@@ -840,6 +852,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="suite seed: the same seed draws the same cases")
     parser.add_argument("--case", type=int, default=None, help="run this one case and print its details")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (each uses one thread)")
+    parser.add_argument("--targets", default=None,
+                        help=f"comma-separated target kinds (llama, qwen3, {', '.join(FAMILIES)}): run the first "
+                             "--cases cases whose target is one of them")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.case is not None:
@@ -854,7 +869,12 @@ def main(argv=None) -> int:
         if (outcome.case.number + 1) % 100 == 0:
             print(f" {outcome.case.number + 1}", flush=True)
 
-    outcomes = list(run_suite(args.seed, range(args.cases), args.jobs, progress))
+    numbers = range(args.cases)
+    if args.targets:
+        kinds = set(args.targets.split(","))
+        matching = (n for n in itertools.count() if make_case(args.seed, n).target["kind"] in kinds)
+        numbers = list(itertools.islice(matching, args.cases))
+    outcomes = list(run_suite(args.seed, numbers, args.jobs, progress))
     print()
     print(summarize(outcomes, args.seed))
     return 0 if all(o.status in ("identical", "refused", "plain_error") for o in outcomes) else 1

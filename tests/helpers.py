@@ -62,8 +62,8 @@ def tiny_family_target(family: str, seed: int = 0, vocab_size: int = 128, window
     """A tiny random fp32 target of one of `FAMILIES`, from transformers' own classes, with a `window`-token sliding
     window: Gemma 3 (sliding and full layers alternating, logit softcapping), Gemma 4 (alternating, per-layer inputs,
     wider full-attention layers, its last two layers reusing earlier layers' KV), gpt-oss (alternating, attention
-    sinks, MoE; eager attention, its only backend without flash kernels), Qwen3-MoE (full attention, MoE) and Mistral
-    (every layer sliding). `attn`: the family's default backend when None."""
+    sinks, MoE; always eager attention: it has no sdpa), Qwen3-MoE (full attention, MoE) and Mistral (every layer
+    sliding). `attn`: sdpa when None."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
                               GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
@@ -85,7 +85,7 @@ def tiny_family_target(family: str, seed: int = 0, vocab_size: int = 128, window
     elif family == "gpt_oss":
         model = GptOssForCausalLM(GptOssConfig(**common, sliding_window=window, layer_types=alternating,
                                                num_local_experts=4, num_experts_per_tok=2))
-        attn = attn or "eager"
+        attn = "eager"  # no sdpa (sinks), flash kernels refused
     elif family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                    moe_intermediate_size=32))
