@@ -99,16 +99,49 @@ def test_masked_prompt_slots_count_in_the_window_as_in_plain_generate(one_torch_
     assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), target.generate(ids, **kwargs))
 
 
-def test_sampling_is_exactly_the_targets_distribution(one_torch_thread):
-    """Rejection sampling over a prompt longer than the window (gpt-oss: sliding layers, attention sinks, MoE)."""
+def test_sampling_is_exactly_the_targets_distribution(monkeypatch, one_torch_thread):
+    """Rejection sampling over sampled best-first trees (verified with our masks), the prompt longer than the window
+    (gpt-oss: sliding layers, attention sinks, MoE)."""
     vocab = 12
     target = tiny_family_target("gpt_oss", seed=3, vocab_size=vocab, window=WINDOW, sharpen=6)
-    drafter = tiny_drafter(target, block_size=4, seed=3)
+    drafter = tiny_drafter(target, block_size=5, seed=3, draft_tree_budget=6, draft_tree_width=3)
     ids = torch.randint(2, vocab, (1, 7), generator=torch.Generator().manual_seed(3))
     kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.9, top_k=0)
     assert_sampling_matches_plain(target, ids, vocab, drafter, limit=33, n=200, **kwargs)  # chi2(11) 0.999 ~ 31.3
+    proposals = ProposalRecorder(monkeypatch, BestFirstTreeCandidateGenerator)
     out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
-    assert out.speculation_stats.drafted_tokens > 0
+    assert out.speculation_stats.drafted_tokens > 0 and any(not t.is_chain for t in proposals.trees)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gpt_oss"])
+def test_sampled_tokens_are_drawn_from_the_targets_logits_at_their_exact_prefix(monkeypatch, one_torch_thread,
+                                                                               family):
+    """What makes sampling exact beside rejection sampling itself: every token a sampled ragged batch commits is
+    chosen from logits equal to a plain forward's over that row's committed prefix (its padding masked as plain
+    generate masks it). Sensitive where the distribution test's few hundred samples are not: a mask without the
+    window shifts these logits by far more than the tolerance."""
+    from hf_diffspec.runtime.batch import RowCommitter
+
+    target = tiny_family_target(family, seed=5, window=WINDOW, sharpen=3)
+    drafter = tiny_drafter(target, block_size=5, seed=5, draft_tree_budget=6, draft_tree_width=3)
+    ids, mask = left_padded([9, 4, 7], 128, seed=5)
+    seen = []
+    choose = RowCommitter.choose_and_commit
+
+    def recording(self, raw_logits, drafts=None):
+        seen.append((self.input_ids[0].clone(), raw_logits[0].clone(), drafts is not None))
+        return choose(self, raw_logits, drafts)
+
+    monkeypatch.setattr(RowCommitter, "choose_and_commit", recording)
+    torch.manual_seed(5)
+    target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=True)
+    assert len(seen) > 12 and sum(with_drafts for *_, with_drafts in seen) > 12
+    for prefix, logits, _ in seen:
+        row_mask = torch.cat([mask[(ids == prefix[: ids.shape[1]]).all(-1)][0],
+                              torch.ones(len(prefix) - ids.shape[1], dtype=torch.long)])
+        with torch.no_grad():
+            expected = target(prefix[None], attention_mask=row_mask[None]).logits[0, -1]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_sliding_layers_see_only_the_window_counted_in_each_rows_own_slots():
