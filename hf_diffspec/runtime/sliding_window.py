@@ -9,7 +9,7 @@ hidden by its mask instead, exactly as transformers' `sliding_window_overlay` hi
 included, then one slot per generated token). Rows of a ragged batch leave holes in our cache (slots of drafts another
 row accepted), so slots are renumbered per row before the window is applied.
 
-Imports: torch/transformers only (this file travels in `custom_generate/`).
+Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
 """
 
 from dataclasses import dataclass
