@@ -5,6 +5,8 @@ Imports: torch/transformers only (this file travels in `custom_generate/`).
 
 from transformers import DynamicCache
 
+from .recurrent_state import ROLLBACK_MODEL_TYPES, linear_attention_supported
+
 
 def refuse_unsupported(model, generation_config, kwargs) -> None:
     """Raise ValueError when the target, its attention backend or its cache cannot run our loop.
@@ -14,8 +16,9 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
     - Every step crops the target's cache to the accepted tokens and compacts the accepted tree path into place:
       only a `DynamicCache` kept on the device allows that; static, offloaded and quantized caches do not.
     - The loop feeds the target's own decoder hidden states to the drafter: decoder-only targets.
-    - Rolling a step back is cropping full-attention KV: a target with other layers (linear attention's recurrent
-      state, sliding windows) would continue from a state that saw rejected drafts.
+    - Rolling a step back is cropping full-attention KV: a target with other layers (sliding windows) would continue
+      from a state that saw rejected drafts. Linear-attention layers are rolled back by `recurrent_state.py`, for
+      the models it knows (Qwen3.5 / Qwen3.6, dense and MoE).
     """
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -25,7 +28,13 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
             "(generate(..., assistant_model=<an encoder-decoder assistant>)) for this one."
         )
     other_layers = sorted(set(getattr(config.get_text_config(), "layer_types", None) or []) - {"full_attention"})
-    if other_layers:
+    if other_layers and not linear_attention_supported(config):
+        if other_layers == ["linear_attention"]:
+            raise ValueError(
+                f"{type(model).__name__} ({config.get_text_config().model_type}) has linear-attention layers; their "
+                f"recurrent state is rolled back to the accepted drafts only for {', '.join(ROLLBACK_MODEL_TYPES)} "
+                "(Qwen3.5 / Qwen3.6) targets. Decode this target with plain generate (no assistant_model)."
+            )
         raise ValueError(
             f"{type(model).__name__} has {other_layers} layers; this version rolls rejected drafts back by cropping "
             "full-attention KV only, which would leave those layers' state wrong. Decode this target with plain "
