@@ -90,11 +90,13 @@ def test_tree_drafters_and_prompt_lookup_verify_chains(monkeypatch, kind):
     kwargs = dict(max_new_tokens=30, do_sample=False)
     reference = target.generate(ids, **kwargs)
     oracle_drafter_outputs(monkeypatch, drafter, target, reference[0])
-    kinds = itertools.cycle([StepKind.LOOKUP, StepKind.PLAIN, StepKind.DRAFT])
+    # steps with a lookup match alternate lookup-alone and drafter steps, the others plain and drafter steps
+    with_match = itertools.cycle([StepKind.LOOKUP, StepKind.DRAFT])
+    without_match = itertools.cycle([StepKind.PLAIN, StepKind.DRAFT])
     steps = []
 
     def decide(self, rows, lookup_ngram=0):
-        steps.append(next(kinds) if lookup_ngram else StepKind.DRAFT)
+        steps.append(next(with_match if lookup_ngram else without_match))
         return steps[-1]
 
     monkeypatch.setattr(SpeculationGates, "decide", decide)
@@ -117,21 +119,45 @@ def test_sampling_follows_the_targets_distribution(monkeypatch):
     target = tiny_hybrid_target("qwen3_5", seed=5, vocab_size=vocab, layers=3, sharpen=6)
     drafter = tiny_drafter(target, block_size=6, seed=1)
     ids = random_ids(0, 8, vocab)
-    kwargs = dict(max_new_tokens=5, do_sample=True, temperature=0.8, top_k=0)
+    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0)
     proposals = ProposalRecorder(monkeypatch, DiffusionCandidateGenerator)
-    n = 250
+    n = 200
     plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
     ours = marginal_counts(target, ids, vocab, n, 10_000, assistant_model=drafter, **kwargs)
     assert all(t.draft_probs is not None for t in proposals.trees if len(t) > 1)
     accepted = replays = 0  # drafts must be accepted, and rejected, for the check to mean anything
-    for seed in range(20):
+    for seed in range(10):
         torch.manual_seed(seed)
         out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
         accepted += sum(c - 1 for c in out.speculation_stats.committed_per_step)
         replays += out.speculation_stats.linear_state_replays
-    assert accepted > 5 and replays > 5
+    assert accepted > 3 and replays > 3
     for slot in range(2):
         assert two_sample_chi2(plain[slot], ours[slot]) < 40  # the 0.999 quantile of chi2(15) is ~37.7
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_with_fixed_drafts_draws_what_plain_sampling_draws(monkeypatch, kind):
+    """Drafts without a distribution (the oracle's) are accepted when the target's own draw equals them, so the loop
+    consumes randomness exactly as plain sampling does: the same seed gives the same tokens, as long as every state
+    the target samples from is right."""
+    vocab = 16
+    target = tiny_hybrid_target(kind, seed=6, vocab_size=vocab, layers=4, sharpen=6)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(1, 8, vocab)
+    greedy = target.generate(ids, max_new_tokens=12, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(greedy, vocab_size=vocab, noise=0.0))
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=0)
+    same = replays = 0
+    for seed in range(15):
+        torch.manual_seed(seed)
+        plain = target.generate(ids, **kwargs)
+        torch.manual_seed(seed)
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+        same += torch.equal(plain, out.sequences)
+        replays += out.speculation_stats.linear_state_replays
+    assert replays > 5
+    assert same >= 14
 
 
 def refused_before_any_forward(target, drafter, match, **kwargs):
