@@ -5,7 +5,10 @@ of scores, streamer chunks, batch ids given to `prefix_allowed_tokens_fn`) is wh
 
 A seeded generator draws cases (`make_case(seed, number)`, the same case on every machine) over
 - targets: tiny random Llama and Qwen3 (`helpers.tiny_target`), sdpa or eager attention, 1-3 layers, vocabularies of
-  16-128 tokens, LM head scaled up (sharper logits make random drafts agree with the target more often);
+  16-128 tokens, LM head scaled up (sharper logits make random drafts agree with the target more often); half of the
+  batch-1 cases instead get a tiny Qwen3.5 or Qwen3.5-MoE (linear attention beside full attention,
+  `helpers.tiny_hybrid_target`, at least 2 layers), drafting chains (a dual drafter becomes a noisy oracle, an
+  oracle's wrong branches are dropped): drawn from a stream of their own, so that the other cases stay as they were;
 - drafters: an untrained DFlash drafter (block 2-8), a noisy oracle (the target's own continuation, corrupted at a
   random rate, with wrong sibling branches: a real tree), a D²SD dual drafter (with or without a VP drafter,
   random branches, depth and budget);
@@ -88,6 +91,7 @@ from helpers import (  # noqa: E402
     install_oracle,
     tiny_drafter,
     tiny_dual_drafter,
+    tiny_hybrid_target,
     tiny_target,
 )
 
@@ -287,6 +291,14 @@ def make_case(seed: int, number: int) -> Case:
     runtime = dict(gate=rng.choices(["always", "alternate", "seeded"], weights=[70, 15, 15])[0],
                    profile=(round(rng.uniform(1e-3, 1e-2), 4), round(rng.uniform(0, 1e-3), 5))
                    if rng.random() < 0.2 else None)
+    hybrid = random.Random(f"hf-diffspec differential linear attention {seed} {number}")
+    if rows == 1 and hybrid.random() < 0.5:  # larger batches and trees are refused for these targets
+        target["kind"] = hybrid.choice(["qwen3_5", "qwen3_5_moe"])
+        if kind == "dual":
+            drafter = dict(kind="oracle", block_size=block, seed=drafter["seed"],
+                           noise=hybrid.choice([0.0, 0.1, 0.3, 0.6]))
+        if drafter["kind"] == "oracle":
+            drafter["branches"] = 0
     return Case(seed, number, sampling, target, drafter, lengths, pass_mask, extra_padding, runtime, options)
 
 
@@ -386,7 +398,8 @@ def _sampling_options(rng: random.Random, vocab: int) -> dict:
 # ----- building what a case runs ------------------------------------------------------------------------------------
 def build_target(case: Case):
     t = case.target
-    return tiny_target(t["kind"], seed=t["seed"], vocab_size=t["vocab_size"], attn=t["attn"], layers=t["layers"],
+    build = tiny_hybrid_target if t["kind"].startswith("qwen3_5") else tiny_target
+    return build(t["kind"], seed=t["seed"], vocab_size=t["vocab_size"], attn=t["attn"], layers=t["layers"],
                        sharpen=t["sharpen"])
 
 
