@@ -15,6 +15,9 @@ target itself picks.
         lookup.record_verified         ──► which lookup drafts were accepted, per depth and match length
         batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache; their target features become the
                                            drafter's new context
+        recurrent.keep_accepted(paths) ──► linear-attention targets (chains, batch size 1): a cut chain's recurrent
+                                           states put back and advanced through the accepted tokens
+                                           (`recurrent_state.py`)
         gates.record / policy.record_step (a StepRecord)
                                        ──► tokens per second of each kind of step, and the verify cost observed
                                            (it refines the profiled one)
