@@ -16,6 +16,10 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     StoppingCriteria,
@@ -97,6 +101,39 @@ def tiny_family_target(family: str, seed: int = 0, vocab_size: int = 128, window
     if sharpen != 1.0:
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(sharpen)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
+def tiny_hybrid_target(kind: str = "qwen3_5", seed: int = 0, vocab_size: int = 128, attn: str = "sdpa",
+                       layers: int = 4, sharpen: float = 1.0):
+    """A tiny random Qwen3.5 (`qwen3_5`) or Qwen3.5-MoE (`qwen3_5_moe`) text model in fp32: Gated DeltaNet
+    linear-attention layers with a full-attention layer after every three, the last layer always full attention (at
+    least 2 layers). `sharpen` as in `tiny_target`."""
+    torch.manual_seed(seed)
+    layers = max(2, layers)
+    layer_types = ["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)]
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, layer_types=layer_types,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    if kind == "qwen3_5":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common))
+    elif kind == "qwen3_5_moe":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            **common))
+    else:
+        raise ValueError(kind)
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+        for layer in model.model.layers:  # louder linear layers: a wrong recurrent state changes the greedy tokens
+            if layer.block_type == "linear_attention":
+                layer.linear_attn.out_proj.weight.mul_(4)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model.eval()

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from .files import atomic_write, cache_dir
+from .kv_cache import crop_attention
 from .state import SPECULATION_STATE
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, co
     vocab = target.config.get_text_config().vocab_size
     costs = {}
     for rows in batches:
-        cache = DynamicCache()
+        cache = DynamicCache(config=target.config)
         target(torch.randint(0, vocab, (rows, context_length), device=device), cache=cache)
         times = {n: [] for n in sizes}
         for _ in range(repeats + 1):  # the first round warms up
@@ -83,7 +84,7 @@ def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, co
                 target(new, attention_mask=mask, cache=cache, position_ids=positions)
                 _sync(device)
                 times[n].append(time.perf_counter() - start)
-                cache.crop(-n)
+                crop_attention(cache, n)  # a linear-attention layer's state keeps its size: its timing is unchanged
         costs[rows] = {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
     return costs
 

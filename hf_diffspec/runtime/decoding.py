@@ -15,6 +15,9 @@ target itself picks.
         lookup.record_verified         ──► which lookup drafts were accepted, per depth and match length
         batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache; their target features become the
                                            drafter's new context
+        recurrent.keep_accepted(paths) ──► linear-attention targets (chains, batch size 1): a cut chain's recurrent
+                                           states put back and advanced through the accepted tokens
+                                           (`recurrent_state.py`)
         gates.record / policy.record_step (a StepRecord)
                                        ──► tokens per second of each kind of step, and the verify cost observed
                                            (it refines the profiled one)
@@ -40,6 +43,7 @@ from .drafting import candidate_generator_for
 from .files import pad_token_id
 from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
+from .recurrent_state import RecurrentStates, has_linear_attention, refuse_unsupported_recurrent
 from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
 from .tree import CandidateTree, tree_forward_inputs
 
@@ -51,7 +55,8 @@ class SpeculationStats:
     anchors, `lookup_tokens` those copied by prompt lookup (some may coincide with the drafter's). `verified_tokens`
     counts real tree nodes, `verified_slots` the rectangle the target computed (rows x longest tree, padding
     included). `plain_steps`: steps without a drafter forward, where the gates measured that it did not pay (plain,
-    or lookup drafts alone)."""
+    or lookup drafts alone). `linear_state_replays`: steps after which a linear-attention target's recurrent states
+    were put back and advanced through the accepted tokens only (`recurrent_state.py`)."""
 
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -61,6 +66,7 @@ class SpeculationStats:
     verified_slots: int = 0
     new_tokens: int = 0
     plain_steps: int = 0
+    linear_state_replays: int = 0
     committed_per_step: list[int] = field(default_factory=list)
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
@@ -174,6 +180,7 @@ def speculative_generate(
     attention_mask = model_kwargs.get("attention_mask")
     valid = _check_batch(input_ids, attention_mask, generation_config, streamer, logits_processor, stopping_criteria)
     rows = input_ids.shape[0]
+    refuse_unsupported_recurrent(model, drafter, rows)
 
     stats = SpeculationStats()
     drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))
@@ -183,6 +190,7 @@ def speculative_generate(
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor)
+    recurrent = RecurrentStates(model, cache)  # linear-attention layers: their states follow the accepted tokens
 
     # Prefill: the prompts, then the first token of every row (drafting needs an anchor). Positions as generate
     # derives them from the mask (masked slots at 0), and new tokens continue from the last prompt position, as
@@ -200,6 +208,8 @@ def speculative_generate(
     # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
     lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
+    # a target with linear attention verifies chains: its lookup drafts go alone (LOOKUP steps), never as a branch
+    grafts_lookup = not has_linear_attention(model.config)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions
         step_start = time.perf_counter()
@@ -209,17 +219,20 @@ def speculative_generate(
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
         else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
             trees = [CandidateTree.chain(anchor, torch.empty(0, dtype=torch.long)) for anchor in batch.anchors]
-        lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
+        grafted = kind is StepKind.LOOKUP or (kind is StepKind.DRAFT and grafts_lookup)
+        lookups = found if grafted else NO_LOOKUP_DRAFTS
         trees = lookups.graft(trees)
 
         verify_start = time.perf_counter()
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
         tree_mask = verify_masks(layout, tree_mask, trees, batch.cache_valid, input_ids.shape[1])
-        out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
-                    cache=cache, use_cache=True, output_hidden_states=layers)
+        with recurrent.recording():
+            out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
+                        cache=cache, use_cache=True, output_hidden_states=layers)
         paths = batch.accept(trees, out.logits)
         lookup.record_verified(lookups, batch, paths)
         batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
+        recurrent.keep_accepted(paths, tokens.shape[1])
 
         step_end = time.perf_counter()
         step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths),
@@ -232,6 +245,7 @@ def speculative_generate(
         streamer.end()
     sequences = batch.sequences(pad_token_id(generation_config))
     stats.new_tokens = sum(c.length - input_ids.shape[1] for c in committers)
+    stats.linear_state_replays = recurrent.replays
     stats.total_time_s = time.perf_counter() - start_time
 
     if not generation_config.return_dict_in_generate:

@@ -6,6 +6,8 @@ Imports: torch/transformers only (this file travels in `custom_generate/`).
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from .recurrent_state import ROLLBACK_MODEL_TYPES, linear_attention_supported
+
 
 def refuse_unsupported(model, generation_config, kwargs) -> None:
     """Raise ValueError when the target, its attention backend or its cache cannot run our loop.
@@ -15,9 +17,11 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
     - Every step crops the target's cache to the accepted tokens and compacts the accepted tree path into place:
       only a `DynamicCache` kept on the device allows that; static, offloaded and quantized caches do not.
     - The loop feeds the target's own decoder hidden states to the drafter: decoder-only targets.
-    - Rolling a step back is cropping KV: a target with other layers (linear attention's recurrent state, chunked
-      attention) would continue from a state that saw rejected drafts. Sliding-window layers keep all their KV in our
-      cache and see their window through the mask (`sliding_window.py`): one window for all of them, causal only.
+    - Rolling a step back is cropping KV: a target with other layers (chunked attention, linear attention of models
+      we do not know) would continue from a state that saw rejected drafts. Sliding-window layers keep all their KV in
+      our cache and see their window through the mask (`sliding_window.py`): one window for all of them, causal only.
+      Linear-attention layers are rolled back by `recurrent_state.py`, for the models it knows (Qwen3.5 / Qwen3.6,
+      dense and MoE).
     """
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -30,7 +34,16 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
     # as transformers' caches read them: sliding layers also where only `sliding_window` says so (Mistral), "dummy"
     # for layers without KV of their own (Gemma 4's KV-sharing layers reuse KV computed in the same forward)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    other_layers = sorted(set(layer_types) - {"full_attention", "sliding_attention", "dummy"})
+    known = {"full_attention", "sliding_attention", "dummy"}
+    if linear_attention_supported(config):
+        known.add("linear_attention")
+    other_layers = sorted(set(layer_types) - known)
+    if other_layers == ["linear_attention"]:
+        raise ValueError(
+            f"{type(model).__name__} ({text_config.model_type}) has linear-attention layers; their recurrent state is "
+            f"rolled back to the accepted drafts only for {', '.join(ROLLBACK_MODEL_TYPES)} (Qwen3.5 / Qwen3.6) "
+            "targets. Decode this target with plain generate (no assistant_model)."
+        )
     if other_layers:
         raise ValueError(
             f"{type(model).__name__} has {other_layers} layers; this version rolls rejected drafts back by cropping "

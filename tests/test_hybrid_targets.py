@@ -1,0 +1,196 @@
+"""Qwen3.5 / Qwen3.6 targets (dense and MoE): Gated DeltaNet linear-attention layers beside full-attention ones.
+
+A verify forward advances the linear layers' recurrent and convolution states through every verified token; after a
+rejection the loop must leave them as if only the accepted tokens had been seen (`runtime/recurrent_state.py`).
+The oracle drafts the target's own continuation with random corruptions, so steps both accept a whole chain and stop
+inside one; the tests check that both happen."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+from hf_diffspec.runtime import decoding
+from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from hf_diffspec.runtime.gates import SpeculationGates, StepKind
+from helpers import (
+    NoisyOracle,
+    ProposalRecorder,
+    install_oracle,
+    marginal_counts,
+    oracle_drafter_outputs,
+    random_ids,
+    tiny_drafter,
+    tiny_dual_drafter,
+    tiny_hybrid_target,
+    two_sample_chi2,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KINDS = ["qwen3_5", "qwen3_5_moe"]
+
+
+def chains_verified(monkeypatch) -> list:
+    """Records, for every verify forward of the loop, whether all of its trees were chains."""
+    seen, build = [], decoding.tree_forward_inputs
+
+    def recording(trees, *args):
+        seen.append(all(tree.is_chain for tree in trees))
+        return build(trees, *args)
+
+    monkeypatch.setattr(decoding, "tree_forward_inputs", recording)
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_chains_are_identical_to_plain_generate(monkeypatch, kind):
+    target = tiny_hybrid_target(kind, seed=1, layers=4, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(1, 10)
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    reference = target.generate(ids, **kwargs)
+    oracle = NoisyOracle(reference, vocab_size=128, noise=0.25, seed=3)
+    install_oracle(monkeypatch, oracle)
+    out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, reference)
+
+    stats = out.speculation_stats
+    steps = list(zip(stats.committed_per_step, (len(tree) for tree in oracle.trees)))
+    partial = sum(committed < verified for committed, verified in steps)
+    whole = sum(committed == verified > 1 for committed, verified in steps)
+    assert partial >= 3 and whole >= 3, steps  # rollbacks and whole chains both happened
+    assert stats.linear_state_replays == partial
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_returned_cache_holds_the_states_of_the_committed_tokens(monkeypatch, kind):
+    """The cache a call returns continues exactly like plain generate's: the last step stopped inside a chain."""
+    target = tiny_hybrid_target(kind, seed=2, layers=4, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(2, 9)
+    reference = target.generate(ids, max_new_tokens=40, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(reference, vocab_size=128, noise=0.4, seed=5))
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False,
+                          return_dict_in_generate=True)
+    assert out.speculation_stats.committed_per_step[-1] < 6  # the chain of the last step was cut
+    following = target.generate(out.sequences, cache=out.cache, max_new_tokens=10, do_sample=False)
+    assert torch.equal(following, reference[:, : following.shape[1]])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_drafters_and_prompt_lookup_verify_chains(monkeypatch, kind):
+    """A drafter configured for best-first trees, and prompt-lookup drafts, still verify chains only: the lookup
+    drafts go alone (a step without the drafter), never as a branch beside the drafter's chain. Every kind of step
+    (drafter, lookup alone, plain) runs."""
+    target = tiny_hybrid_target(kind, seed=3, layers=3, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6, draft_tree_budget=8)
+    ids = torch.cat([random_ids(3, 6)] * 3, dim=1)  # repeats: prompt lookup finds matches
+    kwargs = dict(max_new_tokens=30, do_sample=False)
+    reference = target.generate(ids, **kwargs)
+    oracle_drafter_outputs(monkeypatch, drafter, target, reference[0])
+    # steps with a lookup match alternate lookup-alone and drafter steps, the others plain and drafter steps
+    with_match = itertools.cycle([StepKind.LOOKUP, StepKind.DRAFT])
+    without_match = itertools.cycle([StepKind.PLAIN, StepKind.DRAFT])
+    steps = []
+
+    def decide(self, rows, lookup_ngram=0):
+        steps.append(next(with_match if lookup_ngram else without_match))
+        return steps[-1]
+
+    monkeypatch.setattr(SpeculationGates, "decide", decide)
+    proposals = ProposalRecorder(monkeypatch, DiffusionCandidateGenerator)
+    chains = chains_verified(monkeypatch)
+    out = target.generate(ids, assistant_model=drafter, prompt_lookup_num_tokens=4, return_dict_in_generate=True,
+                          **kwargs)
+    assert torch.equal(out.sequences, reference)
+    assert chains and all(chains)
+    assert proposals.trees  # the chain generator drafted (a best-first tree generator has a propose of its own)
+    assert {StepKind.DRAFT, StepKind.LOOKUP, StepKind.PLAIN} <= set(steps)
+    assert out.speculation_stats.lookup_tokens > 0
+
+
+def test_sampling_follows_the_targets_distribution(monkeypatch):
+    """Drafts drawn from the drafter, verified by rejection sampling along chains: the marginals of the 2nd and
+    last tokens match plain sampling (two-sample chi-square, df <= 15 each). The dense target only: the rollback is
+    the same code for the MoE one, whose greedy tests cover it."""
+    vocab = 16
+    target = tiny_hybrid_target("qwen3_5", seed=5, vocab_size=vocab, layers=3, sharpen=6)
+    drafter = tiny_drafter(target, block_size=6, seed=1)
+    ids = random_ids(0, 8, vocab)
+    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=0)
+    proposals = ProposalRecorder(monkeypatch, DiffusionCandidateGenerator)
+    n = 200
+    plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
+    ours = marginal_counts(target, ids, vocab, n, 10_000, assistant_model=drafter, **kwargs)
+    assert all(t.draft_probs is not None for t in proposals.trees if len(t) > 1)
+    accepted = replays = 0  # drafts must be accepted, and rejected, for the check to mean anything
+    for seed in range(10):
+        torch.manual_seed(seed)
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+        accepted += sum(c - 1 for c in out.speculation_stats.committed_per_step)
+        replays += out.speculation_stats.linear_state_replays
+    assert accepted > 3 and replays > 3
+    for slot in range(2):
+        assert two_sample_chi2(plain[slot], ours[slot]) < 40  # the 0.999 quantile of chi2(15) is ~37.7
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_with_fixed_drafts_draws_what_plain_sampling_draws(monkeypatch, kind):
+    """Drafts without a distribution (the oracle's) are accepted when the target's own draw equals them, so the loop
+    consumes randomness exactly as plain sampling does: the same seed gives the same tokens, as long as every state
+    the target samples from is right."""
+    vocab = 16
+    target = tiny_hybrid_target(kind, seed=6, vocab_size=vocab, layers=4, sharpen=6)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(1, 8, vocab)
+    greedy = target.generate(ids, max_new_tokens=12, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(greedy, vocab_size=vocab, noise=0.0))
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=0)
+    same = replays = 0
+    for seed in range(15):
+        torch.manual_seed(seed)
+        plain = target.generate(ids, **kwargs)
+        torch.manual_seed(seed)
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+        same += torch.equal(plain, out.sequences)
+        replays += out.speculation_stats.linear_state_replays
+    assert replays > 5
+    assert same >= 14
+
+
+def refused_before_any_forward(target, drafter, match, **kwargs):
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            target.generate(assistant_model=drafter, max_new_tokens=4, **kwargs)
+    finally:
+        handle.remove()
+    assert not calls
+
+
+def test_what_a_linear_attention_target_cannot_run_is_refused():
+    target = tiny_hybrid_target("qwen3_5", layers=2)
+    drafter = tiny_drafter(target)
+    two_rows = random_ids(0, 6, rows=2)
+    refused_before_any_forward(target, drafter, "batch size 1.*one at a time", input_ids=two_rows)
+    refused_before_any_forward(target, drafter, "batch size 1", input_ids=two_rows,
+                               attention_mask=torch.ones_like(two_rows))
+    dual = tiny_dual_drafter(target, block_size=4, num_branches=2)
+    refused_before_any_forward(target, dual, r"chains.*drafter\.first", input_ids=random_ids(0, 6))
+
+
+def test_other_linear_attention_models_are_refused():
+    """Only Qwen3.5's linear layers are known to the rollback: Qwen3-Next's, for one, are refused."""
+    torch.manual_seed(0)
+    target = Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"])).eval()
+    drafter = tiny_drafter(target)
+    refused_before_any_forward(target, drafter, "linear-attention layers.*qwen3_5_text.*plain generate",
+                               input_ids=random_ids(0, 6))
