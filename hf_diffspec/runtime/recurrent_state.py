@@ -83,7 +83,7 @@ class RecurrentStates:
                                  {k: s.clone() for k, s in layer.recurrent_states.items() if s is not None})
 
         def record(index, module, args, kwargs):
-            self.inputs[index] = kwargs["hidden_states"]
+            self.inputs[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
         handles = [module.register_forward_pre_hook(partial(record, index), with_kwargs=True)
                    for index, module in self.layers.items()]
@@ -96,13 +96,13 @@ class RecurrentStates:
     def keep_accepted(self, paths: list[list[int]], num_slots: int) -> None:
         """After a chain of `num_slots` tokens was verified and the first `len(paths[0])` accepted (the anchor and
         the drafts the target agreed with), leave the linear layers' states as if only those had been seen."""
-        accepted, inputs = len(paths[0]), self.inputs
-        self.inputs = {}
+        accepted, inputs, saved = len(paths[0]), self.inputs, self.saved
+        self.inputs, self.saved = {}, {}
         if not self.layers or accepted == num_slots:
             return
         for index, module in self.layers.items():
             layer = self.cache.layers[index]
-            conv, recurrent = self.saved[index]
+            conv, recurrent = saved[index]
             layer.conv_states.update(conv)
             layer.recurrent_states.update(recurrent)
             module(hidden_states=inputs[index][:, :accepted], cache=self.cache)
