@@ -36,12 +36,12 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch import BatchState, RowCommitter, row_processors
+from .batch import BatchState, RowCommitter, TokenStore, row_processors
 from .drafting import candidate_generator_for
 from .files import pad_token_id
 from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
-from .tree import CandidateTree, tree_forward_inputs
+from .tree import CandidateTree, TreeLayout, tree_forward_inputs
 
 
 @dataclass
@@ -62,6 +62,7 @@ class SpeculationStats:
     new_tokens: int = 0
     plain_steps: int = 0
     committed_per_step: list[int] = field(default_factory=list)
+    _entry_rows: list[int] = field(default_factory=list, repr=False)  # the batch row of each committed_per_step entry
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -72,8 +73,10 @@ class SpeculationStats:
         steps = self.committed_per_step
         return sum(steps) / len(steps) if steps else 0.0
 
-    def add_step(self, step: StepRecord, trees: list[CandidateTree], paths: list[list[int]], lookup_tokens: int):
-        """Count one loop step that verified `trees` (lookup drafts included) and accepted `paths`."""
+    def add_step(self, step: StepRecord, trees: list[CandidateTree], paths: list[list[int]], lookup_tokens: int,
+                 rows: list[int]):
+        """Count one loop step that verified `trees` (lookup drafts included) and accepted `paths`, of the batch rows
+        `rows`."""
         self.target_forwards += 1
         self.draft_forwards += step.kind is StepKind.DRAFT and any(len(t) > 1 for t in trees)
         self.plain_steps += step.kind is not StepKind.DRAFT
@@ -82,11 +85,23 @@ class SpeculationStats:
         self.verified_tokens += sum(len(t) for t in trees)
         self.verified_slots += step.rows * step.slots
         self.committed_per_step.extend(len(p) for p in paths)
+        self._entry_rows.extend(rows)
         self.draft_time_s += step.seconds - step.verify_seconds
         self.verify_time_s += step.verify_seconds
 
+    def cut_back(self, row: int, tokens: int) -> None:
+        """Row `row` was cut back by `tokens` committed tokens (the batch ended before them: stopped rows generate
+        on until every row has stopped); they leave its latest steps' counts."""
+        for i in range(len(self.committed_per_step) - 1, -1, -1):
+            if tokens == 0:
+                return
+            if self._entry_rows[i] == row:
+                taken = min(tokens, self.committed_per_step[i])
+                self.committed_per_step[i] -= taken
+                tokens -= taken
+
     def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "committed_per_step"}
+        out = {k: v for k, v in self.__dict__.items() if k != "committed_per_step" and not k.startswith("_")}
         out["speculative_steps"] = len(self.committed_per_step)
         out["tau"] = self.tau
         return out
@@ -134,7 +149,7 @@ def _check_batch(input_ids, attention_mask, generation_config, streamer, logits_
     if attention_mask is None:
         return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     valid = attention_mask.bool()
-    empty = [r for r in range(rows) if not bool(valid[r].any())]
+    empty = (~valid.any(-1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(
             f"prompt row(s) {empty} are empty (no token has attention_mask 1); speculative decoding needs at least one "
@@ -177,7 +192,8 @@ def speculative_generate(
     stats = SpeculationStats()
     drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))
     layers = drafter.target_feature_layers  # the target hidden states the drafter reads
-    committers = [RowCommitter(input_ids[r : r + 1], row_processors(logits_processor, [r], rows), stopping_criteria,
+    store = TokenStore(input_ids, generation_config.max_length)
+    committers = [RowCommitter(store, r, row_processors(logits_processor, [r], rows), stopping_criteria,
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
@@ -189,10 +205,11 @@ def speculative_generate(
     positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 0)
     out = model(input_ids, attention_mask=attention_mask, position_ids=positions,
                 cache=cache, use_cache=True, output_hidden_states=layers, logits_to_keep=1)
-    batch.position_offset = positions[:, -1] + 1 - valid.sum(-1)
+    batch.start(positions[:, -1] + 1 - valid.sum(-1), input_ids.shape[1])
     stats.target_forwards += 1
-    drafting.add_context(out.hidden_states, slice(None), positions, valid)
-    batch.anchors = [c.choose_and_commit(out.logits[r : r + 1, -1]) for r, c in enumerate(committers)]
+    drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=batch.cache_all_valid)
+    batch.anchors = [0] * rows
+    batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
     stats.prefill_time_s = time.perf_counter() - start_time
 
     policy, gates = drafting.policy, drafting.policy.gates
@@ -200,22 +217,24 @@ def speculative_generate(
     lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     while batch.drop_finished():
-        rows, root_positions = len(batch.active), batch.root_positions
+        rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
         step_start = time.perf_counter()
         found = lookup.propose(batch, root_positions, policy)
         kind = gates.decide(rows, found.ngram)
         if kind is StepKind.DRAFT:
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
         else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
-            trees = [CandidateTree.chain(anchor, torch.empty(0, dtype=torch.long)) for anchor in batch.anchors]
+            trees = [CandidateTree([anchor], [-1], device=input_ids.device) for anchor in batch.anchors]
         lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
         trees = lookups.graft(trees)
 
         verify_start = time.perf_counter()
-        tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
+        layout = TreeLayout.of(trees, input_ids.device)
+        tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor(),
+                                                                model.dtype, layout, batch.cache_all_valid)
         out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                     cache=cache, use_cache=True, output_hidden_states=layers)
-        paths = batch.accept(trees, out.logits)
+        paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
         lookup.record_verified(lookups, batch, paths)
         batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
 
@@ -224,11 +243,13 @@ def speculative_generate(
                           seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
         gates.record(step)
         policy.record_step(step)
-        stats.add_step(step, trees, paths, lookups.num_tokens)
+        stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
 
     if streamer is not None:
         streamer.end()
     sequences = batch.sequences(pad_token_id(generation_config))
+    for row, tokens in batch.cut_tokens.items():
+        stats.cut_back(row, tokens)
     stats.new_tokens = sum(c.length - input_ids.shape[1] for c in committers)
     stats.total_time_s = time.perf_counter() - start_time
 
