@@ -10,8 +10,10 @@ target itself picks.
         drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch); how many
                                            drafts: the policy (FixedLength, or the measured DraftLengthPolicy)
         target(trees as a rectangle, 4D additive mask, depth positions, cached prefixes)
-        batch.accept(trees, logits)    ──► descend each tree with the target's choices, committing token by token
-                                           (logits processors, stopping criteria, streamer)
+        batch.accept(trees, logits)    ──► descend each tree with the target's choices: greedy, for every row and
+                                           node at once on the device, one read of the outcome per step (when the
+                                           processors and criteria need no exact prefix per position); else token
+                                           by token (logits processors, stopping criteria, streamer)
         lookup.record_verified         ──► which lookup drafts were accepted, per depth and match length
         batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache; their target features become the
                                            drafter's new context
@@ -19,6 +21,11 @@ target itself picks.
                                        ──► tokens per second of each kind of step, and the verify cost observed
                                            (it refines the profiled one)
         batch.drop_finished()          ──► finished rows leave the batch and every cache
+
+Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
+(`tests/test_sync_budget.py`): the committed tokens are copied to the host once per step (`TokenStore`), and prompt
+lookup, stopping and root positions work from that copy. Steps are timed on the host clock: each ends with that read,
+so it also measures an asynchronous device's work.
 
 The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them).
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
