@@ -10,7 +10,15 @@ import pytest
 import torch
 from transformers import EosTokenCriteria, StoppingCriteriaList
 
-from helpers import RecordingStreamer, StopOnTokens, char_tokenizer, random_ids, tiny_drafter, tiny_target
+from helpers import (
+    RecordingStreamer,
+    StopOnTokens,
+    char_tokenizer,
+    oracle_drafter_outputs,
+    random_ids,
+    tiny_drafter,
+    tiny_target,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -123,6 +131,28 @@ def test_b_stop_string_with_an_eos_criterion_pads_the_stopped_row_like_plain(mod
     assert plain[0, 7:].tolist() == [0] * 5
     ours = target.generate(ids, assistant_model=drafter, **kwargs)
     assert ours.tolist() == plain.tolist()
+
+
+def test_b_rows_cut_back_to_the_last_stop_leave_the_speculation_stats_adding_up(models, monkeypatch):
+    """Without an EOS criterion, rows that stopped generate on until the last one stops, and are then cut back to
+    its length: the tokens cut were committed by some steps, and leave those steps' counts."""
+    target, drafter = models
+    tokenizer = char_tokenizer(VOCAB)
+    ids = prompts(3, 4, seed=5)
+    free = target.generate(ids, max_new_tokens=14, do_sample=False)
+    new = free[:, 4:].tolist()
+    stops = [tokenizer.decode(new[r][2 * r + 1 : 2 * r + 4]) for r in range(3)]  # rows stop 4, 6 and 8 tokens in
+    oracle_drafter_outputs(monkeypatch, drafter, target, list(free))  # long accepted paths: rows overshoot
+    kwargs = dict(max_new_tokens=14, do_sample=False, stop_strings=stops, tokenizer=tokenizer)
+    plain = target.generate(ids, **kwargs)
+    assert plain.shape[1] < free.shape[1], "pick another seed: no row stopped"
+    out = target.generate(ids, assistant_model=drafter, num_assistant_tokens=3, return_dict_in_generate=True,
+                          **kwargs)
+    assert out.sequences.tolist() == plain.tolist()
+    stats = out.speculation_stats
+    assert stats.new_tokens == 3 * (plain.shape[1] - 4)
+    assert sum(stats.committed_per_step) + 3 == stats.new_tokens  # + the prefill's token of each row
+    assert stats.verified_tokens >= sum(stats.committed_per_step)
 
 
 @pytest.mark.parametrize("pad_token_id", [None, 0])

@@ -79,3 +79,18 @@ def test_export_vllm_exports_the_trained_drafter_and_prints_the_serve_command(tr
     assert '"num_speculative_tokens": 15' in done.stdout and "--speculative-num-draft-tokens 16" in done.stdout
     missing = run("bash", "examples/export_vllm.sh", runs / "nothing-here", check=False)
     assert missing.returncode == 2 and "run examples/train_and_push.sh first" in missing.stderr
+
+
+def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
+    """examples/gpu_check.sh --tiny: every target family checked or skipped with the loop's refusal, the oracle's
+    rows reported with their host synchronisations per step, and fp32 identity with plain generate."""
+    report = tmp_path / "gpu_check.json"
+    out = run("bash", "examples/gpu_check.sh", "--tiny", "--json", report).stdout
+    assert "fp32 identity with plain generate: ok" in out
+    targets = json.loads(report.read_text())["targets"]
+    assert targets["dense (Qwen3-8B-like)"]["fp32_identical"] == {"1": True, "4": True}
+    assert "linear_attention" in targets["hybrid (Qwen3.5-like)"]["skipped"]
+    runs = targets["dense (Qwen3-8B-like)"]["runs"]
+    assert {(r["rows"], r["oracle_tau"]) for r in runs} == {(rows, tau) for rows in (1, 4) for tau in (2, 4, 8)}
+    assert all(r["syncs_per_step_max"] <= 3 for r in runs)
+

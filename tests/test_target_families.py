@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from hf_diffspec.runtime import sliding_window
 from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
 from hf_diffspec.runtime.sliding_window import AttentionLayout, verify_masks
-from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
+from hf_diffspec.runtime.tree import CandidateTree, TreeLayout, tree_forward_inputs
 from helpers import (
     FAMILIES,
     NoisyOracle,
@@ -150,8 +150,9 @@ def test_sliding_layers_see_only_the_window_counted_in_each_rows_own_slots():
     layout = AttentionLayout(sliding_window=3, mixed=True)
     past_valid = torch.tensor([[True] * 6, [False, True, True, True, False, True]])
     trees = [CandidateTree.chain(5, torch.tensor([6, 7])), CandidateTree.chain(5, torch.tensor([6, 7]))]
-    _, mask, _ = tree_forward_inputs(trees, past_valid, [6, 4], torch.float32)
-    masks = verify_masks(layout, mask, trees, past_valid, prompt_length=4)
+    _, mask, _ = tree_forward_inputs(trees, past_valid, torch.tensor([6, 4]), torch.float32)
+    depths = TreeLayout.of(trees, past_valid.device).depths
+    masks = verify_masks(layout, mask, depths, past_valid, prompt_length=4)
     full, sliding = (masks[k][:, 0] == 0 for k in ("full_attention", "sliding_attention"))
     assert torch.equal(full, mask[:, 0] == 0)
     # row 0: the root (slot 6) sees slots 4..6, its child 5..7
@@ -159,8 +160,8 @@ def test_sliding_layers_see_only_the_window_counted_in_each_rows_own_slots():
     assert sliding[0, 1].tolist() == [False] * 5 + [True] * 3 + [False]
     # row 1: the hole at slot 4 takes no slot, so its root (slot 5 of the row) sees slots 3 and 5 and itself
     assert sliding[1, 0].tolist() == [False, False, False, True, False, True, True, False, False]
-    assert verify_masks(AttentionLayout(sliding_window=3, mixed=False), mask, trees, past_valid, 4).shape == mask.shape
-    assert verify_masks(layout, None, trees, past_valid, 4) is None
+    assert verify_masks(AttentionLayout(sliding_window=3, mixed=False), mask, depths, past_valid, 4).shape == mask.shape
+    assert verify_masks(layout, None, depths, past_valid, 4) is None
 
 
 def test_a_window_off_by_one_breaks_identity(monkeypatch, one_torch_thread):

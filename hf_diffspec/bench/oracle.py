@@ -60,7 +60,8 @@ class OracleCandidateGenerator(DiffusionCandidateGenerator):
             depth = self.policy.depth_limit(position, left)
             truth = self.references[row][position + 1 : position + 1 + depth]
             drafts = [token if self.rng.random() < self.acceptance else self._wrong(token) for token in truth]
-            trees.append(CandidateTree.chain(root, torch.tensor(drafts, dtype=torch.long)))
+            # tokens on the host: the batch's trees go to the device in one copy
+            trees.append(CandidateTree([root, *drafts], list(range(-1, len(drafts))), device=self.drafter.device))
         return trees
 
     def _wrong(self, token: int) -> int:

@@ -12,19 +12,87 @@ generating (plain `generate` does not pad it) until every row has stopped, and a
 
 import copy
 
+import numpy as np
 import torch
-from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor
+from transformers import (
+    EosTokenCriteria,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
 
 from .kv_cache import keep_accepted_paths
+from .tree import TreeLayout, host_to_device
 from .verification import choose_token, choose_token_among_drafts
+
+# processors whose scores do not depend on the prefix: applied to every verified position at once
+PREFIX_FREE_PROCESSORS = (SuppressTokensLogitsProcessor, InfNanRemoveLogitsProcessor, LogitNormalization)
+# processors that depend on the prefix's length alone, and only at some lengths (`_inactive`)
+LENGTH_GATED_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+                           SuppressTokensAtBeginLogitsProcessor, ForcedBOSTokenLogitsProcessor,
+                           ForcedEOSTokenLogitsProcessor)
+
+
+def _inactive(processor, lengths: range) -> bool:
+    """True when a processor that depends on the prefix's length alone leaves the scores unchanged at every prefix
+    length in `lengths` (transformers 5.24's conditions)."""
+    if isinstance(processor, MinLengthLogitsProcessor):
+        return lengths.start >= processor.min_length
+    if isinstance(processor, MinNewTokensLengthLogitsProcessor):
+        return lengths.start - processor.prompt_length_to_skip >= processor.min_new_tokens
+    if isinstance(processor, SuppressTokensAtBeginLogitsProcessor):
+        return processor.begin_index not in lengths
+    if isinstance(processor, ForcedBOSTokenLogitsProcessor):
+        return 1 not in lengths
+    if isinstance(processor, ForcedEOSTokenLogitsProcessor):
+        return processor.max_length - 1 not in lengths
+    return False
+
+
+class TokenStore:
+    """Every row's committed tokens, on the host (rows, capacity) with their lengths: the loop learns the committed
+    tokens once per step anyway, and prompt lookup and stopping read them there without touching the device."""
+
+    def __init__(self, input_ids: torch.Tensor, capacity: int):
+        rows, length = input_ids.shape
+        self.device = input_ids.device
+        self.tokens = np.zeros((rows, max(capacity, length) + 1), dtype=np.int64)
+        self.tokens[:, :length] = input_ids.cpu().numpy()
+        self.lengths = [length] * rows
+
+    def history(self, row: int) -> np.ndarray:
+        return self.tokens[row, : self.lengths[row]]
+
+    def append(self, row: int, tokens: list[int]) -> None:
+        end = self.lengths[row] + len(tokens)
+        if end > self.tokens.shape[1]:
+            self.tokens = np.pad(self.tokens, ((0, 0), (0, end - self.tokens.shape[1] + 64)))
+        self.tokens[row, self.lengths[row] : end] = tokens
+        self.lengths[row] = end
+
+    def ids(self, rows: list[int]) -> torch.Tensor:
+        """(len(rows), length) committed tokens of rows of one length, on the device."""
+        length = self.lengths[rows[0]]
+        return torch.from_numpy(self.tokens[rows, :length]).to(self.device)
 
 
 class RowCommitter:
-    """One row's committed tokens, appended one at a time exactly as `_sample` would: logits processors with the
-    row's exact prefix, scores, streamer, stopping criteria. `limit` is the length the row may not pass."""
+    """One row's committed tokens (held in the batch's `TokenStore`), appended one at a time exactly as `_sample`
+    would: logits processors with the row's exact prefix, scores, streamer, stopping criteria. `limit` is the length
+    the row may not pass."""
 
-    def __init__(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, limit: int):
-        self.input_ids = input_ids  # (1, length)
+    def __init__(self, store: TokenStore, row: int, logits_processor, stopping_criteria, generation_config, streamer,
+                 limit: int):
+        self.store = store
+        self.row = row
         self.logits_processor = logits_processor
         self.stopping_criteria = stopping_criteria
         self.config = generation_config
@@ -35,7 +103,18 @@ class RowCommitter:
 
     @property
     def length(self) -> int:
-        return self.input_ids.shape[1]
+        return self.store.lengths[self.row]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(1, length) on the device."""
+        return self.store.ids([self.row])
+
+    def cut(self, limit: int) -> int:
+        """Drop tokens past `limit`; returns how many were dropped."""
+        extra = max(0, self.length - limit)
+        self.store.lengths[self.row] -= extra
+        return extra
 
     def choose_and_commit(self, raw_logits: torch.Tensor, drafts=None) -> int:
         """Pick the target's token from its raw logits (1, vocab) given the committed prefix, commit it, return it.
@@ -74,7 +153,7 @@ def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, log
     the [(token, q)] of the children drawn from known distributions (rejection sampling), or None. Returns the
     tokens."""
     first = committers[0]
-    ids = first.input_ids if len(committers) == 1 else torch.cat([c.input_ids for c in committers])
+    ids = first.store.ids([c.row for c in committers])
     raw = raw_logits.to(dtype=torch.float32, copy=True)
     scores = logits_processor(ids, raw.clone())
     if first.config.do_sample:
@@ -84,12 +163,13 @@ def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, log
     else:
         tokens = choose_token(scores, False)
     ids = torch.cat([ids, tokens[:, None]], dim=-1)
+    chosen = tokens.tolist()
     for i, c in enumerate(committers):
         if c.config.output_scores:
             c.scores.append(scores[i : i + 1])
         if c.config.output_logits:
             c.raw_logits.append(raw[i : i + 1])
-        c.input_ids = ids[i : i + 1]
+        c.store.append(c.row, [chosen[i]])
         if c.streamer is not None:
             c.streamer.put(tokens[i : i + 1].cpu())
     # criteria get what `_sample` hands them: the scores collected so far when they are returned (one row then:
@@ -99,14 +179,14 @@ def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, log
     for c, stop in zip(committers, stopped):
         if c.stopped_at is None and stop:
             c.stopped_at = c.length
-    return tokens.tolist()
+    return chosen
 
 
 class BatchState:
     """Rows of one speculative `generate` call and the caches that follow them (see the module docstring).
 
     Args:
-        committers: one `RowCommitter` per row, in batch order.
+        committers: one `RowCommitter` per row, in batch order (sharing one `TokenStore`).
         prompt_valid: (rows, prompt length) bool, the real (not padding) prompt tokens.
         cache: the target's KV cache (prefilled with the prompts).
         drafting: the candidate generator, whose drafter caches follow the rows.
@@ -114,11 +194,17 @@ class BatchState:
             batch) rather than generated on.
         logits_processor: the batch's processors (each committer holds its own row's view); steps without drafts
             apply them to all rows of one length at once.
+
+    Greedy steps whose processors and criteria do not need each position's exact prefix (`PREFIX_FREE_PROCESSORS`,
+    length-dependent ones where the step's lengths leave them inactive; EOS and max-length criteria) accept and
+    commit on the device for every row and node at once (`_accept_on_device`), with one copy of the outcome to the
+    host; the others commit token by token (`_accept_path`), exactly as `_sample` would.
     """
 
     def __init__(self, committers: list[RowCommitter], prompt_valid: torch.Tensor, cache, drafting,
                  pads_stopped_rows: bool, logits_processor):
         self.committers = committers
+        self.store = committers[0].store
         self.logits_processor = logits_processor
         self.active = list(range(len(committers)))  # batch index of each row still decoding
         self.anchors: list[int] = []  # each active row's last committed token, not yet seen by the target
@@ -129,26 +215,64 @@ class BatchState:
         # per active row, added to its count of real cached tokens to give positions: 0, except after a prompt that
         # ends in a masked slot, where generate continues from that slot's position (0) instead of the count
         self.position_offset = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
+        self.cache_all_valid = False  # known on the host: every active row may see every cached slot
+        self.root_shift: list[int] = []  # per row: root position - committed length (see `start`)
+        self.cut_tokens: dict[int, int] = {}  # per row: committed tokens cut back when the batch ended
+        self._room: torch.Tensor | None = None  # on the device, tokens each active row may still commit
+        self._accepted: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (nodes, lengths), device
+        self._max_length_stops = False
+        self.device_ok, self.eos_tokens, self._eos_host = self._device_acceptance(committers[0])
+
+    def _device_acceptance(self, committer: RowCommitter):
+        """Whether greedy steps may accept on the device (see the class docstring), and the EOS tokens then."""
+        config = committer.config
+        if config.do_sample or config.output_scores or config.output_logits or committer.streamer is not None:
+            return False, None, set()
+        eos = None
+        for criteria in committer.stopping_criteria:
+            if type(criteria) is EosTokenCriteria:
+                eos = criteria.eos_token_id if eos is None else torch.cat([eos, criteria.eos_token_id])
+            elif not (type(criteria) is MaxLengthCriteria and criteria.max_length == committer.limit):
+                return False, None, set()
+        if any(type(p) not in PREFIX_FREE_PROCESSORS + LENGTH_GATED_PROCESSORS for p in self.logits_processor):
+            return False, None, set()
+        self._max_length_stops = any(type(c) is MaxLengthCriteria for c in committer.stopping_criteria)
+        return True, eos, set(eos.tolist()) if eos is not None else set()
+
+    def start(self, position_offset: torch.Tensor, prompt_length: int) -> None:
+        """After the prefill: positions continue at `position_offset` + real cached tokens; the host keeps each
+        row's root position as its committed length + a shift (one read, here)."""
+        self.position_offset = position_offset
+        valid = self.cache_valid.sum(-1)
+        self.cache_all_valid = bool(self.cache_valid.all())
+        self.root_shift = (valid + position_offset - 1 - prompt_length).tolist()
 
     @property
     def root_positions(self) -> list[int]:
         """Position of each active row's anchor: the number of real tokens it has cached (see `position_offset`)."""
-        return self._root_positions().tolist()
+        return [self.committers[r].length + self.root_shift[r] for r in self.active]
 
-    def _root_positions(self) -> torch.Tensor:
+    def root_position_tensor(self) -> torch.Tensor:
+        """`root_positions` on the device (computed there)."""
         return self.cache_valid.sum(-1) + self.position_offset
 
     def max_drafts(self) -> list[int]:
         """Drafts each active row could still commit after its anchor's target token, within its length limit."""
         return [self.committers[r].limit - self.committers[r].length - 1 for r in self.active]
 
-    def histories(self) -> list[torch.Tensor]:
-        """Each active row's committed tokens (1-D), its anchor last."""
-        return [self.committers[row].input_ids[0] for row in self.active]
+    def histories(self) -> list[np.ndarray]:
+        """Each active row's committed tokens (1-D, on the host), its anchor last."""
+        return [self.store.history(row) for row in self.active]
 
-    def accept(self, trees, logits: torch.Tensor) -> list[list[int]]:
+    def accept(self, trees, logits: torch.Tensor, layout: TreeLayout | None = None) -> list[list[int]]:
         """Descend each active row's tree with the target's choices (`logits` (rows, nodes, vocab)), committing every
-        chosen token; returns the accepted nodes per row (root first) and sets the next anchors."""
+        chosen token; returns the accepted nodes per row (root first) and sets the next anchors. `layout`: the
+        trees' `TreeLayout` when the caller has it."""
+        self._accepted = None
+        depth = max(tree.max_depth for tree in trees)
+        if self.device_ok and self._processors_act_alike(depth):
+            return self._accept_on_device(trees, logits, layout or TreeLayout.of(trees, logits.device))
+        self._room = None
         if all(len(tree) == 1 for tree in trees):
             return self._plain_step(logits[:, 0])
         paths = []
@@ -156,6 +280,74 @@ class BatchState:
             path, self.anchors[i] = _accept_path(tree, self.committers[row], logits[i], self._finished)
             paths.append(path)
         return paths
+
+    def _processors_act_alike(self, depth: int) -> bool:
+        """True when every processor leaves the scores of every position of this step as a prefix-free function of
+        the logits (prefix lengths from the shortest row's to the longest's plus `depth`)."""
+        lengths = [self.committers[r].length for r in self.active]
+        span = range(min(lengths), max(lengths) + depth + 1)
+        return all(type(p) in PREFIX_FREE_PROCESSORS or _inactive(p, span) for p in self.logits_processor)
+
+    def _accept_on_device(self, trees, logits: torch.Tensor, layout: TreeLayout) -> list[list[int]]:
+        """Greedy acceptance of every row's tree at once: the target's choice at every node, the deepest node whose
+        ancestors all carry their parent's choice, its path's choices committed up to the first stop or the row's
+        limit. One copy to the host: per row, the tokens it commits, its accepted path and their count."""
+        rows, nodes = layout.tokens.shape
+        device = logits.device
+        scores = logits.float()
+        processors = [p for p in self.logits_processor if type(p) in PREFIX_FREE_PROCESSORS]
+        if processors:  # they read no ids: any (rows x nodes, 1) stands in for the prefixes
+            flat = scores.reshape(rows * nodes, -1)
+            for processor in processors:
+                flat = processor(layout.tokens.reshape(-1, 1), flat)
+            scores = flat.view(rows, nodes, -1)
+        choice = scores.argmax(-1)  # (rows, nodes)
+        depths = layout.depths
+        carries_choice = (layout.tokens == choice.gather(1, layout.parents)) | (depths == 0)
+        on_accepted_path = ~(layout.ancestors & ~(carries_choice & layout.real)[:, None, :]).any(-1)
+        deepest = torch.where(on_accepted_path, depths, -1).argmax(-1)  # siblings carry distinct tokens: unique
+        reached = depths.gather(1, deepest[:, None])[:, 0] + 1
+        levels = torch.arange(layout.max_depth + 1, device=device)
+        if layout.chains:
+            path_nodes = levels.expand(rows, -1)
+        else:
+            ancestors = layout.ancestors[torch.arange(rows, device=device), deepest]  # (rows, nodes)
+            path_nodes = (ancestors[:, None, :] & (depths[:, None, :] == levels[None, :, None])).int().argmax(-1)
+        committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
+        if self._room is None:
+            self._room = host_to_device([self.committers[r].limit - self.committers[r].length for r in self.active],
+                                        device)
+        count = torch.minimum(reached, self._room)
+        if self.pads_stopped_rows and self.eos_tokens is not None:  # a row ends at its first stop token
+            stops = torch.isin(committed, self.eos_tokens.to(device)) & (levels[None] < count[:, None])
+            first = torch.where(stops, levels[None], layout.max_depth + 1).min(-1).values + 1
+            count = torch.minimum(count, first)
+        self._room = self._room - count
+        self._accepted = (path_nodes, count)
+        outcome = torch.cat([count[:, None], committed, path_nodes], dim=1).tolist()
+        width = layout.max_depth + 1
+        paths = []
+        for i, (row, values) in enumerate(zip(self.active, outcome)):
+            k = values[0]
+            tokens = values[1 : 1 + k]
+            committer = self.committers[row]
+            self._commit_known(committer, tokens)
+            if k:  # (0 only when a prompt leaves no room at all)
+                self.anchors[i] = tokens[-1]
+            paths.append(values[1 + width : 1 + width + max(k, 1)])
+        for row in self.active:
+            self._finished(self.committers[row])
+        return paths
+
+    def _commit_known(self, committer: RowCommitter, tokens: list[int]) -> None:
+        """Append tokens chosen on the device and note where the row's criteria (EOS, max length) first fired."""
+        start = committer.length
+        self.store.append(committer.row, tokens)
+        if committer.stopped_at is None:
+            for j, token in enumerate(tokens):
+                if token in self._eos_host or (self._max_length_stops and start + j + 1 >= committer.limit):
+                    committer.stopped_at = start + j + 1
+                    break
 
     def _plain_step(self, logits: torch.Tensor) -> list[list[int]]:
         """`accept` for a step without drafts: each row commits one token, rows of the same length together (at a
@@ -179,39 +371,53 @@ class BatchState:
         their target features to the drafter."""
         device = self.cache_valid.device
         past = self.cache_valid.shape[1]
-        roots = self._root_positions()
-        kept = max(len(p) for p in paths)
-        padded = torch.tensor([p + [p[-1]] * (kept - len(p)) for p in paths], device=device)  # (rows, kept)
+        roots = self.root_position_tensor()
+        lengths = [len(p) for p in paths]
+        kept = max(lengths)
+        if self._accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
+            nodes, counts = self._accepted
+            padded = nodes[:, :kept]
+        else:
+            padded = host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)  # (rows, kept)
+            counts = host_to_device(lengths, device)
         keep_accepted_paths(self.cache, past, paths, padded, num_slots)
         offsets = torch.arange(kept, device=device)
-        accepted = offsets[None] < torch.tensor([len(p) for p in paths], device=device)[:, None]
+        accepted = offsets[None] < counts[:, None]
+        all_valid = self.cache_all_valid and min(lengths) == kept
+        self.cache_all_valid = all_valid
         self.cache_valid = torch.cat([self.cache_valid, accepted], dim=1)
-        self.drafting.add_context(hidden_states, padded, roots[:, None] + offsets, accepted)
+        self.drafting.add_context(hidden_states, padded, roots[:, None] + offsets, accepted, all_valid=all_valid)
 
     def _finished(self, committer: RowCommitter) -> bool:
         if not self.pads_stopped_rows and all(c.stopped_at is not None for c in self.committers):
             # plain generate ends every row at the length where the last one stopped
             end = max(c.stopped_at for c in self.committers)
             for c in self.committers:
-                c.limit = min(c.limit, end)
+                if end < c.limit:
+                    c.limit = end
+                    self._room = None
         return committer.length >= committer.limit or (self.pads_stopped_rows and committer.stopped_at is not None)
 
     def drop_finished(self) -> bool:
         """Let finished rows leave the batch (and every cache); False when no row is left. A row that generated
-        past the batch's end (possible only when stopped rows generate on) is cut back to it."""
+        past the batch's end (possible only when stopped rows generate on) is cut back to it (`cut_tokens`)."""
         for c in self.committers:
-            c.input_ids = c.input_ids[:, : c.limit]
+            extra = c.cut(c.limit)
+            if extra:
+                self.cut_tokens[c.row] = self.cut_tokens.get(c.row, 0) + extra
         keep = [i for i, row in enumerate(self.active) if not self._finished(self.committers[row])]
         if len(keep) == len(self.active):
             return True
         if not keep:
             self.active = []
             return False
-        index = torch.tensor(keep, device=self.cache_valid.device)
+        index = host_to_device(keep, self.cache_valid.device)
         self.cache.batch_select_indices(index)
         self.drafting.select_rows(index)
         self.cache_valid = self.cache_valid[index]
         self.position_offset = self.position_offset[index]
+        if self._room is not None:
+            self._room = self._room[index]
         self.active = [self.active[i] for i in keep]
         self.anchors = [self.anchors[i] for i in keep]
         return True
@@ -219,16 +425,18 @@ class BatchState:
     def sequences(self, pad_token_id: int | None) -> torch.Tensor:
         """(rows, longest) committed tokens; rows that finished early are padded on the right (only possible when
         stopped rows are padded, as in plain generate)."""
-        rows = [c.input_ids for c in self.committers]
-        longest = max(r.shape[1] for r in rows)
-        if all(r.shape[1] == longest for r in rows):
-            return torch.cat(rows)
-        if pad_token_id is None:
-            raise ValueError("rows that finish early are padded: set generation_config.pad_token_id (or eos_token_id)")
-        out = rows[0].new_full((len(rows), longest), pad_token_id)
-        for i, r in enumerate(rows):
-            out[i, : r.shape[1]] = r[0]
-        return out
+        lengths = self.store.lengths
+        longest = max(lengths)
+        if any(n != longest for n in lengths):
+            if pad_token_id is None:
+                raise ValueError("rows that finish early are padded: set generation_config.pad_token_id (or "
+                                 "eos_token_id)")
+            out = self.store.tokens[:, :longest].copy()
+            for row, n in enumerate(lengths):
+                out[row, n:] = pad_token_id
+        else:
+            out = self.store.tokens[:, :longest]
+        return torch.from_numpy(np.ascontiguousarray(out)).to(self.store.device)
 
 
 def _accept_path(tree, committer: RowCommitter, logits: torch.Tensor, finished) -> tuple[list[int], int]:

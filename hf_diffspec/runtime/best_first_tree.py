@@ -19,13 +19,17 @@ from .tree import CandidateTree
 
 def best_first_shape(sorted_probs: torch.Tensor, budget: int) -> list[tuple[tuple[int, ...], float]]:
     """Rank paths (the rank of the token taken at each depth) of the `budget` most probable nodes, in best-first
-    order with their scores. `sorted_probs` (depth, k): each slot's k largest probabilities, descending.
+    order with their scores. `sorted_probs` (depth, k): each slot's k largest probabilities, descending (a tensor,
+    or nested lists already on the host).
 
     A node is pushed only when its parent (first child) or its previous sibling (next sibling) is taken, so the
     result is closed under ancestors and earlier siblings, and scores come out in decreasing order."""
-    depth, k = sorted_probs.shape
-    table = sorted_probs.tolist()
+    table = sorted_probs.tolist() if isinstance(sorted_probs, torch.Tensor) else sorted_probs
+    depth = len(table)
     if depth == 0 or budget <= 0:
+        return []
+    k = len(table[0])
+    if k == 0:
         return []
     heap = [(-table[0][0], (0,), 1.0)]  # (-score, rank path, parent's score)
     taken = []
@@ -42,13 +46,18 @@ def best_first_shape(sorted_probs: torch.Tensor, budget: int) -> list[tuple[tupl
 
 
 def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, node_count=None, sample: bool = False,
-                          max_children: int = 4) -> CandidateTree:
+                          max_children: int = 4, ranked=None) -> CandidateTree:
     """The best-first tree after `root_token` from the drafter's marginals `probs` (depth, vocab).
 
     `budget`: most drafted nodes; `node_count(reach) -> n`, optional: how many nodes (root included) to verify given
-    the candidates' reach scores in decreasing order (the cost model); `max_children`: widest branching per node."""
-    k = min(max_children, probs.shape[-1])
-    sorted_probs, ranked_tokens = probs.topk(k, dim=-1)
+    the candidates' reach scores in decreasing order (the cost model); `max_children`: widest branching per node.
+    `ranked`: (sorted probabilities, their tokens) per slot as host lists, when the caller read them already
+    (greedy: the tree is then built without reading the device)."""
+    if ranked is None:
+        k = min(max_children, probs.shape[-1])
+        sorted_probs, ranked_tokens = probs.topk(k, dim=-1)
+        ranked = (sorted_probs.tolist(), ranked_tokens.tolist())
+    sorted_probs, ranked_tokens = ranked
     shape = best_first_shape(sorted_probs, budget)
     if node_count is not None:
         shape = shape[: node_count([score for _, score in shape]) - 1]
@@ -66,14 +75,13 @@ def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, nod
             drawn[parent].append(token)
             node_probs.append(q)
         else:
-            token = int(ranked_tokens[depth, path[-1]])
+            token = ranked_tokens[depth][path[-1]]
         index[path] = len(tokens)
         tokens.append(token)
         parents.append(index[parent])
         scores.append(score)
-    return CandidateTree(torch.tensor(tokens, device=probs.device), parents,
-                         draft_probs=torch.stack(node_probs) if sample else None,
-                         confidences=torch.tensor(scores))
+    return CandidateTree(tokens, parents, draft_probs=torch.stack(node_probs) if sample else None,
+                         confidences=scores, device=probs.device)
 
 
 def build_selector_tree(root_token: int, draft_hidden: torch.Tensor, logits: torch.Tensor, selector, top_k: int,
@@ -109,5 +117,4 @@ def build_selector_tree(root_token: int, draft_hidden: torch.Tensor, logits: tor
         if rank + 1 < len(tables[parent][0]):
             heapq.heappush(heap, (-scores[parent] * tables[parent][0][rank + 1], parent, rank + 1))
     keep = len(tokens) if node_count is None else node_count(scores[1:])  # taken best first: ancestors come first
-    return CandidateTree(torch.tensor(tokens[:keep], device=logits.device), parents[:keep],
-                         confidences=torch.tensor(scores[1:keep]))
+    return CandidateTree(tokens[:keep], parents[:keep], confidences=scores[1:keep], device=logits.device)

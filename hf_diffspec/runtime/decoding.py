@@ -10,8 +10,10 @@ target itself picks.
         drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch); how many
                                            drafts: the policy (FixedLength, or the measured DraftLengthPolicy)
         target(trees as a rectangle, 4D additive mask, depth positions, cached prefixes)
-        batch.accept(trees, logits)    ──► descend each tree with the target's choices, committing token by token
-                                           (logits processors, stopping criteria, streamer)
+        batch.accept(trees, logits)    ──► descend each tree with the target's choices: greedy, for every row and
+                                           node at once on the device, one read of the outcome per step (when the
+                                           processors and criteria need no exact prefix per position); else token
+                                           by token (logits processors, stopping criteria, streamer)
         lookup.record_verified         ──► which lookup drafts were accepted, per depth and match length
         batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache; their target features become the
                                            drafter's new context
@@ -22,6 +24,11 @@ target itself picks.
                                        ──► tokens per second of each kind of step, and the verify cost observed
                                            (it refines the profiled one)
         batch.drop_finished()          ──► finished rows leave the batch and every cache
+
+Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
+(`tests/test_sync_budget.py`): the committed tokens are copied to the host once per step (`TokenStore`), and prompt
+lookup, stopping and root positions work from that copy. Steps are timed on the host clock: each ends with that read,
+so it also measures an asynchronous device's work.
 
 The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them).
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
@@ -38,14 +45,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch import BatchState, RowCommitter, row_processors
+from .batch import BatchState, RowCommitter, TokenStore, row_processors
 from .drafting import candidate_generator_for
 from .files import pad_token_id
 from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .recurrent_state import RecurrentStates, has_linear_attention, refuse_unsupported_recurrent
 from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
-from .tree import CandidateTree, tree_forward_inputs
+from .tree import CandidateTree, TreeLayout, tree_forward_inputs
 
 
 @dataclass
@@ -68,6 +75,7 @@ class SpeculationStats:
     plain_steps: int = 0
     linear_state_replays: int = 0
     committed_per_step: list[int] = field(default_factory=list)
+    _entry_rows: list[int] = field(default_factory=list, repr=False)  # the batch row of each committed_per_step entry
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -78,8 +86,10 @@ class SpeculationStats:
         steps = self.committed_per_step
         return sum(steps) / len(steps) if steps else 0.0
 
-    def add_step(self, step: StepRecord, trees: list[CandidateTree], paths: list[list[int]], lookup_tokens: int):
-        """Count one loop step that verified `trees` (lookup drafts included) and accepted `paths`."""
+    def add_step(self, step: StepRecord, trees: list[CandidateTree], paths: list[list[int]], lookup_tokens: int,
+                 rows: list[int]):
+        """Count one loop step that verified `trees` (lookup drafts included) and accepted `paths`, of the batch rows
+        `rows`."""
         self.target_forwards += 1
         self.draft_forwards += step.kind is StepKind.DRAFT and any(len(t) > 1 for t in trees)
         self.plain_steps += step.kind is not StepKind.DRAFT
@@ -88,11 +98,23 @@ class SpeculationStats:
         self.verified_tokens += sum(len(t) for t in trees)
         self.verified_slots += step.rows * step.slots
         self.committed_per_step.extend(len(p) for p in paths)
+        self._entry_rows.extend(rows)
         self.draft_time_s += step.seconds - step.verify_seconds
         self.verify_time_s += step.verify_seconds
 
+    def cut_back(self, row: int, tokens: int) -> None:
+        """Row `row` was cut back by `tokens` committed tokens (the batch ended before them: stopped rows generate
+        on until every row has stopped); they leave its latest steps' counts."""
+        for i in range(len(self.committed_per_step) - 1, -1, -1):
+            if tokens == 0:
+                return
+            if self._entry_rows[i] == row:
+                taken = min(tokens, self.committed_per_step[i])
+                self.committed_per_step[i] -= taken
+                tokens -= taken
+
     def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "committed_per_step"}
+        out = {k: v for k, v in self.__dict__.items() if k != "committed_per_step" and not k.startswith("_")}
         out["speculative_steps"] = len(self.committed_per_step)
         out["tau"] = self.tau
         return out
@@ -140,7 +162,7 @@ def _check_batch(input_ids, attention_mask, generation_config, streamer, logits_
     if attention_mask is None:
         return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     valid = attention_mask.bool()
-    empty = [r for r in range(rows) if not bool(valid[r].any())]
+    empty = (~valid.any(-1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(
             f"prompt row(s) {empty} are empty (no token has attention_mask 1); speculative decoding needs at least one "
@@ -176,7 +198,7 @@ def speculative_generate(
     cache = model_kwargs.get("cache") if generation_config.use_cache else None
     if cache is None or any(cache.is_sliding):  # generate's own cache would drop keys of sliding layers
         cache = full_kv_cache(model.config)
-    layout = AttentionLayout.of(model.config)
+    attention_layout = AttentionLayout.of(model.config)
     attention_mask = model_kwargs.get("attention_mask")
     valid = _check_batch(input_ids, attention_mask, generation_config, streamer, logits_processor, stopping_criteria)
     rows = input_ids.shape[0]
@@ -185,7 +207,8 @@ def speculative_generate(
     stats = SpeculationStats()
     drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))
     layers = drafter.target_feature_layers  # the target hidden states the drafter reads
-    committers = [RowCommitter(input_ids[r : r + 1], row_processors(logits_processor, [r], rows), stopping_criteria,
+    store = TokenStore(input_ids, generation_config.max_length)
+    committers = [RowCommitter(store, r, row_processors(logits_processor, [r], rows), stopping_criteria,
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
@@ -198,10 +221,11 @@ def speculative_generate(
     positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 0)
     out = model(input_ids, attention_mask=attention_mask, position_ids=positions,
                 cache=cache, use_cache=True, output_hidden_states=layers, logits_to_keep=1)
-    batch.position_offset = positions[:, -1] + 1 - valid.sum(-1)
+    batch.start(positions[:, -1] + 1 - valid.sum(-1), input_ids.shape[1])
     stats.target_forwards += 1
-    drafting.add_context(out.hidden_states, slice(None), positions, valid)
-    batch.anchors = [c.choose_and_commit(out.logits[r : r + 1, -1]) for r, c in enumerate(committers)]
+    drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=batch.cache_all_valid)
+    batch.anchors = [0] * rows
+    batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
     stats.prefill_time_s = time.perf_counter() - start_time
 
     policy, gates = drafting.policy, drafting.policy.gates
@@ -211,25 +235,27 @@ def speculative_generate(
     # a target with linear attention verifies chains: its lookup drafts go alone (LOOKUP steps), never as a branch
     grafts_lookup = not has_linear_attention(model.config)
     while batch.drop_finished():
-        rows, root_positions = len(batch.active), batch.root_positions
+        rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
         step_start = time.perf_counter()
         found = lookup.propose(batch, root_positions, policy)
         kind = gates.decide(rows, found.ngram)
         if kind is StepKind.DRAFT:
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
         else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
-            trees = [CandidateTree.chain(anchor, torch.empty(0, dtype=torch.long)) for anchor in batch.anchors]
+            trees = [CandidateTree([anchor], [-1], device=input_ids.device) for anchor in batch.anchors]
         grafted = kind is StepKind.LOOKUP or (kind is StepKind.DRAFT and grafts_lookup)
         lookups = found if grafted else NO_LOOKUP_DRAFTS
         trees = lookups.graft(trees)
 
         verify_start = time.perf_counter()
-        tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, root_positions, model.dtype)
-        tree_mask = verify_masks(layout, tree_mask, trees, batch.cache_valid, input_ids.shape[1])
+        layout = TreeLayout.of(trees, input_ids.device)
+        tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor(),
+                                                                model.dtype, layout, batch.cache_all_valid)
+        tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1])
         with recurrent.recording():
             out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                         cache=cache, use_cache=True, output_hidden_states=layers)
-        paths = batch.accept(trees, out.logits)
+        paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
         lookup.record_verified(lookups, batch, paths)
         batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
         recurrent.keep_accepted(paths, tokens.shape[1])
@@ -239,11 +265,13 @@ def speculative_generate(
                           seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
         gates.record(step)
         policy.record_step(step)
-        stats.add_step(step, trees, paths, lookups.num_tokens)
+        stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
 
     if streamer is not None:
         streamer.end()
     sequences = batch.sequences(pad_token_id(generation_config))
+    for row, tokens in batch.cut_tokens.items():
+        stats.cut_back(row, tokens)
     stats.new_tokens = sum(c.length - input_ids.shape[1] for c in committers)
     stats.linear_state_replays = recurrent.replays
     stats.total_time_s = time.perf_counter() - start_time

@@ -27,7 +27,7 @@ from .gates import speculation_gates_for
 from .policy import DraftLengthPolicy, FixedLength
 from .prefix_tree import build_prefix_tree, plan_branches
 from .recurrent_state import has_linear_attention
-from .tree import CandidateTree
+from .tree import CandidateTree, host_to_device
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
 
@@ -50,6 +50,7 @@ class DrafterContext:
         self.drafter = drafter
         self.cache = DynamicCache()
         self.valid: torch.Tensor | None = None  # (rows, ctx) bool over cached slots
+        self.all_valid = True  # known on the host: every row may see every slot, cached or pending
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # features, positions, valid
 
     @property
@@ -60,6 +61,7 @@ class DrafterContext:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Drop finished rows: keep only `keep` (indices into the current rows)."""
         self.cache.batch_select_indices(keep)
+        self.all_valid = False  # the rows left may see every slot, but the host does not know it
         if self.valid is not None:
             self.valid = self.valid[keep]
         self.pending = [(f[keep], p[keep], v[keep]) for f, p, v in self.pending]
@@ -76,9 +78,9 @@ class DrafterContext:
         return context, positions
 
     def _mask(self, block: int, row_index: torch.Tensor | None = None):
-        valid = self.valid if row_index is None else self.valid[row_index]
-        if bool(valid.all()):
+        if self.all_valid:
             return None
+        valid = self.valid if row_index is None else self.valid[row_index]
         return torch.cat([valid, valid.new_ones(valid.shape[0], block)], dim=1)
 
     def draft_block(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -157,12 +159,14 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {"output_hidden_states": drafter.target_feature_layers}
 
     # ----- our loop -----------------------------------------------------------------------------------------------
-    def add_context(self, hidden_states, index, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def add_context(self, hidden_states, index, positions: torch.Tensor, valid: torch.Tensor | None = None,
+                    all_valid: bool | None = None) -> None:
         """Queue the target features of newly committed tokens: `index` selects them on the sequence dim of
         `hidden_states` (a slice, or (rows, n) indices per row); `positions` (rows, n) are their positions.
 
         `valid` (rows, n) marks slots a row must never see (False), e.g. left padding or the unused tail of a row
-        that accepted fewer tokens than another; they stay masked in every draft.
+        that accepted fewer tokens than another; they stay masked in every draft. `all_valid`: whether `valid` is all
+        True, when the caller knows it on the host (else it is read from the device).
         """
         features = self.drafter.gather_target_features(hidden_states)
         if isinstance(index, slice):
@@ -170,9 +174,12 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         else:
             features = features[torch.arange(features.shape[0], device=index.device)[:, None], index]
         if valid is None:
-            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+            valid, all_valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device), True
+        if all_valid is None:
+            all_valid = bool(valid.all())
         for context in self.contexts:
             context.pending.append((features, positions, valid.bool()))
+            context.all_valid = context.all_valid and all_valid
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Forget finished rows (`keep`: indices of the rows still decoding)."""
@@ -186,7 +193,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
             return [self._root_only(root) for root in root_tokens]
         start = time.perf_counter()
-        _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
+        roots, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         if self.policy.uses_cost_model and self.length_head is not None:
             # the head sizes the drafts from hidden states: only the slots to verify go through the LM head
             self.policy.record_draft_time(time.perf_counter() - start)
@@ -210,7 +217,6 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             logits = drafter.compute_logits(draft_hidden[:, :span])
         # when sampling, confidences are the drafter's own maxima: what is verified must not depend on draws
         if getattr(drafter, "selector", None) is not None:  # DFlash 2: the path is chosen left to right
-            roots = torch.tensor(root_tokens, device=logits.device)
             drafts, candidates, chosen = drafter.select_drafts(draft_hidden[:, :span], logits, roots,
                                                                self.sample_temperature)
             if self.sample_temperature is None:
@@ -231,15 +237,14 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             draft_probs = None
             if self.sample_temperature is not None:
                 draft_probs = torch.cat([torch.zeros_like(probs[row, :1]), probs[row, :k]])
-            trees.append(CandidateTree.chain(root_tokens[row], drafts[row, :k], confidences=confidences[row, :k],
+            trees.append(CandidateTree.chain(roots[row], drafts[row, :k], confidences=confidences[row, :k],
                                              draft_probs=draft_probs))
         return trees
 
     def _draft_block(self, root_tokens: list[int], root_positions: list[int]):
         """One first-drafter pass over `[anchor, MASK...]` per row: (anchors, their positions, hidden states of the
         block's draft slots (rows, block - 1, hidden))."""
-        roots = torch.tensor(root_tokens, device=self.first.drafter.device)
-        positions = torch.tensor(root_positions, device=roots.device)
+        roots, positions = host_to_device([root_tokens, root_positions], self.first.drafter.device)  # one copy
         return roots, positions, self.first.draft_block(roots, positions, self.block_size)[:, 1:]
 
     def _slot_logits(self, draft_hidden: torch.Tensor, span: int, needs_more) -> torch.Tensor:
@@ -256,7 +261,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         return logits
 
     def _root_only(self, root: int) -> CandidateTree:
-        return CandidateTree.chain(root, torch.empty(0, dtype=torch.long, device=self.first.drafter.device))
+        return CandidateTree([root], [-1], device=self.first.drafter.device)
 
     def _distributions(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions: softmax of the drafter logits, at the sampling temperature when sampling."""
@@ -366,7 +371,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             # deeper slots matter only when that tree already reaches the deepest slot computed
             def needs_more(logits):
                 computed = logits.shape[1]
-                top = self._distributions(logits).topk(min(width, logits.shape[-1]), dim=-1).values
+                top = self._distributions(logits).topk(min(width, logits.shape[-1]), dim=-1).values.tolist()
                 return any(max(len(path) for path, _ in best_first_shape(top[r], budget)) == computed
                            for r in range(rows) if limits[r] > computed)
 
@@ -384,8 +389,14 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             return trees
         probs = self._distributions(logits)
         self.policy.record_draft_time(time.perf_counter() - start)
+        top = None
+        if not sample:  # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
+            ranked = probs.topk(min(width, probs.shape[-1]), dim=-1)
+            values, indices = torch.stack([ranked.values.double(), ranked.indices.double()]).tolist()
+            top = [(values[r][: limits[r]], [[int(t) for t in slot] for slot in indices[r][: limits[r]]])
+                   for r in range(rows)]
         return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], budget, node_count, sample=sample,
-                                      max_children=width)
+                                      max_children=width, ranked=top[r] if top else None)
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
     def get_candidates(self, *args, **kwargs):

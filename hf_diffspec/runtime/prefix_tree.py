@@ -89,6 +89,5 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
         parents.append(index[path[:-1]])
         node_conf.append(scores[path])
         node_probs.append(sources[path])
-    return CandidateTree(torch.tensor(tokens, device=first_probs.device), parents,
-                         draft_probs=torch.stack(node_probs) if sample else None,
-                         confidences=torch.tensor(node_conf[1:]))
+    return CandidateTree(tokens, parents, draft_probs=torch.stack(node_probs) if sample else None,
+                         confidences=node_conf[1:], device=first_probs.device)

@@ -18,7 +18,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
-from .tree import CandidateTree
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,10 @@ def full_kv_cache(config) -> DynamicCache:
     return cache
 
 
-def verify_masks(layout: AttentionLayout, mask: torch.Tensor | None, trees: list[CandidateTree],
-                 past_valid: torch.Tensor, prompt_length: int):
-    """The `attention_mask` to verify `trees` with, from `tree_forward_inputs`' full-attention `mask`.
+def verify_masks(layout: AttentionLayout, mask: torch.Tensor | None, depths: torch.Tensor, past_valid: torch.Tensor,
+                 prompt_length: int):
+    """The `attention_mask` to verify a batch of trees with, from `tree_forward_inputs`' full-attention `mask`;
+    `depths` (rows, n): each node's depth in its tree, -1 for padding slots (`TreeLayout.depths`).
 
     Full attention only: `mask` itself. Sliding layers only: `mask` within the window. Both: a dict by layer type (the
     form Gemma 3 / 4 and gpt-oss take). `None` (every row sees its whole cache and verifies a chain of one length)
@@ -56,26 +56,19 @@ def verify_masks(layout: AttentionLayout, mask: torch.Tensor | None, trees: list
     window (no row has holes or padding then)."""
     if mask is None or layout.sliding_window is None:
         return mask
-    windowed = mask.masked_fill(~_within_window(layout.sliding_window, trees, past_valid, prompt_length)[:, None],
+    windowed = mask.masked_fill(~_within_window(layout.sliding_window, depths, past_valid, prompt_length)[:, None],
                                 torch.finfo(mask.dtype).min)
     if not layout.mixed:
         return windowed
     return {"full_attention": mask, "sliding_attention": windowed}
 
 
-def _within_window(window: int, trees: list[CandidateTree], past_valid: torch.Tensor,
-                   prompt_length: int) -> torch.Tensor:
+def _within_window(window: int, depths: torch.Tensor, past_valid: torch.Tensor, prompt_length: int) -> torch.Tensor:
     """(rows, n, past + n) bool: whether each tree node (query) is within `window` of each key, counting slots as plain
     `generate` would have them: prompt slots as they are, then the row's own accepted tokens one after the other."""
-    rows, past = past_valid.shape
-    n = max(len(t) for t in trees)
-    device = past_valid.device
     counted = past_valid.clone()
     counted[:, :prompt_length] = True
     past_slots = counted.long().cumsum(-1) - 1  # a hole repeats its neighbour's number: it is masked anyway
-    depths = torch.zeros(rows, n, dtype=torch.long, device=device)  # padding nodes see only themselves
-    for row, tree in enumerate(trees):
-        depths[row, : len(tree)] = torch.tensor(tree.depths, device=device)
-    node_slots = counted.sum(-1, keepdim=True) + depths  # the anchor takes the row's next slot
-    key_slots = torch.cat([past_slots, node_slots], dim=1)
+    node_slots = counted.sum(-1, keepdim=True) + depths.clamp(min=0)  # the anchor takes the row's next slot; padding
+    key_slots = torch.cat([past_slots, node_slots], dim=1)              # nodes see only themselves anyway
     return key_slots[:, None, :] > node_slots[:, :, None] - window

@@ -2,50 +2,96 @@
 
 Node 0 is the root: the last committed token (the anchor), which the target has not processed yet. Every other node
 is a drafted token whose parent is the token before it on its branch.
+
+A tree's shape (parents, depths) always lives on the host; its tokens live where they were made: on the device when
+the drafter drew them (chains), on the host when the host chose them (best-first trees, grafted lookup drafts). Nothing
+reads device tokens on the host unless it must (`token_list`), so building, verifying and accepting the trees of a
+whole batch costs a fixed number of host synchronisations (`TreeLayout`).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 
-@dataclass
 class CandidateTree:
     """Tokens to verify in one target forward.
 
-    Attributes:
-        tokens: (n,) token ids; tokens[0] is the root.
+    Args:
+        tokens: (n,) token ids, a tensor or a list of ints (then the tensor is made on `device` when asked for);
+            tokens[0] is the root.
         parents: parent index of every node (-1 for the root); parents[i] < i.
         draft_probs: optional (n, vocab): row i is the distribution q that node i's token was drawn from (row 0, the
             root, is unused); used by rejection sampling, `None` for argmax drafts. Siblings are ordered as drawn.
         confidences: optional (n,) drafter confidence of each node's token.
     """
 
-    tokens: torch.Tensor
-    parents: list[int]
-    draft_probs: torch.Tensor | None = None
-    confidences: torch.Tensor | None = None
-    depths: list[int] = field(init=False)
-    children: list[dict[int, int]] = field(init=False)
-
-    def __post_init__(self):
-        if self.tokens.dim() != 1 or len(self.parents) != self.tokens.shape[0]:
+    def __init__(self, tokens, parents: list[int], draft_probs: torch.Tensor | None = None,
+                 confidences: torch.Tensor | None = None, device=None):
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() != 1:
+                raise ValueError("tokens must be 1-D with one parent per node")
+            self._tokens, self._token_list, size = tokens, None, tokens.shape[0]
+        else:
+            self._tokens, self._token_list, size = None, [int(t) for t in tokens], len(tokens)
+        self.device = device
+        if len(parents) != size:
             raise ValueError("tokens must be 1-D with one parent per node")
-        if self.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
-            raise ValueError(f"parents must start with -1 and point backwards, got {self.parents}")
-        self.depths = [0] * len(self.parents)
-        self.children = [{} for _ in self.parents]
-        token_list = self.tokens.tolist()
+        if parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+            raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
+        self.parents = list(parents)
+        self.draft_probs = draft_probs
+        self.confidences = confidences
+        self.depths = [0] * size
         for i, p in enumerate(self.parents[1:], start=1):
             self.depths[i] = self.depths[p] + 1
-            if token_list[i] in self.children[p]:
-                raise ValueError(f"node {p} has two children carrying token {token_list[i]}; merge them")
-            self.children[p][token_list[i]] = i
+        self.is_chain = all(p == i - 1 for i, p in enumerate(self.parents))
+        self._children = None
+        if not self.is_chain and (self._token_list is not None or tokens.device.type == "cpu"):
+            self.children  # noqa: B018 (two siblings carrying one token are refused where they are made)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = torch.tensor(self._token_list, dtype=torch.long, device=self.device)
+        return self._tokens
+
+    @property
+    def token_list(self) -> list[int]:
+        """The tokens on the host (read from the device once, when they were made there)."""
+        if self._token_list is None:
+            self._token_list = self._tokens.tolist()
+        return self._token_list
+
+    def knows_tokens(self) -> bool:
+        """True when the host holds the tokens (no synchronisation to read them)."""
+        return self._token_list is not None
+
+    def set_token_list(self, tokens: list[int]) -> None:
+        """The host copy of device tokens, read together with other trees' (`read_token_lists`)."""
+        self._token_list = tokens[: len(self)]
+
+    @property
+    def children(self) -> list[dict[int, int]]:
+        """Per node, {token: child node}."""
+        if self._children is None:
+            children = [{} for _ in self.parents]
+            token_list = self.token_list
+            for i, p in enumerate(self.parents[1:], start=1):
+                if token_list[i] in children[p]:
+                    raise ValueError(f"node {p} has two children carrying token {token_list[i]}; merge them")
+                children[p][token_list[i]] = i
+            self._children = children
+        return self._children
 
     @classmethod
-    def chain(cls, root: int, drafts: torch.Tensor, **extra) -> "CandidateTree":
-        """A single branch: root -> drafts[0] -> drafts[1] -> ..."""
-        tokens = torch.cat([torch.tensor([root], device=drafts.device, dtype=torch.long), drafts.long()])
+    def chain(cls, root, drafts: torch.Tensor, **extra) -> "CandidateTree":
+        """A single branch: root -> drafts[0] -> drafts[1] -> ... `root`: an int or a 0-d/1-element tensor."""
+        if isinstance(root, torch.Tensor):
+            root = root.reshape(1).to(drafts.device, torch.long)
+        else:
+            root = torch.tensor([root], device=drafts.device, dtype=torch.long)
+        tokens = torch.cat([root, drafts.long()])
         return cls(tokens, list(range(-1, len(tokens) - 1)), **extra)
 
     def __len__(self) -> int:
@@ -54,10 +100,6 @@ class CandidateTree:
     @property
     def max_depth(self) -> int:
         return max(self.depths)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root to `node`, both included."""
@@ -69,15 +111,93 @@ class CandidateTree:
 
     def ancestor_matrix(self, device=None) -> torch.Tensor:
         """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors."""
-        n = len(self)
-        allowed = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parents[1:], start=1):
-            allowed[i] |= allowed[p]
-        return allowed.to(device)
+        return TreeLayout.of([self], device or "cpu").ancestors[0]
 
 
-def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions: list[int],
-                        dtype: torch.dtype):
+def host_to_device(data, device) -> torch.Tensor:
+    """A long tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
+    behind the device's work instead of waiting for it."""
+    tensor = torch.tensor(data, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def read_token_lists(trees: list[CandidateTree]) -> None:
+    """Bring the tokens of every tree whose tokens are only on the device to the host, in one copy."""
+    unknown = [t for t in trees if not t.knows_tokens()]
+    if not unknown:
+        return
+    if len(unknown) == 1:
+        unknown[0].token_list  # noqa: B018
+        return
+    padded = torch.nn.utils.rnn.pad_sequence([t.tokens for t in unknown], batch_first=True).tolist()
+    for tree, tokens in zip(unknown, padded):
+        tree.set_token_list(tokens)
+
+
+@dataclass
+class TreeLayout:
+    """The trees of a batch as a rectangle on the device, n = the largest tree: `tokens` (rows, n), shorter trees
+    padded with their root; `parents` (rows, n), the root and padding slots their own parent; `depths` (rows, n), -1
+    for padding; `ancestors` (rows, n, n) bool, [r, i, j] True when node j is node i or one of its ancestors (a
+    padding slot: itself only). `chains`: every tree is a chain (an accepted path is then a prefix)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+    sizes: list[int]
+    max_depth: int
+    chains: bool
+
+    @property
+    def real(self) -> torch.Tensor:
+        return self.depths >= 0
+
+    @classmethod
+    def of(cls, trees: list[CandidateTree], device) -> "TreeLayout":
+        """Lay `trees` out on `device`: one host-to-device copy of their shapes (and of their tokens when the host
+        holds them all), none when they are chains of one length; the ancestor matrix is computed there."""
+        rows, sizes = len(trees), [len(t) for t in trees]
+        n, max_depth = max(sizes), max(t.max_depth for t in trees)
+        chains = all(t.is_chain for t in trees)
+        index = torch.arange(n, device=device)
+        host_tokens = [t.token_list for t in trees] if all(t.knows_tokens() for t in trees) else None
+        if chains and all(s == n for s in sizes):
+            parents = (index - 1).clamp(min=0).expand(rows, n)
+            depths = index.expand(rows, n)
+            if host_tokens is not None:
+                tokens = host_to_device(host_tokens, device)
+        else:
+            parent_rows = [[max(p, 0) for p in t.parents] + list(range(len(t), n)) for t in trees]
+            depth_rows = [t.depths + [-1] * (n - len(t)) for t in trees]
+            shape = [parent_rows, depth_rows]
+            if host_tokens is not None:
+                shape.append([tokens + [tokens[0]] * (n - len(tokens)) for tokens in host_tokens])
+            shape = host_to_device(shape, device)
+            parents, depths = shape[0], shape[1]
+            if host_tokens is not None:
+                tokens = shape[2]
+        if host_tokens is None:
+            tokens = torch.stack([t.tokens.to(device) for t in trees]) if all(s == n for s in sizes) else \
+                torch.nn.utils.rnn.pad_sequence([t.tokens.to(device) for t in trees], batch_first=True)
+        real = depths >= 0
+        if not all(s == n for s in sizes):
+            tokens = torch.where(real, tokens, tokens[:, :1])
+        if chains:
+            ancestors = (index[None, :, None] >= index[None, None, :]) & real[:, :, None] & real[:, None, :]
+            ancestors = ancestors | torch.eye(n, dtype=torch.bool, device=device)
+        else:  # each round adds the ancestors of every node's ancestors: max_depth rounds reach the root
+            ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n)
+            gather_index = parents[:, :, None].expand(rows, n, n)
+            for _ in range(max_depth):
+                ancestors = ancestors | ancestors.gather(1, gather_index)
+        return cls(tokens, parents, depths, ancestors, sizes, max_depth, chains)
+
+
+def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions,
+                        dtype: torch.dtype, layout: TreeLayout | None = None, past_all_valid: bool | None = None):
     """Target inputs to verify one tree per row in one forward: `(tokens, attention_mask, position_ids)`.
 
     tokens (rows, n) and position_ids (rows, n), with n the largest tree: a node at depth d sits at its row's root
@@ -87,25 +207,22 @@ def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, ro
     which cached slots each row may see (False: padding, or slots of drafts another row accepted).
     When every row sees its whole cache and verifies a chain of the same length, the mask is the plain causal one:
     `None` is returned for it, so the model builds it (and SDPA can take its causal path), as in plain decoding.
+
+    `root_positions`: (rows,) tensor (or list); `layout`: the trees' `TreeLayout` when the caller has it;
+    `past_all_valid`: whether `past_valid` is all True, when the caller knows it (else it is read from the device).
     """
     rows, past = past_valid.shape
-    n = max(len(t) for t in trees)
     device = past_valid.device
-    if all(len(t) == n and t.is_chain for t in trees) and bool(past_valid.all()):
-        tokens = torch.stack([t.tokens.to(device) for t in trees])
+    layout = layout or TreeLayout.of(trees, device)
+    n = layout.tokens.shape[1]
+    if past_all_valid is None:
+        past_all_valid = bool(past_valid.all())
+    if layout.chains and all(s == n for s in layout.sizes) and past_all_valid:
         positions = past + torch.arange(n, device=device).expand(rows, -1)
-        return tokens, None, positions
-    tokens = torch.empty(rows, n, dtype=torch.long, device=device)
-    positions = torch.empty(rows, n, dtype=torch.long, device=device)
-    allowed = torch.zeros(rows, n, past + n, dtype=torch.bool, device=device)
-    allowed[:, :, past:] = torch.eye(n, dtype=torch.bool, device=device)
-    for row, (tree, root) in enumerate(zip(trees, root_positions)):
-        size = len(tree)
-        tokens[row, :size] = tree.tokens.to(device)
-        tokens[row, size:] = tokens[row, 0]
-        positions[row, :size] = root + torch.tensor(tree.depths, device=device)
-        positions[row, size:] = root
-        allowed[row, :size, :past] = past_valid[row]
-        allowed[row, :size, past : past + size] = tree.ancestor_matrix(device)
+        return layout.tokens, None, positions
+    roots = torch.as_tensor(root_positions, device=device)
+    real = layout.real
+    positions = roots[:, None] + layout.depths.clamp(min=0)
+    allowed = torch.cat([past_valid[:, None, :] & real[:, :, None], layout.ancestors], dim=-1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return tokens, mask[:, None], positions
+    return layout.tokens, mask[:, None], positions

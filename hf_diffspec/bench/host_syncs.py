@@ -1,0 +1,117 @@
+"""Counting what stalls an asynchronous device between two target forwards of the decoding loop.
+
+On a GPU every `.item()`, `.tolist()`, `bool(tensor)`, `nonzero()` or copy to the host waits until the device has run
+everything queued before it, and a copy from pageable host memory (`torch.tensor(list, device=...)`) waits too. The
+loop's host work between forwards is added to every step; these calls are where it also makes the device wait.
+
+`HostSyncCounter` is a `TorchFunctionMode` that counts them outside the forwards of the models it is given, per loop
+step: the calls between the end of one target forward and the start of the next are one step's (what the loop does
+after a verify forward and before the next one: accept, commit, cache bookkeeping, lookup, drafting, tree inputs).
+It sees every tensor as "the device's" (the counts are the same on a CPU), which is what the budget is about: how
+many times per step the host would wait on a device.
+"""
+
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# calls that read a device value on the host (each waits for the device)
+DEVICE_TO_HOST = {
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+    torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu, torch.Tensor.numpy, torch.equal,
+    torch.Tensor.unique, torch.unique, torch.masked_select, torch.Tensor.masked_select, torch.argwhere,
+    torch.Tensor.argwhere, torch.Tensor.repeat_interleave, torch.repeat_interleave,
+}
+# calls that build a tensor from host (Python) data: a host-to-device copy when the tensor lands on a device
+HOST_TO_DEVICE = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
+def _is_bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _from_host(data) -> bool:
+    if isinstance(data, torch.Tensor):
+        return False
+    if isinstance(data, (list, tuple)):
+        return not (data and all(isinstance(d, torch.Tensor) for d in data))
+    return True
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts host synchronisations (`syncs`) and host-to-device copies (`copies`) per loop step, outside the forwards
+    of `models` (hooked while counting). `target`: the model whose forwards delimit steps.
+
+    After the run, `steps` holds one `Counter` of call names per window between two consecutive target forwards
+    (window 0 is between the prefill and the first verify forward); `per_step_syncs` / `per_step_copies` their
+    totals."""
+
+    def __init__(self, target, models=()):
+        super().__init__()
+        self.target = target
+        self.models = [target, *models]
+        self.depth = 0  # > 0 inside a counted model's forward
+        self.forwards = 0
+        self.steps: list[Counter] = []
+        self.current: Counter | None = None  # None before the first target forward ends
+        self.handles = []
+
+    def __enter__(self):
+        for model in self.models:
+            is_target = model is self.target
+            self.handles.append(model.register_forward_pre_hook(lambda *_, t=is_target: self._enter(t)))
+            self.handles.append(model.register_forward_hook(lambda *_, t=is_target: self._leave(t)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        return super().__exit__(*exc)
+
+    def _enter(self, is_target: bool) -> None:
+        if is_target and self.depth == 0 and self.current is not None:
+            self.steps.append(self.current)
+        self.depth += 1
+
+    def _leave(self, is_target: bool) -> None:
+        self.depth -= 1
+        if is_target and self.depth == 0:
+            self.forwards += 1
+            self.current = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth == 0 and self.current is not None:
+            name = getattr(func, "__name__", str(func))
+            if func in DEVICE_TO_HOST:
+                self.current["sync:" + name] += 1
+            elif func in HOST_TO_DEVICE and args and _from_host(args[0]):
+                self.current["copy:" + name] += 1
+            elif func is torch.Tensor.to and _targets_cpu(args, kwargs) and args[0].device.type != "cpu":
+                self.current["sync:to(cpu)"] += 1
+            elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1 \
+                    and _is_bool_index(args[1]):
+                self.current[f"sync:{name}[bool]"] += 1
+        return func(*args, **kwargs)
+
+    @property
+    def per_step_syncs(self) -> list[int]:
+        return [sum(v for k, v in step.items() if k.startswith("sync:")) for step in self.steps]
+
+    @property
+    def per_step_copies(self) -> list[int]:
+        return [sum(v for k, v in step.items() if k.startswith("copy:")) for step in self.steps]
+
+    def worst(self) -> Counter:
+        """The window with the most syncs and copies (to say where they are)."""
+        return max(self.steps, key=lambda s: sum(s.values()), default=Counter())
+
+
+def _targets_cpu(args, kwargs) -> bool:
+    device = kwargs.get("device", args[1] if len(args) > 1 else None)
+    if isinstance(device, str):
+        device = torch.device(device)
+    return isinstance(device, torch.device) and device.type == "cpu"

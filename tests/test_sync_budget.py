@@ -1,0 +1,66 @@
+"""A decoding step the device does not wait for: the host synchronisations (`.item()`, `.tolist()`, `bool(tensor)`,
+`nonzero()`, copies to the host) and host-to-device copies between two target forwards stay within a small budget
+that does not grow with the batch's rows, the tree's size or how many drafts are accepted (greedy decoding with
+transformers' built-in processors and criteria: EOS, max length, suppressed tokens).
+
+The first window (after the prefill) may also hold the prefill's own reads, once per call (the prompts' padding and
+the first tokens). Where the remaining ones are, per step (`HostSyncCounter` counts them outside the target's and the drafter's
+forwards; see `hf_diffspec/bench/host_syncs.py`):
+- syncs: one copy of the step's outcome to the host (accepted length, committed tokens and stop flags of every row,
+  `BatchState.accept`); with prompt lookup, one copy of the drafter's tokens to graft the lookup drafts onto (they are
+  merged where they agree); with best-first trees, one copy of every row's top-k draft probabilities and tokens
+  (the tree's shape is chosen on the host);
+- copies: the anchors and their positions to the drafter (one), the verified trees' tokens and parents when they were
+  built on the host (one), and the rows still decoding when some finished (one, only on such steps).
+"""
+
+import pytest
+import torch
+
+from hf_diffspec.bench.host_syncs import HostSyncCounter
+from helpers import oracle_drafter_outputs, tiny_drafter, tiny_target
+
+SYNC_BUDGET = 3
+COPY_BUDGET = 3
+PREFILL_READS = 3
+
+VOCAB = 48
+
+
+def _prompts(rows: int, seed: int = 0) -> torch.Tensor:
+    """Prompts that repeat a phrase, so prompt lookup finds drafts in every row."""
+    gen = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(2, VOCAB, (rows, 6), generator=gen)
+    return torch.cat([phrase, torch.randint(2, VOCAB, (rows, 3), generator=gen), phrase, phrase[:, :3]], dim=1)
+
+
+def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkeypatch) -> HostSyncCounter:
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=3, draft_tree_budget=tree_budget, draft_tree_width=2)
+    ids = _prompts(rows)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=1, pad_token_id=1, suppress_tokens=[5])
+    if oracle:  # the drafter proposes the target's own continuation: long accepted paths
+        reference = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        oracle_drafter_outputs(monkeypatch, drafter, target, list(reference))
+    counter = HostSyncCounter(target, [drafter])
+    with counter:
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, num_assistant_tokens=4, prompt_lookup_num_tokens=lookup,
+                              return_dict_in_generate=True, **kwargs)
+    assert out.speculation_stats.target_forwards == counter.forwards
+    assert len(counter.steps) >= 3
+    return counter
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("tree_budget,lookup,oracle", [(None, 0, False), (None, 3, False), (3, 0, False),
+                                                       (10, 3, False), (10, 3, True)],
+                         ids=["chains", "chains+lookup", "small-trees", "trees+lookup", "trees+lookup-high-tau"])
+def test_host_syncs_per_step_stay_within_a_budget_independent_of_rows_trees_and_tau(rows, tree_budget, lookup,
+                                                                                    oracle, monkeypatch):
+    counter = _count(rows, tree_budget, lookup, oracle, monkeypatch)
+    worst = counter.worst()
+    syncs, copies = counter.per_step_syncs, counter.per_step_copies
+    # the first window also holds what the prefill reads once (the prompts' padding, the first tokens)
+    assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
+    assert max(syncs[1:]) <= SYNC_BUDGET, f"syncs per step {syncs}; worst: {worst}"
+    assert max(copies[1:]) <= COPY_BUDGET, f"copies per step {copies}; worst: {worst}"
