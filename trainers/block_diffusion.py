@@ -3,12 +3,14 @@
 Per sequence, random anchors on response tokens each start a block `[anchor, MASK x (block_size-1)]` at positions
 anchor..anchor+block_size-1. All blocks of a batch run in ONE drafter forward: every block attends to the target
 features of the context strictly before its anchor (what inference has: the anchor's own features are not known yet),
-to itself bidirectionally, and to no other block. A sequence's blocks are split into rows of `blocks_per_row` blocks
-that share its context (projected once per sequence): a query scans the context and its row's blocks, not all of
-the sequence's, so the attention grows linearly with the anchors per sequence instead of quadratically. Slot k predicts what the target itself would emit k positions after
-the anchor (its argmax on the sequence), with cross-entropy weighted by exp(-(k-1)/decay). A drafter with a reduced
-draft vocabulary (`config.draft_vocab_size`) is trained over its V' logits only, and slots whose label lies outside it
-are left out of the loss: it can never draft them, and skipping the other rows of the LM head is the saving.
+to itself bidirectionally, and to no other block. A sequence's blocks run in rows of `blocks_per_row` blocks that
+share its context (projected once per sequence): a query scans the context and its row's blocks, not all of the
+sequence's, so the attention grows linearly with the anchors per sequence instead of quadratically. Slot k predicts
+what the target itself would emit k positions after the anchor (its argmax on the sequence), with cross-entropy
+weighted by exp(-(k-1)/decay). A drafter with a reduced draft vocabulary (`config.draft_vocab_size`) is trained over
+its V' logits only, and slots whose label lies outside it are left out of the loss: it can never draft them, and
+skipping the other rows of the LM head is the saving. The LM head runs on supervised slots only (not on those
+beyond `loss_depth`).
 
 The target lives on the trainer (frozen, never optimised, never saved); features and labels come from one target
 forward per batch, computed on the fly. Subclasses change the loss (`block_loss`: reverse KL for AdaFlash's OPD),
@@ -270,8 +272,8 @@ class BlockDiffusionTrainer(Trainer):
         per_row = min(self.args.blocks_per_row or n, n)
         rows = -(-n // per_row)
 
-        def in_rows(blocks, value=0):  # (B, n, ...) -> (B * rows, per_row, ...)
-            padding = blocks.new_full((batch, rows * per_row - n, *blocks.shape[2:]), value)
+        def in_rows(blocks):  # (B, n, ...) -> (B * rows, per_row, ...)
+            padding = blocks.new_zeros((batch, rows * per_row - n, *blocks.shape[2:]))
             return torch.cat([blocks, padding], 1).view(batch * rows, per_row, *blocks.shape[2:])
 
         embed = self.target.get_input_embeddings()

@@ -64,7 +64,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--anchors", default="32,128,512", help="anchors (blocks) per sequence, comma-separated")
     parser.add_argument("--blocks-per-row", default="0,16", help="settings compared; 0: one row per sequence")
-    parser.add_argument("--reps", type=int, default=3, help="timed steps per setting (after one untimed)")
+    parser.add_argument("--reps", type=int, default=3, help="timed steps per setting")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per setting before them")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=1)
@@ -91,8 +92,9 @@ def main():
         batch = BlockDiffusionCollator(1, num_anchors=anchors, seed=0)(records)
         blocks = int(batch["anchor_mask"].sum())
         times = {per_row: [] for per_row in settings}
-        for per_row in settings:  # untimed: first-call allocations
-            step(trainer, batch, per_row)
+        for _ in range(args.warmup):  # untimed: first-call allocations
+            for per_row in settings:
+                step(trainer, batch, per_row)
         for _ in range(args.reps):
             for per_row in settings:
                 times[per_row].append(step(trainer, batch, per_row))
