@@ -130,7 +130,10 @@ class DiffusionDrafterAttention(nn.Module):
 
     def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None, extend_cache=True):
         batch, q_len, _ = hidden_states.shape
-        kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
+        # a context row shared by `groups` consecutive rows of blocks (training: a sequence's blocks in several rows)
+        # is projected once and its K/V repeated, never its features
+        groups = 1 if context is None else batch // context.shape[0]
+        kv_input = hidden_states if context is None or groups > 1 else torch.cat([context, hidden_states], dim=1)
         kv_len = kv_input.shape[1]
 
         q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -138,7 +141,12 @@ class DiffusionDrafterAttention(nn.Module):
         v = self.v_proj(kv_input).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # cos/sin cover [context ; block]; queries are the block, i.e. the last q_len positions
         q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
-        k = apply_rope(k, cos, sin)
+        k = apply_rope(k, cos[:, -kv_len:], sin[:, -kv_len:])
+        if groups > 1:
+            ctx_len = context.shape[1]
+            context_k, context_v = self.project_context(context, cos[::groups, :ctx_len], sin[::groups, :ctx_len])
+            k = torch.cat([context_k.repeat_interleave(groups, dim=0), k], dim=2)
+            v = torch.cat([context_v.repeat_interleave(groups, dim=0), v], dim=2)
         if cache is not None and extend_cache:
             k, v = cache.update(k, v, self.layer_idx)
         elif cache is not None:  # read-only: a cached context per row, or one shared by every row (D²SD branches)
@@ -334,7 +342,8 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
     Forward contract (the same one transformers' DFlash candidate generator uses):
         `noise_embeds` (batch, q, hidden): block embeddings;
         `context_hidden_states` (batch, c, len(target_layer_ids) * hidden), optional: raw target features of the
-            context tokens not yet in `cache`;
+            context tokens not yet in `cache`; without a cache it may have fewer rows, each the context of as many
+            consecutive rows of blocks (training: a sequence's blocks in several rows), projected once per row;
         `position_ids` (batch, c + q): absolute positions of [context ; block];
         `attention_mask`, optional: additive float mask (batch, 1, q, kv) over [cached ; context ; block] keys, or a
             2D 0/1 mask (batch, kv); `None` means every query sees every key;
@@ -566,6 +575,11 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
                 )
             context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
         ctx_len = 0 if context is None else context.shape[1]
+        if context is not None and context.shape[0] != batch and (batch % context.shape[0] or cache is not None):
+            raise ValueError(
+                f"context_hidden_states has {context.shape[0]} rows for {batch} rows of blocks: pass one context row "
+                "per row of blocks, or (without a cache) one per group of consecutive rows, the rows being a multiple"
+            )
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + ctx_len + q_len, device=noise_embeds.device)[None].expand(batch, -1)

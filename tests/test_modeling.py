@@ -244,8 +244,7 @@ def _decoding_and_training_outputs(drafter, target):
                    cache=cache).last_hidden_state
     anchors = torch.tensor([[2, 6], [3, 7]])
     slots = (anchors[:, :, None] + torch.arange(4)).flatten(1)
-    mask = block_attention_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), torch.ones(2, 12), 4,
-                                torch.float32)
+    mask = block_attention_mask(anchors, torch.ones(2, 12), 4, torch.float32)
     noise = target.get_input_embeddings()(torch.randint(2, 128, slots.shape, generator=generator))
     drafter.zero_grad()
     hidden = drafter(noise_embeds=noise, context_hidden_states=features,

@@ -130,8 +130,7 @@ def test_collator_anchors_differ_between_processes_workers_and_epochs():
 
 def test_block_mask_sees_strictly_earlier_context_and_its_own_block_only():
     anchors = torch.tensor([[2, 4]])
-    mask = block_attention_mask(anchors, torch.tensor([[True, True]]), torch.ones(1, 6, dtype=torch.long), 3,
-                                torch.float32)
+    mask = block_attention_mask(anchors, torch.ones(1, 6, dtype=torch.long), 3, torch.float32)
     allowed = (mask[0, 0] == 0)
     assert allowed.shape == (6, 6 + 6)
     assert allowed[0, :6].tolist() == [True, True, False, False, False, False]  # block 0: context < 2

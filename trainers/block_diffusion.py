@@ -3,10 +3,14 @@
 Per sequence, random anchors on response tokens each start a block `[anchor, MASK x (block_size-1)]` at positions
 anchor..anchor+block_size-1. All blocks of a batch run in ONE drafter forward: every block attends to the target
 features of the context strictly before its anchor (what inference has: the anchor's own features are not known yet),
-to itself bidirectionally, and to no other block. Slot k predicts what the target itself would emit k positions after
-the anchor (its argmax on the sequence), with cross-entropy weighted by exp(-(k-1)/decay). A drafter with a reduced
-draft vocabulary (`config.draft_vocab_size`) is trained over its V' logits only, and slots whose label lies outside it
-are left out of the loss: it can never draft them, and skipping the other rows of the LM head is the saving.
+to itself bidirectionally, and to no other block. A sequence's blocks run in rows of `blocks_per_row` blocks that
+share its context (projected once per sequence): a query scans the context and its row's blocks, not all of the
+sequence's, so the attention grows linearly with the anchors per sequence instead of quadratically. Slot k predicts
+what the target itself would emit k positions after the anchor (its argmax on the sequence), with cross-entropy
+weighted by exp(-(k-1)/decay). A drafter with a reduced draft vocabulary (`config.draft_vocab_size`) is trained over
+its V' logits only, and slots whose label lies outside it are left out of the loss: it can never draft them, and
+skipping the other rows of the LM head is the saving. The LM head runs on supervised slots only (not on those
+beyond `loss_depth`).
 
 The target lives on the trainer (frozen, never optimised, never saved); features and labels come from one target
 forward per batch, computed on the fly. Subclasses change the loss (`block_loss`: reverse KL for AdaFlash's OPD),
@@ -103,8 +107,9 @@ class BlockDiffusionCollator:
                 "anchors": anchors, "anchor_mask": anchor_mask}
 
 
-def block_attention_mask(anchors, anchor_mask, attention_mask, block_size: int, dtype) -> torch.Tensor:
-    """(batch, 1, n*block, seq + n*block) additive mask: context before each anchor + own block, nothing else."""
+def block_attention_mask(anchors, attention_mask, block_size: int, dtype) -> torch.Tensor:
+    """(rows, 1, n*block, seq + n*block) additive mask of rows of n blocks (`anchors` (rows, n)) over [context ;
+    the row's blocks]: the context before each block's anchor and the block itself, nothing else."""
     batch, n = anchors.shape
     seq = attention_mask.shape[1]
     device = anchors.device
@@ -263,15 +268,23 @@ class BlockDiffusionTrainer(Trainer):
         prefix = self.prefix_lengths(anchors)                                                # (B, n)
         is_real = offsets[None, None, :] <= prefix[:, :, None]                              # anchor + prefix tokens
         block_tokens = torch.where(is_real & in_range, input_ids.gather(1, slot_positions.flatten(1)).view_as(slot_positions), 0)
+        # rows of `per_row` blocks, each row with the context of its sequence (the last row padded with blocks at 0)
+        per_row = min(self.args.blocks_per_row or n, n)
+        rows = -(-n // per_row)
+
+        def in_rows(blocks):  # (B, n, ...) -> (B * rows, per_row, ...)
+            padding = blocks.new_zeros((batch, rows * per_row - n, *blocks.shape[2:]))
+            return torch.cat([blocks, padding], 1).view(batch * rows, per_row, *blocks.shape[2:])
+
         embed = self.target.get_input_embeddings()
-        noise = embed(block_tokens.flatten(1))                                               # (B, n*size, H)
-        context_positions = torch.arange(seq, device=input_ids.device).expand(batch, -1)
-        positions = torch.cat([context_positions, block_positions.flatten(1)], 1)
-        mask = block_attention_mask(anchors, anchor_mask, attention_mask, size, noise.dtype)
+        noise = embed(in_rows(block_tokens).flatten(1))                                      # (B*rows, per_row*size, H)
+        context_positions = torch.arange(seq, device=input_ids.device).expand(batch * rows, -1)
+        positions = torch.cat([context_positions, in_rows(block_positions).flatten(1)], 1)
+        mask = block_attention_mask(in_rows(anchors), attention_mask.repeat_interleave(rows, 0), size, noise.dtype)
         hidden = forward(
             noise_embeds=noise, context_hidden_states=features, position_ids=positions, attention_mask=mask,
-            mask_positions=~is_real.flatten(1),
-        ).last_hidden_state.view(batch, n, size, -1)
+            mask_positions=~in_rows(is_real).flatten(1),
+        ).last_hidden_state.view(batch, rows * per_row, size, -1)[:, :n]
 
         # slots to learn: after the prefix, inside the sequence, on response tokens, of real anchors
         slot_loss_mask = loss_mask.gather(1, slot_positions.flatten(1)).view_as(slot_positions)

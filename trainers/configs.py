@@ -100,6 +100,13 @@ class DrafterTrainingArguments(TrainingArguments):
     block_size: int = field(default=16, metadata={"help": "Tokens per block: the anchor and block_size - 1 drafts."})
     num_anchors: int = field(default=64, metadata={"help": "Blocks (random anchors on response tokens) per sequence."})
     max_length: int = field(default=1024, metadata={"help": "Sequences are cut to this many tokens."})
+    blocks_per_row: int = field(
+        default=16,
+        metadata={"help": "Blocks of a sequence that share one attention row of the drafter's forward. A block sees "
+                          "the context before its anchor and itself whatever the value (the loss is the same); each "
+                          "row repeats the context's keys/values and every query scans the keys of its row's blocks. "
+                          "0: all blocks of a sequence in one row (one dense mask, cost quadratic in --num-anchors)."},
+    )
     loss_decay: float | None = field(
         default=None,
         metadata={"help": "Decay of the position weights exp(-(k-1)/decay) (default: DFlash's for the block size)."},
