@@ -32,14 +32,16 @@ mkdir -p "$DIAG"
 
 case "$STAGE" in
 equivalence)
-    python - "$DIAG/equivalence.json" <<'EOF'
+    # DTYPE=bfloat16: the same in bf16, where rounding can flip near ties (the default, fp32, is the exact check)
+    DTYPE=${DTYPE:-float32}
+    python - "$DIAG/equivalence-$DTYPE.json" "$DTYPE" <<'EOF'
 import json, sys
 import torch
 from hf_diffspec import DiffusionDrafter, load_target
 from hf_diffspec.trainers.offline_acceptance import (heldout_prompts, measuring_trainer, offline_acceptance,
                                                      sequence_inputs)
 
-target, tok = load_target("smollm2-135m-instruct", dtype=torch.float32)
+target, tok = load_target("smollm2-135m-instruct", dtype=getattr(torch, sys.argv[2]))
 drafter = DiffusionDrafter.from_pretrained("checkpoints/smollm2-135m-instruct-dflash", target=target,
                                            length_head=False, draft_tree_budget=None, prompt_lookup_num_tokens=None)
 records, decoded = [], []
@@ -84,7 +86,8 @@ for record, offline_steps, decoded_steps in zip(records, report["committed_per_s
 result = {"steps_equal_per_prompt": [p["steps_equal"] for p in prompts],
           "decoded_tau": round(sum(map(sum, decoded)) / sum(map(len, decoded)), 4),
           "offline_decode_tau": report["decode_tau"], "offline_tau_all_anchors": report["tau"],
-          "unjudged_blocks": report["unjudged_blocks"], "threads": torch.get_num_threads(), "prompts": prompts,
+          "unjudged_blocks": report["unjudged_blocks"], "dtype": sys.argv[2], "threads": torch.get_num_threads(),
+          "prompts": prompts,
           "decoded": decoded, "offline": report["committed_per_step"]}
 json.dump(result, open(sys.argv[1], "w"), indent=1)
 print(json.dumps({k: v for k, v in result.items() if k not in ("decoded", "offline")}))
