@@ -17,7 +17,7 @@
 #     follows the trained text), STEPS steps of BATCH sequences x ANCHORS random anchors at LR, the offline acceptance
 #     on those sequences every MEASURE_STEPS steps, then the decoded dflash-block tau of the shipped and the overfit
 #     drafter on the same prompts (runs/diag/overfit_decoded_tau.json): well above 3 means the recipe can learn.
-#     Defaults: 32 x 256 tokens, 300 steps of 2 x 64 (a GPU or a quiet CPU); on a shared 2-core CPU (~50-70 s a
+#     Defaults: 32 x 256 tokens, 300 steps of 2 x 64 (a GPU or a quiet CPU); on a shared 2-core CPU (25-70 s a
 #     step at nice 19): SEQUENCES=6 NEW_TOKENS=192 MAX_LENGTH=256 STEPS=65 SAVE_STEPS=15 MEASURE_STEPS=65.
 # drift: the same short continuation (data/regen-smollm2, 150 steps of 4 x 32 blocks) at lr 2e-4 (the earlier CPU
 #     runs) and at 3e-5 with EMA, scored by the offline acceptance on data/heldout-smollm2.
