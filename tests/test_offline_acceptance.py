@@ -91,6 +91,27 @@ def test_offline_acceptance_equals_the_decoded_dflash_block_tau(trained, monkeyp
     json.dumps(report)  # what the log and the CLI write
 
 
+def test_a_decode_that_stops_at_eos_is_measured_step_by_step_to_its_end(trained):
+    """A decode stops at EOS in the middle of an accepted block; the offline walk cuts that block where the sequence
+    ends, so its last step commits what the decode's did (the fixture's decodes end at max_new_tokens instead)."""
+    target, drafter, trainer, prompts, records = trained
+    stopped, last_steps = [], []
+    for prompt, record in zip(prompts, records):
+        start = prompt.shape[1]
+        answer = record["input_ids"][start:]
+        eos = int(answer[len(answer) // 2])  # a token the target writes mid-answer: its first occurrence ends it
+        end = start + int((answer == eos).nonzero()[0]) + 1
+        out = target.generate(prompt, assistant_model=drafter, num_assistant_tokens=BLOCK - 1, max_new_tokens=36,
+                              do_sample=False, eos_token_id=eos, pad_token_id=eos, return_dict_in_generate=True)
+        assert torch.equal(out.sequences[0], record["input_ids"][:end])
+        steps = out.speculation_stats.committed_per_step
+        stopped.append({"input_ids": out.sequences[0], "prompt_length": start, "domain": "a", "steps": steps})
+        last_steps.append(steps[-1])
+    report = offline_acceptance(trainer, drafter, stopped)
+    assert report["committed_per_step"] == [record["steps"] for record in stopped]
+    assert max(last_steps) > 1  # some decode reached EOS inside a block of accepted drafts
+
+
 def test_the_training_forward_drafts_what_the_decode_drafts_at_the_anchors_it_visits(trained, monkeypatch):
     target, drafter, trainer, prompts, records = trained
     for prompt, record in zip(prompts, records):
