@@ -6,15 +6,18 @@ NEEDS THE NETWORK (the target is ~16 GB, the drafter ~2 GB, both fetched from th
 
     python examples/published_drafter.py
     python examples/published_drafter.py --drafter z-lab/Qwen3-4B-DFlash-b16 --target Qwen/Qwen3-4B
-    python examples/published_drafter.py --thinking     # only with a drafter trained on thinking-mode outputs
+    python examples/published_drafter.py --drafter z-lab/gemma-4-31B-it-DFlash --target google/gemma-4-31B-it \
+        --chat-template-kwargs '{}'
 
 `DiffusionDrafter.from_pretrained` reads z-lab's layout (`dflash_config` with `mask_token_id` and
-`target_layer_ids`) as it is, and any drafter folder saved with hf_diffspec. z-lab's `-b16` drafters were trained
-with Qwen3's thinking off: pass `--thinking` only with a drafter trained on thinking-mode outputs, or most drafts
-are rejected (still lossless, just slower).
+`target_layer_ids`) as it is, and any drafter folder saved with hf_diffspec. `--chat-template-kwargs` (JSON) goes to
+the tokenizer's chat template; the default, `{"enable_thinking": false}`, is how z-lab's Qwen3 / Qwen3.5 / Qwen3.6
+drafters were trained. Prompt the target the way its drafter was trained, or most drafts are rejected (still
+lossless, just slower).
 """
 
 import argparse
+import json
 import time
 
 import torch
@@ -26,8 +29,9 @@ parser.add_argument("--drafter", default="z-lab/Qwen3-8B-DFlash-b16", help="Hub 
 parser.add_argument("--target", default="Qwen/Qwen3-8B", help="Hub id or folder of the drafter's target")
 parser.add_argument("--prompt", default="Write a Python function that merges two sorted lists, with a docstring.")
 parser.add_argument("--max-new-tokens", type=int, default=256)
-parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
-                    help="the chat template's enable_thinking (Qwen3); off by default, as z-lab's drafters were trained")
+parser.add_argument("--chat-template-kwargs", type=json.loads, default={"enable_thinking": False},
+                    help='JSON for the chat template (default {"enable_thinking": false}: thinking off, as z-lab\'s '
+                         'Qwen drafters were trained; \'{}\' for targets whose template has no such switch)')
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 args = parser.parse_args()
 
@@ -35,7 +39,7 @@ target, tok = hf_diffspec.load_target(args.target, dtype=torch.bfloat16, device=
 drafter = hf_diffspec.DiffusionDrafter.from_pretrained(args.drafter, target=target)
 
 messages = [{"role": "user", "content": args.prompt}]
-inputs = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=args.thinking,
+inputs = tok.apply_chat_template(messages, add_generation_prompt=True, **args.chat_template_kwargs,
                                  return_tensors="pt", return_dict=True).to(target.device)
 settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
