@@ -1,7 +1,24 @@
 """Shared pytest fixtures (the markers are registered in pyproject.toml)."""
 
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Measured verify-cost profiles change how many drafts a step verifies, and a profile is keyed by the target's
+    architecture, dtype and threads only: one left in the user's cache by a benchmark would steer the tests' tiny
+    targets. The session gets a cache of its own whose downloads (`models/`, `wheels/`) are the user's cache's, so
+    nothing is fetched twice, and whose `profiles/` starts empty; subprocesses inherit it."""
+    user_cache = Path(os.environ.get("HF_DIFFSPEC_CACHE") or Path.home() / ".cache" / "hf_diffspec").expanduser()
+    session_cache = Path(tempfile.mkdtemp(prefix="hf_diffspec_test_cache_"))
+    for shared in ("models", "wheels"):
+        (user_cache / shared).mkdir(parents=True, exist_ok=True)
+        (session_cache / shared).symlink_to(user_cache / shared, target_is_directory=True)
+    os.environ["HF_DIFFSPEC_CACHE"] = str(session_cache)
 
 
 @pytest.fixture(scope="session")
