@@ -107,7 +107,12 @@ def check(name, target, args, taus, batches) -> list[dict]:
             runner = OracleRunner(target, tau, oracle_drafts_for(tau), references)
             runner.carrier.to(target.device)
             runner.prepare(target, [inputs], args.max_new_tokens)
-            runner(target, inputs, args.max_new_tokens)  # warm-up
+            try:
+                runner(target, inputs, args.max_new_tokens)  # warm-up
+            except ValueError as refused:  # e.g. a hybrid target at several rows: refused before its first forward
+                rows_out.append({"target": name, "rows": rows, "skipped": str(refused)})
+                print(json.dumps(rows_out[-1]), flush=True)
+                break
             counter = HostSyncCounter(target)
             with counter, ForwardClock(target) as clock:
                 (sequences, steps), seconds = timed(lambda: runner(target, inputs, args.max_new_tokens))
@@ -139,7 +144,11 @@ def identity(name, cls, config, args, device) -> dict:
         runner = OracleRunner(target, 4, oracle_drafts_for(4), {})
         runner.carrier.to(device)
         runner.prepare(target, [inputs], args.identity_tokens)
-        oracle, _ = runner(target, inputs, args.identity_tokens)
+        try:
+            oracle, _ = runner(target, inputs, args.identity_tokens)
+        except ValueError as refused:  # refused before the first forward: nothing to compare at this batch size
+            results[rows] = f"skipped: {refused}"
+            continue
         drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8,
                                                            draft_tree_budget=8).to(device)
         trees = target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.identity_tokens,
