@@ -72,9 +72,10 @@ class RecurrentStates:
         self.replays = 0
 
     @contextmanager
-    def recording(self):
-        """Around the verify forward: save every linear layer's states and record the input it is given."""
-        if not self.layers:
+    def recording(self, num_slots: int):
+        """Around the verify forward of `num_slots` tokens: save every linear layer's states and record the input it
+        is given. A step of one token (a plain step) cannot be cut, so it saves nothing."""
+        if not self.layers or num_slots == 1:
             yield
             return
         for index in self.layers:
