@@ -109,10 +109,6 @@ class CandidateTree:
             node = self.parents[node]
         return path[::-1]
 
-    def ancestor_matrix(self, device=None) -> torch.Tensor:
-        """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors."""
-        return TreeLayout.of([self], device or "cpu").ancestors[0]
-
 
 def host_to_device(data, device) -> torch.Tensor:
     """A long tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
