@@ -4,6 +4,7 @@
 #
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh data > runs/campaign-data.log 2>&1 &
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh heldout > runs/campaign-heldout.log 2>&1 &
+#   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh features > runs/campaign-features.log 2>&1 &
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh train > runs/campaign-train.log 2>&1 &
 #
 # data:    the target's own greedy answers (bf16, batched) to the prompts of examples/campaign_prompts.py, in chunks of
@@ -12,6 +13,9 @@
 # heldout: the target's greedy answers, one prompt at a time as the benchmark decodes them, to the held-out prompts
 #          (code/math/chat evaluation sets and the unseen families), under data/heldout-smollm2: the sequences the
 #          offline acceptance length is measured on. Never trained on.
+# features: the target's features and argmax for every training sequence, cached once (fp32, DIR/target-features,
+#          not committed: ~11 KiB a token; rebuilt on a new machine, resuming by shard): the train stage then runs no
+#          target forward, about half of its step.
 # train:   the continuation recipe (below) from the shipped drafter on the shards written so far, resumed by step from
 #          $RUN/checkpoints (machine-local: ~300 MB a checkpoint), with the offline acceptance length every 10 optimizer
 #          steps in $RUN/offline_acceptance.jsonl. On a machine without those checkpoints it starts again from the
@@ -22,7 +26,7 @@
 #
 # THREADS (default 1) caps the threads of each stage, so that stages can share the cores with other work.
 set -euo pipefail
-STAGE=${1:?usage: drafter_campaign_cpu.sh data|heldout|train}
+STAGE=${1:?usage: drafter_campaign_cpu.sh data|heldout|features|train}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 export OMP_NUM_THREADS=${THREADS:-1} MKL_NUM_THREADS=${THREADS:-1}
@@ -69,6 +73,10 @@ unseen = load_prompts_file("examples/prompts/unseen_families.jsonl", tokenizer=t
 write_heldout_data(target, tok, "smollm2-135m-instruct", out.rstrip("/") + "-unseen", unseen, tokens)
 EOF
     ;;
+features)
+    hf-diffspec data features "$DATA" data/regen-smollm2 --drafter checkpoints/smollm2-135m-instruct-dflash \
+        --dtype fp32 --features-dtype fp32
+    ;;
 train)
     RUN=${RUN:-runs/campaign}
     # the recipe (issue 29 item 3): 4 sequences x 64 anchors x 8 accumulated = 2,048 blocks per optimizer step,
@@ -78,11 +86,11 @@ train)
     hf-diffspec train kd --init checkpoints/smollm2-135m-instruct-dflash --data "$DATA" data/regen-smollm2 \
         --out "$RUN" --batch-size 4 --num-anchors 64 --grad-accum 8 --max-length 512 --lr 1e-4 \
         --schedule-steps 2000 --warmup_steps 20 --max_steps 2000 --ema-decay 0.995 --loss-depth 8 \
-        --save_steps 5 --logging_steps 1 --offline-acceptance-steps 10 --offline-acceptance-data "$HELDOUT" \
+        --cached-features --save_steps 5 --logging_steps 1 --offline-acceptance-steps 10 --offline-acceptance-data "$HELDOUT" \
         --offline-acceptance-sequences 60 "${resume[@]}"
     ;;
 *)
-    echo "unknown stage $STAGE (data | heldout | train)" >&2
+    echo "unknown stage $STAGE (data | heldout | features | train)" >&2
     exit 2
     ;;
 esac

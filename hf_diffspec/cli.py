@@ -140,6 +140,9 @@ def cmd_data(args) -> None:
     from . import load_target
     from .trainers.data import write_generated_data, write_relabel_data
 
+    if args.data_command == "features":
+        cmd_data_features(args)
+        return
     if args.data_command == "relabel":
         if args.source != "sharegpt":
             raise SystemExit("data relabel reads ShareGPT (--source sharegpt); prompt files are for data generate")
@@ -159,6 +162,24 @@ def cmd_data(args) -> None:
                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                                  skip=args.skip, prompts=prompts)
     print(f"{n} samples in {args.out}")
+
+
+def cmd_data_features(args) -> None:
+    from accelerate import PartialState
+
+    from . import DiffusionDrafter
+    from .trainers.feature_cache import CACHE_DTYPES, FEATURES_DIR, write_target_features
+
+    state = PartialState(cpu=args.device in (None, "cpu"))
+    target, _ = load_target_of(args, device=state.device if state.num_processes > 1 else None)
+    # the layers the drafter to be trained reads: --drafter's, else a new drafter's for this target
+    drafter = (DiffusionDrafter.from_pretrained(args.drafter, target=target) if args.drafter
+               else DiffusionDrafter.from_target(target, num_hidden_layers=1))
+    for data_dir in args.data:
+        written = write_target_features(target, drafter, data_dir, dtype=CACHE_DTYPES[args.features_dtype],
+                                        batch_size=args.batch_size)
+        if state.is_main_process:
+            print(f"{data_dir}/{FEATURES_DIR}: {written} shards written by this run")
 
 
 @dataclass
@@ -371,6 +392,18 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--max-new-tokens", type=int, default=256)
             p.add_argument("--batch-size", type=int, default=16)
+
+    features = data_sub.add_parser(
+        "features", parents=[loads_target],
+        help="cache the target's features and argmax for data directories, for `train ... --cached-features`")
+    features.add_argument("data", nargs="+", metavar="DIR", help="data directories written by `hf-diffspec data`")
+    features.add_argument("--drafter", default=None,
+                          help="the --init drafter training will start from (its feature layers; default: a new "
+                               "drafter's for this target)")
+    features.add_argument("--features-dtype", default="bf16", choices=["bf16", "fp32"],
+                          help="stored precision (bf16: half the disk; fp32: exactly the live step's features)")
+    features.add_argument("--batch-size", type=int, default=8)
+    features.set_defaults(func=cmd_data)
 
     train = sub.add_parser("train", help="train a drafter")
     train_sub = train.add_subparsers(dest="train_command", required=True, parser_class=HfArgumentParser)

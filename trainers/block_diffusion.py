@@ -103,8 +103,16 @@ class BlockDiffusionCollator:
             picked = sorted(self.rng.sample(candidates, min(self.num_anchors, len(candidates))))
             anchors[row, : len(picked)] = torch.tensor(picked, dtype=torch.long)
             anchor_mask[row, : len(picked)] = True
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-                "anchors": anchors, "anchor_mask": anchor_mask}
+        batch_dict = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+                      "anchors": anchors, "anchor_mask": anchor_mask}
+        if "target_features" in features[0]:  # cached by `hf-diffspec data features`: the step runs no target
+            cached = [f["target_features"] for f in features]
+            batch_dict["target_features"] = cached[0].new_zeros((batch, width, cached[0].shape[-1]))
+            batch_dict["target_argmax"] = torch.zeros((batch, width), dtype=torch.long)
+            for row, f in enumerate(features):
+                batch_dict["target_features"][row, : len(f["target_features"])] = f["target_features"]
+                batch_dict["target_argmax"][row, : len(f["target_argmax"])] = f["target_argmax"]
+        return batch_dict
 
 
 def block_attention_mask(anchors, attention_mask, block_size: int, dtype) -> torch.Tensor:
@@ -250,14 +258,9 @@ class BlockDiffusionTrainer(Trainer):
         n, size = anchors.shape[1], self.block_size
         drafter = self.drafter
 
-        with torch.no_grad():
-            out = self.target(input_ids, attention_mask=attention_mask,
-                              output_hidden_states=drafter.target_feature_layers)
-            features = drafter.gather_target_features(out.hidden_states)
-            target_logits = out.logits  # kept for subclasses that need the target's distributions, not just labels
-            labels_at = torch.zeros_like(input_ids)
-            labels_at[:, 1:] = target_logits[:, :-1].argmax(-1)  # what the target emits at each position
-            del out
+        features, argmax, target_logits = self.target_outputs(inputs)
+        labels_at = torch.zeros_like(input_ids)
+        labels_at[:, 1:] = argmax[:, :-1]  # what the target emits at each position
 
         offsets = torch.arange(size, device=input_ids.device)
         # a block's positions and contents past its own row's end (rows are right-padded) are the same however wide
@@ -293,6 +296,17 @@ class BlockDiffusionTrainer(Trainer):
             selected &= self.consistent_with_target(input_ids, labels_at, slot_positions, is_real | ~in_range)
         labels = labels_at.gather(1, slot_positions.flatten(1)).view_as(slot_positions)
         return BlockForward(hidden, labels, selected, prefix, slot_positions, target_logits)
+
+    @torch.no_grad()
+    def target_outputs(self, inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The target's features at the drafter's layers, its argmax and its logits at every position: from the
+        batch when the data carry them cached (`--cached-features`: no logits then), else from one target forward."""
+        if "target_features" in inputs:
+            return inputs["target_features"].to(self.target.dtype), inputs["target_argmax"], None
+        out = self.target(inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                          output_hidden_states=self.drafter.target_feature_layers)
+        # the logits are kept for subclasses that need the target's distributions, not just its argmax
+        return self.drafter.gather_target_features(out.hidden_states), out.logits.argmax(-1), out.logits
 
     @staticmethod
     def consistent_with_target(input_ids, labels_at, slot_positions, given) -> torch.Tensor:

@@ -116,6 +116,12 @@ class DrafterTrainingArguments(TrainingArguments):
         metadata={"help": "Leave block slots deeper than this out of the loss (slots acceptance rarely reaches: with "
                           "tau ~1.5, slot 4 almost never; default: every slot)."},
     )
+    cached_features: bool = field(
+        default=False,
+        metadata={"help": "Read the target's features and argmax from what `hf-diffspec data features` cached in each "
+                          "data directory instead of running the target in every step (the target's forward is "
+                          "about half a step on a CPU at 64 anchors per sequence)."},
+    )
     target_consistent_labels: bool = field(
         default=True,
         metadata={"help": "Supervise a block slot only while the text from the anchor to it is the target's own greedy "
@@ -223,6 +229,9 @@ class ReverseKLConfig(DrafterTrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.cached_features:
+            raise ValueError("--cached-features keeps the target's features and argmax only, and the reverse KL needs "
+                             "its whole distribution at every slot: drop --cached-features for opd")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
 

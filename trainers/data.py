@@ -36,6 +36,8 @@ from tqdm.auto import tqdm
 from hf_diffspec.prompts import chat_prompt, eval_prompt_texts, iter_sharegpt
 from hf_diffspec.runtime.files import atomic_write, pad_token_id
 
+from .feature_cache import CachedFeatures, read_cached
+
 FORMAT_VERSION = 1
 SHARD_SIZE = 512
 
@@ -260,15 +262,19 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
 
 
 class DrafterDataset(Dataset):
-    """All shards of one or more data directories: items are {"input_ids", "prompt_length", "domain"}."""
+    """All shards of one or more data directories: items are {"input_ids", "prompt_length", "domain"}, plus
+    "target_features" and "target_argmax" with `cached_features=(target, feature_layers)`: what
+    `hf-diffspec data features` cached for that target at those layers (`feature_cache.py`), checked here."""
 
-    def __init__(self, dirs, tokenizer=None, max_length: int | None = None):
+    def __init__(self, dirs, tokenizer=None, max_length: int | None = None, cached_features: tuple | None = None):
         dirs = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
         self.sequences: list[np.ndarray] = []
         self.prompt_lengths: list[int] = []
         self.domains: list[str] = []
+        self.feature_files: list[tuple[Path, int]] = []  # (cache file, index in it) per sequence, when cached
         self.meta = []
         for d in map(Path, dirs):
+            cache = CachedFeatures(d, *cached_features) if cached_features else None
             meta_path = d / "meta.json"
             if not meta_path.exists():
                 raise FileNotFoundError(
@@ -300,6 +306,8 @@ class DrafterDataset(Dataset):
                     self.sequences.append(seq)
                     self.prompt_lengths.append(int(prompts[i]))
                     self.domains.append(info["domains"][i])
+                    if cache:
+                        self.feature_files.append((cache.path(sidecar), i))
         if not self.sequences:
             raise ValueError(f"no training sequences found in {', '.join(map(str, dirs))}")
 
@@ -307,8 +315,11 @@ class DrafterDataset(Dataset):
         return len(self.sequences)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": torch.from_numpy(self.sequences[i]), "prompt_length": self.prompt_lengths[i],
+        item = {"input_ids": torch.from_numpy(self.sequences[i]), "prompt_length": self.prompt_lengths[i],
                 "domain": self.domains[i]}
+        if self.feature_files:
+            item["target_features"], item["target_argmax"] = read_cached(*self.feature_files[i], len(self.sequences[i]))
+        return item
 
     @property
     def num_tokens(self) -> int:

@@ -148,10 +148,11 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
                 f"--resume: no checkpoint under {out / 'checkpoints'} to resume from (only a checkpoint-N folder "
                 "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
             )
-    dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length)
     vocab_size = target.get_input_embeddings().num_embeddings
     mask_token_id = resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size)
     drafter = build_drafter(target, args, mask_token_id)
+    dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length,
+                             cached_features=(target, drafter.target_feature_layers) if args.cached_features else None)
     if drafter.length_head is not None and not isinstance(args, LengthHeadConfig):
         # only `train length-head` trains it (no other loss reaches it; DDP then needs no unused-parameter search)
         drafter.length_head.requires_grad_(False)
