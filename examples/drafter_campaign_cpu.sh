@@ -57,7 +57,7 @@ for start in range(0, len(prompts), chunk):  # one shard per chunk: a kill loses
 EOF
     ;;
 heldout)
-    PER_DOMAIN=${PER_DOMAIN:-40} GEN_TOKENS=${GEN_TOKENS:-256}
+    PER_DOMAIN=${PER_DOMAIN:-20} GEN_TOKENS=${GEN_TOKENS:-256}
     python - "$HELDOUT" "$PER_DOMAIN" "$GEN_TOKENS" <<'EOF'
 import sys
 import torch
@@ -69,7 +69,7 @@ out, per_domain, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 target, tok = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
 # code, math, chat interleaved: the first 30 sequences are the benchmark's --prompts 10 set
 write_heldout_data(target, tok, "smollm2-135m-instruct", out, heldout_prompts(tok, per_domain), tokens)
-unseen = load_prompts_file("examples/prompts/unseen_families.jsonl", tokenizer=tok)
+unseen = load_prompts_file("examples/benchmarks/prompts/unseen_families.jsonl", tokenizer=tok)
 write_heldout_data(target, tok, "smollm2-135m-instruct", out.rstrip("/") + "-unseen", unseen, tokens)
 EOF
     ;;
