@@ -212,9 +212,8 @@ class BatchState:
         self.cache = cache
         self.drafting = drafting
         self.pads_stopped_rows = pads_stopped_rows
-        # per active row, added to its count of real cached tokens to give positions: 0, except after a prompt that
-        # ends in a masked slot, where generate continues from that slot's position (0) instead of the count
-        self.position_offset = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
+        # on the device, each active row's anchor position (see `start`), advanced by what each step keeps
+        self.root_position_tensor = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
         self.cache_all_valid = False  # known on the host: every active row may see every cached slot
         self.root_shift: list[int] = []  # per row: root position - committed length (see `start`)
         self.cut_tokens: dict[int, int] = {}  # per row: committed tokens cut back when the batch ended
@@ -240,21 +239,18 @@ class BatchState:
         return True, eos, set(eos.tolist()) if eos is not None else set()
 
     def start(self, position_offset: torch.Tensor, prompt_length: int) -> None:
-        """After the prefill: positions continue at `position_offset` + real cached tokens; the host keeps each
-        row's root position as its committed length + a shift (one read, here)."""
-        self.position_offset = position_offset
-        valid = self.cache_valid.sum(-1)
+        """After the prefill: positions continue at `position_offset` + real cached tokens (the offset is 0, except
+        after a prompt that ends in a masked slot, where generate continues from that slot's position instead of the
+        count); the host keeps each row's root position as its committed length + a shift (one read, here), the
+        device as `root_position_tensor`."""
+        self.root_position_tensor = self.cache_valid.sum(-1) + position_offset
         self.cache_all_valid = bool(self.cache_valid.all())
-        self.root_shift = (valid + position_offset - 1 - prompt_length).tolist()
+        self.root_shift = (self.root_position_tensor - 1 - prompt_length).tolist()
 
     @property
     def root_positions(self) -> list[int]:
-        """Position of each active row's anchor: the number of real tokens it has cached (see `position_offset`)."""
+        """Position of each active row's anchor: the number of real tokens it has cached (see `start`)."""
         return [self.committers[r].length + self.root_shift[r] for r in self.active]
-
-    def root_position_tensor(self) -> torch.Tensor:
-        """`root_positions` on the device (computed there)."""
-        return self.cache_valid.sum(-1) + self.position_offset
 
     def max_drafts(self) -> list[int]:
         """Drafts each active row could still commit after its anchor's target token, within its length limit."""
@@ -371,7 +367,7 @@ class BatchState:
         their target features to the drafter."""
         device = self.cache_valid.device
         past = self.cache_valid.shape[1]
-        roots = self.root_position_tensor()
+        roots = self.root_position_tensor
         lengths = [len(p) for p in paths]
         kept = max(lengths)
         if self._accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
@@ -387,6 +383,7 @@ class BatchState:
         self.cache_all_valid = all_valid
         self.cache_valid = torch.cat([self.cache_valid, accepted], dim=1)
         self.drafting.add_context(hidden_states, padded, roots[:, None] + offsets, accepted, all_valid=all_valid)
+        self.root_position_tensor = roots + counts  # each row's next anchor follows the tokens it kept
 
     def _finished(self, committer: RowCommitter) -> bool:
         if not self.pads_stopped_rows and all(c.stopped_at is not None for c in self.committers):
@@ -415,7 +412,7 @@ class BatchState:
         self.cache.batch_select_indices(index)
         self.drafting.select_rows(index)
         self.cache_valid = self.cache_valid[index]
-        self.position_offset = self.position_offset[index]
+        self.root_position_tensor = self.root_position_tensor[index]
         if self._room is not None:
             self._room = self._room[index]
         self.active = [self.active[i] for i in keep]
