@@ -29,7 +29,7 @@ from transformers import (
     SuppressTokensLogitsProcessor,
 )
 
-from .kv_cache import keep_accepted_paths
+from .kv_cache import crop_attention, keep_accepted_paths
 from .tree import TreeLayout, host_to_device
 from .verification import choose_token, choose_token_among_drafts
 
@@ -298,29 +298,36 @@ class BatchState:
                 flat = processor(layout.tokens.reshape(-1, 1), flat)
             scores = flat.view(rows, nodes, -1)
         choice = scores.argmax(-1)  # (rows, nodes)
-        depths = layout.depths
-        carries_choice = (layout.tokens == choice.gather(1, layout.parents)) | (depths == 0)
-        on_accepted_path = ~(layout.ancestors & ~(carries_choice & layout.real)[:, None, :]).any(-1)
-        deepest = torch.where(on_accepted_path, depths, -1).argmax(-1)  # siblings carry distinct tokens: unique
-        reached = depths.gather(1, deepest[:, None])[:, 0] + 1
-        levels = torch.arange(layout.max_depth + 1, device=device)
-        if layout.chains:
-            path_nodes = levels.expand(rows, -1)
+        if layout.uniform_chains:  # slot i is depth i: the path is the leading drafts that match their parent's choice
+            matches = layout.tokens[:, 1:] == choice[:, :-1]
+            reached = matches.cumprod(-1).sum(-1) + 1
+            path_nodes, committed = None, choice
         else:
-            ancestors = layout.ancestors[torch.arange(rows, device=device), deepest]  # (rows, nodes)
-            path_nodes = (ancestors[:, None, :] & (depths[:, None, :] == levels[None, :, None])).int().argmax(-1)
-        committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
+            depths = layout.depths
+            carries_choice = (layout.tokens == choice.gather(1, layout.parents)) | (depths == 0)
+            on_accepted_path = ~(layout.ancestors & ~(carries_choice & layout.real)[:, None, :]).any(-1)
+            deepest = torch.where(on_accepted_path, depths, -1).argmax(-1)  # siblings carry distinct tokens: unique
+            reached = depths.gather(1, deepest[:, None])[:, 0] + 1
+            if layout.chains:
+                path_nodes = layout.levels.expand(rows, -1)
+            else:
+                ancestors = layout.ancestors[torch.arange(rows, device=device), deepest]  # (rows, nodes)
+                at_level = depths[:, None, :] == layout.levels[None, :, None]
+                path_nodes = (ancestors[:, None, :] & at_level).int().argmax(-1)
+            committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
         if self._room is None:
             self._room = host_to_device([self.committers[r].limit - self.committers[r].length for r in self.active],
                                         device)
         count = torch.minimum(reached, self._room)
+        levels = layout.levels
         if self.pads_stopped_rows and self.eos_tokens is not None:  # a row ends at its first stop token
             stops = torch.isin(committed, self.eos_tokens.to(device)) & (levels[None] < count[:, None])
             first = torch.where(stops, levels[None], layout.max_depth + 1).min(-1).values + 1
             count = torch.minimum(count, first)
         self._room = self._room - count
         self._accepted = (path_nodes, count)
-        outcome = torch.cat([count[:, None], committed, path_nodes], dim=1).tolist()
+        # chains need no nodes read back: a row's accepted path is its first `count` slots
+        outcome = torch.cat([count[:, None], committed] + ([] if path_nodes is None else [path_nodes]), dim=1).tolist()
         width = layout.max_depth + 1
         paths = []
         for i, (row, values) in enumerate(zip(self.active, outcome)):
@@ -330,7 +337,7 @@ class BatchState:
             self._commit_known(committer, tokens)
             if k:  # (0 only when a prompt leaves no room at all)
                 self.anchors[i] = tokens[-1]
-            paths.append(values[1 + width : 1 + width + max(k, 1)])
+            paths.append(list(range(max(k, 1))) if path_nodes is None else values[1 + width : 1 + width + max(k, 1)])
         for row in self.active:
             self._finished(self.committers[row])
         return paths
@@ -370,19 +377,26 @@ class BatchState:
         roots = self.root_position_tensor
         lengths = [len(p) for p in paths]
         kept = max(lengths)
+        # a path whose last node is its length - 1 is its tree's first slots (nodes are numbered after their parents)
+        prefixes = all(p[-1] == len(p) - 1 for p in paths)
         if self._accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
             nodes, counts = self._accepted
-            padded = nodes[:, :kept]
+            padded = None if prefixes else nodes[:, :kept]
         else:
-            padded = host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)  # (rows, kept)
+            padded = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
             counts = host_to_device(lengths, device)
-        keep_accepted_paths(self.cache, past, paths, padded, num_slots)
+        if prefixes:  # the accepted slots are in place: drop the rest
+            if num_slots > kept:
+                crop_attention(self.cache, num_slots - kept)
+        else:
+            keep_accepted_paths(self.cache, past, paths, padded, num_slots)
         offsets = torch.arange(kept, device=device)
         accepted = offsets[None] < counts[:, None]
         all_valid = self.cache_all_valid and min(lengths) == kept
         self.cache_all_valid = all_valid
         self.cache_valid = torch.cat([self.cache_valid, accepted], dim=1)
-        self.drafting.add_context(hidden_states, padded, roots[:, None] + offsets, accepted, all_valid=all_valid)
+        index = slice(0, kept) if prefixes else padded
+        self.drafting.add_context(hidden_states, index, roots[:, None] + offsets, accepted, all_valid=all_valid)
         self.root_position_tensor = roots + counts  # each row's next anchor follows the tokens it kept
 
     def _finished(self, committer: RowCommitter) -> bool:
