@@ -48,6 +48,7 @@ class DrafterContext:
 
     def __init__(self, drafter):
         self.drafter = drafter
+        self.device = drafter.device  # (a property that walks the parameters)
         self.cache = DynamicCache()
         self.valid: torch.Tensor | None = None  # (rows, ctx) bool over cached slots
         self.all_valid = True  # known on the host: every row may see every slot, cached or pending
@@ -67,12 +68,13 @@ class DrafterContext:
         self.pending = [(f[keep], p[keep], v[keep]) for f, p, v in self.pending]
 
     def _take_pending(self, rows: int):
-        device = self.drafter.device
+        device = self.device
         if not self.pending:
             return None, torch.empty(rows, 0, dtype=torch.long, device=device)
-        context = torch.cat([f for f, _, _ in self.pending], dim=1).to(device)
-        positions = torch.cat([p for _, p, _ in self.pending], dim=1).to(device)
-        new_valid = torch.cat([v for _, _, v in self.pending], dim=1).to(device)
+        if len(self.pending) == 1:  # a step's features (the usual case): nothing to join
+            context, positions, new_valid = (t.to(device) for t in self.pending[0])
+        else:
+            context, positions, new_valid = (torch.cat(parts, dim=1).to(device) for parts in zip(*self.pending))
         self.pending = []
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)
         return context, positions
@@ -101,7 +103,7 @@ class DrafterContext:
                        prefixes: list[torch.Tensor], block_size: int) -> torch.Tensor:
         """Blocks `[anchor, prefix..., MASK...]`, one per prefix (of row `row_index[i]`), in one forward over the
         cached contexts of their rows; returns (len(prefixes), block, hidden)."""
-        device = self.drafter.device
+        device = self.device
         context, context_positions = self._take_pending(root_tokens.shape[0])
         if context is not None:
             self.drafter.prefill_context(context, context_positions, self.cache)
@@ -232,19 +234,20 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if self.policy.uses_cost_model and self.length_head is None:
             self.policy.record_draft_time(time.perf_counter() - start)
             limits = self.policy.chain_lengths(torch.cumprod(confidences, dim=-1).tolist(), limits)
+        tokens = torch.cat([roots[:, None], drafts[:, : max(limits)].long()], dim=1)  # every row's chain at once
         trees = []
         for row, k in enumerate(limits):
             draft_probs = None
             if self.sample_temperature is not None:
                 draft_probs = torch.cat([torch.zeros_like(probs[row, :1]), probs[row, :k]])
-            trees.append(CandidateTree.chain(roots[row], drafts[row, :k], confidences=confidences[row, :k],
-                                             draft_probs=draft_probs))
+            trees.append(CandidateTree(tokens[row, : k + 1], list(range(-1, k)), confidences=confidences[row, :k],
+                                       draft_probs=draft_probs))
         return trees
 
     def _draft_block(self, root_tokens: list[int], root_positions: list[int]):
         """One first-drafter pass over `[anchor, MASK...]` per row: (anchors, their positions, hidden states of the
         block's draft slots (rows, block - 1, hidden))."""
-        roots, positions = host_to_device([root_tokens, root_positions], self.first.drafter.device)  # one copy
+        roots, positions = host_to_device([root_tokens, root_positions], self.first.device)  # one copy
         return roots, positions, self.first.draft_block(roots, positions, self.block_size)[:, 1:]
 
     def _slot_logits(self, draft_hidden: torch.Tensor, span: int, needs_more) -> torch.Tensor:
@@ -261,7 +264,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         return logits
 
     def _root_only(self, root: int) -> CandidateTree:
-        return CandidateTree([root], [-1], device=self.first.drafter.device)
+        return CandidateTree([root], [-1], device=self.first.device)
 
     def _distributions(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions: softmax of the drafter logits, at the sampling temperature when sampling."""
