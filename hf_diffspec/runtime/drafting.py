@@ -367,6 +367,18 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         sample = self.sample_temperature is not None
         selector = getattr(drafter, "selector", None)
         budget, width = config.draft_tree_budget, config.draft_tree_width
+        reads = {}  # slots computed -> (distributions, every row's top-`width` probabilities and tokens per slot)
+
+        def ranked(logits):
+            """The distributions of the slots computed so far, with each row's ranked probabilities and tokens per
+            slot on the host, in one read; kept, so that the tree is built from the read that sized it."""
+            computed = logits.shape[1]
+            if computed not in reads:
+                probs = self._distributions(logits)
+                top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+                reads[computed] = (probs, *torch.stack([top.values.double(), top.indices.double()]).tolist())
+            return reads[computed]
+
         if selector is not None and not sample:
             logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
         else:
@@ -374,8 +386,8 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             # deeper slots matter only when that tree already reaches the deepest slot computed
             def needs_more(logits):
                 computed = logits.shape[1]
-                top = self._distributions(logits).topk(min(width, logits.shape[-1]), dim=-1).values.tolist()
-                return any(max(len(path) for path, _ in best_first_shape(top[r], budget)) == computed
+                values = ranked(logits)[1]
+                return any(max(len(path) for path, _ in best_first_shape(values[r], budget)) == computed
                            for r in range(rows) if limits[r] > computed)
 
             logits = self._slot_logits(draft_hidden, max(limits), needs_more)
@@ -390,16 +402,13 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
                      if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
             self.policy.record_draft_time(time.perf_counter() - start)
             return trees
-        probs = self._distributions(logits)
+        # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
+        probs, values, indices = ranked(logits)
         self.policy.record_draft_time(time.perf_counter() - start)
-        top = None
-        if not sample:  # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
-            ranked = probs.topk(min(width, probs.shape[-1]), dim=-1)
-            values, indices = torch.stack([ranked.values.double(), ranked.indices.double()]).tolist()
-            top = [(values[r][: limits[r]], [[int(t) for t in slot] for slot in indices[r][: limits[r]]])
-                   for r in range(rows)]
         return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], budget, node_count, sample=sample,
-                                      max_children=width, ranked=top[r] if top else None)
+                                      max_children=width,
+                                      ranked=(values[r][: limits[r]], [[int(t) for t in slot] for slot in
+                                                                       indices[r][: limits[r]]]))
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
     def get_candidates(self, *args, **kwargs):
