@@ -157,8 +157,8 @@ class TreeLayout:
 
     @classmethod
     def of(cls, trees: list[CandidateTree], device) -> "TreeLayout":
-        """Lay `trees` out on `device`: one host-to-device copy of their shapes (and of their tokens when the host
-        holds them all), none when they are chains of one length; the ancestor matrix is computed there."""
+        """Lay `trees` out on `device`: one host-to-device copy of their shapes and ancestors (and of their tokens
+        when the host holds them all), none when they are chains of one length (their shape is built once)."""
         rows, sizes = len(trees), [len(t) for t in trees]
         n, max_depth = max(sizes), max(t.max_depth for t in trees)
         chains = all(t.is_chain for t in trees)
@@ -169,32 +169,42 @@ class TreeLayout:
             if host_tokens is not None:
                 tokens = host_to_device(host_tokens, device)
         else:
-            parent_rows = [[max(p, 0) for p in t.parents] + list(range(len(t), n)) for t in trees]
-            depth_rows = [t.depths + [-1] * (n - len(t)) for t in trees]
-            shape = [parent_rows, depth_rows]
+            shape = [[[max(p, 0) for p in t.parents] + list(range(len(t), n)) for t in trees],
+                     [t.depths + [-1] * (n - len(t)) for t in trees]]
+            # each node's ancestors as the bits of one integer, built on the host in one pass over the nodes and
+            # copied with the shape (a padding slot: its own bit)
+            ancestor_bits = n < 63
+            if ancestor_bits:
+                shape.append([_ancestor_bits(t.parents) + [1 << i for i in range(len(t), n)] for t in trees])
             if host_tokens is not None:
                 shape.append([tokens + [tokens[0]] * (n - len(tokens)) for tokens in host_tokens])
             shape = host_to_device(shape, device)
             parents, depths = shape[0], shape[1]
-            if host_tokens is not None:
-                tokens = shape[2]
             real = depths >= 0
             levels = torch.arange(max_depth + 1, device=device)
+            if ancestor_bits:
+                ancestors = (shape[2][:, :, None] >> torch.arange(n, device=device)) & 1 == 1
+            else:  # each round adds the ancestors of every node's ancestors: max_depth rounds reach the root
+                ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n)
+                gather_index = parents[:, :, None].expand(rows, n, n)
+                for _ in range(max_depth):
+                    ancestors = ancestors | ancestors.gather(1, gather_index)
+            if host_tokens is not None:
+                tokens = shape[-1]
         if host_tokens is None:
             tokens = torch.stack([t.tokens.to(device) for t in trees]) if same_size else \
                 torch.nn.utils.rnn.pad_sequence([t.tokens.to(device) for t in trees], batch_first=True)
         if not same_size:
             tokens = torch.where(real, tokens, tokens[:, :1])
-        if chains and not same_size:
-            index = torch.arange(n, device=device)
-            ancestors = (index[None, :, None] >= index[None, None, :]) & real[:, :, None] & real[:, None, :]
-            ancestors = ancestors | torch.eye(n, dtype=torch.bool, device=device)
-        elif not chains:  # each round adds the ancestors of every node's ancestors: max_depth rounds reach the root
-            ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n)
-            gather_index = parents[:, :, None].expand(rows, n, n)
-            for _ in range(max_depth):
-                ancestors = ancestors | ancestors.gather(1, gather_index)
         return cls(tokens, parents, depths, real, ancestors, levels, sizes, max_depth, chains, chains and same_size)
+
+
+def _ancestor_bits(parents: list[int]) -> list[int]:
+    """Per node of a tree (`parents` point backwards), bit j set when node j is the node or one of its ancestors."""
+    bits = []
+    for i, p in enumerate(parents):
+        bits.append((bits[p] if p >= 0 else 0) | 1 << i)
+    return bits
 
 
 @functools.lru_cache(maxsize=32)
