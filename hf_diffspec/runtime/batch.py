@@ -304,16 +304,19 @@ class BatchState:
             path_nodes, committed = None, choice
         else:
             depths = layout.depths
-            carries_choice = (layout.tokens == choice.gather(1, layout.parents)) | (depths == 0)
-            on_accepted_path = ~(layout.ancestors & ~(carries_choice & layout.real)[:, None, :]).any(-1)
-            deepest = torch.where(on_accepted_path, depths, -1).argmax(-1)  # siblings carry distinct tokens: unique
-            reached = depths.gather(1, deepest[:, None])[:, 0] + 1
+            # a drafted node is rejected when it does not carry its parent's choice (a padding slot, depth -1, is
+            # never the deepest: the root, depth 0, always qualifies)
+            rejected = (layout.tokens != choice.gather(1, layout.parents)) & (depths > 0)
+            on_accepted_path = ~(layout.ancestors & rejected[:, None, :]).any(-1)
+            # siblings carry distinct tokens: the deepest node on the accepted path is unique
+            deepest_depth, deepest = torch.where(on_accepted_path, depths, -1).max(-1)
+            reached = deepest_depth + 1
             if layout.chains:
                 path_nodes = layout.levels.expand(rows, -1)
-            else:
-                ancestors = layout.ancestors[torch.arange(rows, device=device), deepest]  # (rows, nodes)
-                at_level = depths[:, None, :] == layout.levels[None, :, None]
-                path_nodes = (ancestors[:, None, :] & at_level).int().argmax(-1)
+            else:  # the deepest node's ancestors in node order (parents come first), then the last slot repeated
+                on_path = layout.ancestors[torch.arange(rows, device=device), deepest]  # (rows, nodes)
+                slots = torch.where(on_path, torch.arange(nodes, device=device), nodes - 1)
+                path_nodes = slots.sort(-1).values[:, : layout.max_depth + 1]
             committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
         if self._room is None:
             self._room = host_to_device([self.committers[r].limit - self.committers[r].length for r in self.active],
