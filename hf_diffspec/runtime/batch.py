@@ -403,7 +403,8 @@ class BatchState:
         self.root_position_tensor = roots + counts  # each row's next anchor follows the tokens it kept
 
     def _finished(self, committer: RowCommitter) -> bool:
-        if not self.pads_stopped_rows and all(c.stopped_at is not None for c in self.committers):
+        if (not self.pads_stopped_rows and committer.stopped_at is not None
+                and all(c.stopped_at is not None for c in self.committers)):
             # plain generate ends every row at the length where the last one stopped
             end = max(c.stopped_at for c in self.committers)
             for c in self.committers:
