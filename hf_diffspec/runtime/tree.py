@@ -43,16 +43,20 @@ class CandidateTree:
         if self.is_chain:
             self.depths = list(range(size))
         else:
-            if parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
-                raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
-            self.depths = [0] * size
+            self.depths = [0]
             for i, p in enumerate(self.parents[1:], start=1):
-                self.depths[i] = self.depths[p] + 1
+                if not 0 <= p < i:
+                    raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
+                self.depths.append(self.depths[p] + 1)
+            if self.parents[0] != -1:
+                raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
         self.draft_probs = draft_probs
         self.confidences = confidences
         self._children = None
+        # two siblings carrying one token are refused where they are made (`children` says which)
         if not self.is_chain and (self._token_list is not None or tokens.device.type == "cpu"):
-            self.children  # noqa: B018 (two siblings carrying one token are refused where they are made)
+            if len(set(zip(self.parents[1:], self.token_list[1:]))) < size - 1:
+                self.children  # noqa: B018
 
     @property
     def tokens(self) -> torch.Tensor:
