@@ -368,6 +368,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         selector = getattr(drafter, "selector", None)
         budget, width = config.draft_tree_budget, config.draft_tree_width
         reads = {}  # slots computed -> (distributions, every row's top-`width` probabilities and tokens per slot)
+        shapes = {}  # (slots computed, row) -> the row's best-first shape over them
 
         def ranked(logits):
             """The distributions of the slots computed so far, with each row's ranked probabilities and tokens per
@@ -387,8 +388,12 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             def needs_more(logits):
                 computed = logits.shape[1]
                 values = ranked(logits)[1]
-                return any(max(len(path) for path, _ in best_first_shape(values[r], budget)) == computed
-                           for r in range(rows) if limits[r] > computed)
+                for r in range(rows):
+                    if limits[r] > computed:  # kept: the row's tree has this shape when no more slots are computed
+                        shapes[computed, r] = best_first_shape(values[r], budget)
+                        if max(len(path) for path, _ in shapes[computed, r]) == computed:
+                            return True
+                return False
 
             logits = self._slot_logits(draft_hidden, max(limits), needs_more)
             limits = [min(k, logits.shape[1]) for k in limits]
@@ -406,7 +411,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         probs, values, indices = ranked(logits)
         self.policy.record_draft_time(time.perf_counter() - start)
         return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], budget, node_count, sample=sample,
-                                      max_children=width,
+                                      max_children=width, shape=shapes.get((logits.shape[1], r)),
                                       ranked=(values[r][: limits[r]], [[int(t) for t in slot] for slot in
                                                                        indices[r][: limits[r]]]))
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
