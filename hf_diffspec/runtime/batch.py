@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from .kv_cache import crop_attention, keep_accepted_paths
-from .tree import TreeLayout, host_to_device
+from .tree import TreeLayout, host_to_device, index_range
 from .verification import choose_token, choose_token_among_drafts
 
 # processors whose scores do not depend on the prefix: applied to every verified position at once
@@ -314,8 +314,8 @@ class BatchState:
             if layout.chains:
                 path_nodes = layout.levels.expand(rows, -1)
             else:  # the deepest node's ancestors in node order (parents come first), then the last slot repeated
-                on_path = layout.ancestors[torch.arange(rows, device=device), deepest]  # (rows, nodes)
-                slots = torch.where(on_path, torch.arange(nodes, device=device), nodes - 1)
+                on_path = layout.ancestors[index_range(rows, device), deepest]  # (rows, nodes)
+                slots = torch.where(on_path, index_range(nodes, device), nodes - 1)
                 path_nodes = slots.sort(-1).values[:, : layout.max_depth + 1]
             committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
         if self._room is None:
@@ -393,7 +393,7 @@ class BatchState:
                 crop_attention(self.cache, num_slots - kept)
         else:
             keep_accepted_paths(self.cache, past, paths, padded, num_slots)
-        offsets = torch.arange(kept, device=device)
+        offsets = index_range(kept, device)
         accepted = offsets[None] < counts[:, None]
         all_valid = self.cache_all_valid and min(lengths) == kept
         self.cache_all_valid = all_valid

@@ -27,7 +27,7 @@ from .gates import speculation_gates_for
 from .policy import DraftLengthPolicy, FixedLength
 from .prefix_tree import build_prefix_tree, plan_branches
 from .recurrent_state import has_linear_attention
-from .tree import CandidateTree, host_to_device
+from .tree import CandidateTree, host_to_device, index_range
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
 
@@ -89,7 +89,7 @@ class DrafterContext:
         """One forward over `[anchor, MASK...]` per row that also caches the pending context; (rows, block, hidden)."""
         context, context_positions = self._take_pending(root_tokens.shape[0])
         noise = self.drafter.block_embeds(root_tokens, block_size)
-        block_positions = root_positions[:, None] + torch.arange(block_size, device=root_positions.device)
+        block_positions = root_positions[:, None] + index_range(block_size, root_positions.device)
         out = self.drafter(
             noise_embeds=noise, context_hidden_states=context,
             position_ids=torch.cat([context_positions, block_positions], dim=1),
@@ -174,7 +174,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if isinstance(index, slice):
             features = features[:, index]
         else:
-            features = features[torch.arange(features.shape[0], device=index.device)[:, None], index]
+            features = features[index_range(features.shape[0], index.device)[:, None], index]
         if valid is None:
             valid, all_valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device), True
         if all_valid is None:

@@ -118,6 +118,19 @@ class CandidateTree:
         return path[::-1]
 
 
+@functools.lru_cache(maxsize=128)
+def index_range(n: int, device: torch.device) -> torch.Tensor:
+    """`torch.arange(n)` on `device`, built once per size: the loop indexes slots, levels and rows with the same few
+    sizes every step (read only)."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _bit_values(n: int, device: torch.device) -> torch.Tensor:
+    """1 << j for j < n on `device` (read only)."""
+    return 1 << index_range(n, device)
+
+
 def host_to_device(data, device) -> torch.Tensor:
     """A long tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
     behind the device's work instead of waiting for it."""
@@ -169,7 +182,7 @@ class TreeLayout:
         same_size = all(s == n for s in sizes)
         host_tokens = [t.token_list for t in trees] if all(t.knows_tokens() for t in trees) else None
         if chains and same_size:
-            parents, depths, real, ancestors, levels = _uniform_chains_shape(rows, n, torch.device(device))
+            parents, depths, real, ancestors, levels = _uniform_chains_shape(rows, n, device)
             if host_tokens is not None:
                 tokens = host_to_device(host_tokens, device)
         else:
@@ -185,9 +198,9 @@ class TreeLayout:
             shape = host_to_device(shape, device)
             parents, depths = shape[0], shape[1]
             real = depths >= 0
-            levels = torch.arange(max_depth + 1, device=device)
+            levels = index_range(max_depth + 1, device)
             if ancestor_bits:
-                ancestors = (shape[2][:, :, None] >> torch.arange(n, device=device)) & 1 == 1
+                ancestors = (shape[2][:, :, None] & _bit_values(n, device)) != 0
             else:  # each round adds the ancestors of every node's ancestors: max_depth rounds reach the root
                 ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n)
                 gather_index = parents[:, :, None].expand(rows, n, n)
@@ -215,7 +228,7 @@ def _ancestor_bits(parents: list[int]) -> list[int]:
 def _uniform_chains_shape(rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """`TreeLayout`'s parents, depths, real, ancestors and levels of `rows` chains of `n` nodes: the same tensors
     step after step at a fixed draft length, so they are built once (read only; a few hundred bytes each)."""
-    index = torch.arange(n, device=device)
+    index = index_range(n, device)
     parents = (index - 1).clamp(min=0).expand(rows, n)
     depths = index.expand(rows, n)
     real = torch.ones(rows, n, dtype=torch.bool, device=device)
