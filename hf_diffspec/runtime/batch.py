@@ -256,6 +256,11 @@ class BatchState:
         """Drafts each active row could still commit after its anchor's target token, within its length limit."""
         return [self.committers[r].limit - self.committers[r].length - 1 for r in self.active]
 
+    def history_rows(self) -> tuple[np.ndarray, list[int]]:
+        """The active rows' committed tokens as one array (rows, longest; on the host) and their lengths."""
+        lengths = [self.store.lengths[row] for row in self.active]
+        return self.store.tokens[:, : max(lengths)][self.active], lengths
+
     def histories(self) -> list[np.ndarray]:
         """Each active row's committed tokens (1-D, on the host), its anchor last."""
         return [self.store.history(row) for row in self.active]
