@@ -536,12 +536,17 @@ class DiffusionDrafter(DiffusionDrafterPreTrainedModel):
         """Embeddings of `length` MASK tokens, shape (batch, length, hidden)."""
         if self.mask_embedding is not None:
             return self.mask_embedding.expand(batch, length, -1)
-        mask_ids = torch.full((batch, length), self.config.mask_token_id, device=self.device)
-        return self.target_embed_tokens(mask_ids)
+        embed = self.target_embed_tokens
+        mask_ids = torch.full((batch, length), self.config.mask_token_id, device=embed.weight.device)
+        return embed(mask_ids)
 
     def block_embeds(self, anchor_ids: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """Embeddings of `[anchor, MASK x (block_size-1)]` for a (batch,) tensor of anchors."""
         block_size = block_size or self.config.block_size
+        if self.mask_embedding is None:  # MASK is a target token: the whole block in one lookup
+            ids = torch.full((anchor_ids.shape[0], block_size), self.config.mask_token_id, device=anchor_ids.device)
+            ids[:, 0] = anchor_ids
+            return self.target_embed_tokens(ids)
         anchor = self.target_embed_tokens(anchor_ids[:, None])
         masks = self.mask_embeds(anchor_ids.shape[0], block_size - 1).to(anchor.dtype)
         return torch.cat([anchor, masks], dim=1)

@@ -14,7 +14,7 @@ from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.runtime.kv_cache import keep_accepted_paths
 from hf_diffspec.modeling import default_target_layer_ids
 from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
-from helpers import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_family_target, tiny_target
 
 
 def draft_once(drafter, target, ids):
@@ -130,6 +130,17 @@ def test_unbound_drafter_says_how_to_bind():
         num_target_layers=4))
     with pytest.raises(RuntimeError, match="from_target"):
         drafter.block_embeds(torch.tensor([3]))
+
+
+@pytest.mark.parametrize("mask_token_id", [None, 7], ids=["learned-mask", "mask-token"])
+def test_block_embeds_are_the_anchor_then_masks(mask_token_id):
+    target = tiny_family_target("gemma3")  # scaled input embeddings
+    drafter = tiny_drafter(target, mask_token_id=mask_token_id)
+    anchors = torch.tensor([3, 9])
+    block = drafter.block_embeds(anchors, 5)
+    assert block.shape == (2, 5, target.config.hidden_size)
+    assert torch.equal(block[:, :1], target.get_input_embeddings()(anchors[:, None]))
+    assert torch.equal(block[:, 1:], drafter.mask_embeds(2, 4))
 
 
 def test_binding_to_a_mismatched_target_names_the_mismatch():

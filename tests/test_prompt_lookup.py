@@ -26,6 +26,35 @@ def test_lookup_copies_what_followed_the_most_recent_earlier_occurrence_of_the_l
     assert lookup.find(torch.tensor([4]), limit=10)[0].numel() == 0
 
 
+def _reference_find(ids: list[int], limit: int, max_ngram: int, num_tokens: int):
+    """Occurrence by occurrence: the longest earlier match of the suffix (at most max_ngram tokens), the most recent
+    of those, and what followed it."""
+    limit, length = min(limit, num_tokens), len(ids)
+    best, best_end = 0, None
+    for end in range(length - 1) if limit > 0 else ():
+        matched = 0
+        while matched < min(max_ngram, length - 1) and end - matched >= 0 and ids[end - matched] == ids[-1 - matched]:
+            matched += 1
+        if matched and matched >= best:
+            best, best_end = matched, end
+    return (ids[best_end + 1 : best_end + 1 + limit], best) if best else ([], 0)
+
+
+@pytest.mark.parametrize("max_ngram", [1, 3, 5])
+def test_lookup_of_many_rows_at_once_equals_each_row_alone(max_ngram):
+    gen = torch.Generator().manual_seed(max_ngram)
+    lookup = PromptLookup(num_tokens=4, max_ngram=max_ngram)
+    for _ in range(20):
+        lengths = torch.randint(0, 30, (6,), generator=gen).tolist()
+        limits = torch.randint(-1, 7, (6,), generator=gen).tolist()
+        ids = torch.randint(0, 4, (6, max(lengths) + 5), generator=gen).numpy()  # stale tokens past each length
+        found = lookup.find_rows(ids, lengths, limits)
+        for row, (drafts, ngram) in enumerate(found):
+            history = ids[row, : lengths[row]].tolist()
+            assert (drafts.tolist(), ngram) == _reference_find(history, limits[row], max_ngram, 4), (history, limits[row])
+            assert (lookup.find(ids[row, : lengths[row]], limits[row])[0].tolist(), ngram) == (drafts.tolist(), ngram)
+
+
 def test_lookup_acceptance_is_measured_per_depth():
     lookup = PromptLookup(num_tokens=4, prior=(0.5, 0.5), prior_weight=2.0)
     assert lookup.reach(3, ngram=1) == pytest.approx([0.5, 0.25, 0.125])

@@ -5,6 +5,7 @@ import torch
 
 from hf_diffspec.runtime.best_first_tree import best_first_shape, build_best_first_tree
 from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
+from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 from helpers import assert_sampling_matches_plain, tiny_drafter, tiny_target
 
 
@@ -21,6 +22,34 @@ def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
     chain = best_first_shape(sorted_probs[:, :1], budget=10)  # width 1: a chain
     assert [p for p, _ in chain] == [(0,), (0, 0), (0, 0, 0)]
     assert [s for _, s in chain] == pytest.approx([0.9, 0.405, 0.38475])
+
+
+def _random_tree(size: int, gen: torch.Generator) -> CandidateTree:
+    parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, size)]
+    return CandidateTree(list(range(100, 100 + size)), parents)
+
+
+@pytest.mark.parametrize("sizes", [[9, 5, 1], [70, 12], [6, 6], [40, 64]],
+                         ids=["trees", "wide-trees", "one-size", "wider-than-a-word"])
+@pytest.mark.parametrize("chains", [False, True])
+def test_tree_layout_ancestors_depths_and_padding(sizes, chains):
+    """Every row's ancestor matrix is its tree's root paths (a padding slot: itself only), whether built from the
+    host's bits (trees of up to 62 nodes) or by rounds on the device (larger ones)."""
+    gen = torch.Generator().manual_seed(sum(sizes))
+    trees = [CandidateTree(list(range(n)), list(range(-1, n - 1))) if chains else _random_tree(n, gen) for n in sizes]
+    layout = TreeLayout.of(trees, "cpu")
+    n = max(sizes)
+    assert layout.ancestors.shape == (len(trees), n, n) and layout.uniform_chains == (chains and len(set(sizes)) == 1)
+    for row, tree in enumerate(trees):
+        expected = torch.eye(n, dtype=torch.bool)
+        for node in range(len(tree)):
+            expected[node] = False
+            expected[node, tree.path_to(node)] = True
+        assert torch.equal(layout.ancestors[row], expected)
+        assert layout.depths[row].tolist() == tree.depths + [-1] * (n - len(tree))
+        assert layout.real[row].tolist() == [True] * len(tree) + [False] * (n - len(tree))
+        assert layout.tokens[row].tolist() == tree.token_list + [tree.token_list[0]] * (n - len(tree))
+    assert layout.levels.tolist() == list(range(max(t.max_depth for t in trees) + 1))
 
 
 def test_sampled_trees_draw_distinct_siblings_from_known_distributions():

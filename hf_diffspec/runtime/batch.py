@@ -29,8 +29,8 @@ from transformers import (
     SuppressTokensLogitsProcessor,
 )
 
-from .kv_cache import keep_accepted_paths
-from .tree import TreeLayout, host_to_device
+from .kv_cache import crop_attention, keep_accepted_paths
+from .tree import TreeLayout, host_to_device, index_range
 from .verification import choose_token, choose_token_among_drafts
 
 # processors whose scores do not depend on the prefix: applied to every verified position at once
@@ -212,9 +212,8 @@ class BatchState:
         self.cache = cache
         self.drafting = drafting
         self.pads_stopped_rows = pads_stopped_rows
-        # per active row, added to its count of real cached tokens to give positions: 0, except after a prompt that
-        # ends in a masked slot, where generate continues from that slot's position (0) instead of the count
-        self.position_offset = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
+        # on the device, each active row's anchor position (see `start`), advanced by what each step keeps
+        self.root_position_tensor = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
         self.cache_all_valid = False  # known on the host: every active row may see every cached slot
         self.root_shift: list[int] = []  # per row: root position - committed length (see `start`)
         self.cut_tokens: dict[int, int] = {}  # per row: committed tokens cut back when the batch ended
@@ -240,25 +239,27 @@ class BatchState:
         return True, eos, set(eos.tolist()) if eos is not None else set()
 
     def start(self, position_offset: torch.Tensor, prompt_length: int) -> None:
-        """After the prefill: positions continue at `position_offset` + real cached tokens; the host keeps each
-        row's root position as its committed length + a shift (one read, here)."""
-        self.position_offset = position_offset
-        valid = self.cache_valid.sum(-1)
+        """After the prefill: positions continue at `position_offset` + real cached tokens (the offset is 0, except
+        after a prompt that ends in a masked slot, where generate continues from that slot's position instead of the
+        count); the host keeps each row's root position as its committed length + a shift (one read, here), the
+        device as `root_position_tensor`."""
+        self.root_position_tensor = self.cache_valid.sum(-1) + position_offset
         self.cache_all_valid = bool(self.cache_valid.all())
-        self.root_shift = (valid + position_offset - 1 - prompt_length).tolist()
+        self.root_shift = (self.root_position_tensor - 1 - prompt_length).tolist()
 
     @property
     def root_positions(self) -> list[int]:
-        """Position of each active row's anchor: the number of real tokens it has cached (see `position_offset`)."""
+        """Position of each active row's anchor: the number of real tokens it has cached (see `start`)."""
         return [self.committers[r].length + self.root_shift[r] for r in self.active]
-
-    def root_position_tensor(self) -> torch.Tensor:
-        """`root_positions` on the device (computed there)."""
-        return self.cache_valid.sum(-1) + self.position_offset
 
     def max_drafts(self) -> list[int]:
         """Drafts each active row could still commit after its anchor's target token, within its length limit."""
         return [self.committers[r].limit - self.committers[r].length - 1 for r in self.active]
+
+    def history_rows(self) -> tuple[np.ndarray, list[int]]:
+        """The active rows' committed tokens as one array (rows, longest; on the host) and their lengths."""
+        lengths = [self.store.lengths[row] for row in self.active]
+        return self.store.tokens[:, : max(lengths)][self.active], lengths
 
     def histories(self) -> list[np.ndarray]:
         """Each active row's committed tokens (1-D, on the host), its anchor last."""
@@ -302,29 +303,39 @@ class BatchState:
                 flat = processor(layout.tokens.reshape(-1, 1), flat)
             scores = flat.view(rows, nodes, -1)
         choice = scores.argmax(-1)  # (rows, nodes)
-        depths = layout.depths
-        carries_choice = (layout.tokens == choice.gather(1, layout.parents)) | (depths == 0)
-        on_accepted_path = ~(layout.ancestors & ~(carries_choice & layout.real)[:, None, :]).any(-1)
-        deepest = torch.where(on_accepted_path, depths, -1).argmax(-1)  # siblings carry distinct tokens: unique
-        reached = depths.gather(1, deepest[:, None])[:, 0] + 1
-        levels = torch.arange(layout.max_depth + 1, device=device)
-        if layout.chains:
-            path_nodes = levels.expand(rows, -1)
+        if layout.uniform_chains:  # slot i is depth i: the path is the leading drafts that match their parent's choice
+            matches = layout.tokens[:, 1:] == choice[:, :-1]
+            reached = matches.cumprod(-1).sum(-1) + 1
+            path_nodes, committed = None, choice
         else:
-            ancestors = layout.ancestors[torch.arange(rows, device=device), deepest]  # (rows, nodes)
-            path_nodes = (ancestors[:, None, :] & (depths[:, None, :] == levels[None, :, None])).int().argmax(-1)
-        committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
+            depths = layout.depths
+            # a drafted node is rejected when it does not carry its parent's choice (a padding slot, depth -1, is
+            # never the deepest: the root, depth 0, always qualifies)
+            rejected = (layout.tokens != choice.gather(1, layout.parents)) & (depths > 0)
+            on_accepted_path = ~(layout.ancestors & rejected[:, None, :]).any(-1)
+            # siblings carry distinct tokens: the deepest node on the accepted path is unique
+            deepest_depth, deepest = torch.where(on_accepted_path, depths, -1).max(-1)
+            reached = deepest_depth + 1
+            if layout.chains:
+                path_nodes = layout.levels.expand(rows, -1)
+            else:  # the deepest node's ancestors in node order (parents come first), then the last slot repeated
+                on_path = layout.ancestors[index_range(rows, device), deepest]  # (rows, nodes)
+                slots = torch.where(on_path, index_range(nodes, device), nodes - 1)
+                path_nodes = slots.sort(-1).values[:, : layout.max_depth + 1]
+            committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
         if self._room is None:
             self._room = host_to_device([self.committers[r].limit - self.committers[r].length for r in self.active],
                                         device)
         count = torch.minimum(reached, self._room)
+        levels = layout.levels
         if self.pads_stopped_rows and self.eos_tokens is not None:  # a row ends at its first stop token
             stops = torch.isin(committed, self.eos_tokens.to(device)) & (levels[None] < count[:, None])
             first = torch.where(stops, levels[None], layout.max_depth + 1).min(-1).values + 1
             count = torch.minimum(count, first)
         self._room = self._room - count
         self._accepted = (path_nodes, count)
-        outcome = torch.cat([count[:, None], committed, path_nodes], dim=1).tolist()
+        # chains need no nodes read back: a row's accepted path is its first `count` slots
+        outcome = torch.cat([count[:, None], committed] + ([] if path_nodes is None else [path_nodes]), dim=1).tolist()
         width = layout.max_depth + 1
         paths = []
         for i, (row, values) in enumerate(zip(self.active, outcome)):
@@ -334,7 +345,7 @@ class BatchState:
             self._commit_known(committer, tokens)
             if k:  # (0 only when a prompt leaves no room at all)
                 self.anchors[i] = tokens[-1]
-            paths.append(values[1 + width : 1 + width + max(k, 1)])
+            paths.append(list(range(max(k, 1))) if path_nodes is None else values[1 + width : 1 + width + max(k, 1)])
         for row in self.active:
             self._finished(self.committers[row])
         return paths
@@ -371,25 +382,34 @@ class BatchState:
         their target features to the drafter."""
         device = self.cache_valid.device
         past = self.cache_valid.shape[1]
-        roots = self.root_position_tensor()
+        roots = self.root_position_tensor
         lengths = [len(p) for p in paths]
         kept = max(lengths)
+        # a path whose last node is its length - 1 is its tree's first slots (nodes are numbered after their parents)
+        prefixes = all(p[-1] == len(p) - 1 for p in paths)
         if self._accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
             nodes, counts = self._accepted
-            padded = nodes[:, :kept]
+            padded = None if prefixes else nodes[:, :kept]
         else:
-            padded = host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)  # (rows, kept)
+            padded = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
             counts = host_to_device(lengths, device)
-        keep_accepted_paths(self.cache, past, paths, padded, num_slots)
-        offsets = torch.arange(kept, device=device)
+        if prefixes:  # the accepted slots are in place: drop the rest
+            if num_slots > kept:
+                crop_attention(self.cache, num_slots - kept)
+        else:
+            keep_accepted_paths(self.cache, past, paths, padded, num_slots)
+        offsets = index_range(kept, device)
         accepted = offsets[None] < counts[:, None]
         all_valid = self.cache_all_valid and min(lengths) == kept
         self.cache_all_valid = all_valid
         self.cache_valid = torch.cat([self.cache_valid, accepted], dim=1)
-        self.drafting.add_context(hidden_states, padded, roots[:, None] + offsets, accepted, all_valid=all_valid)
+        index = slice(0, kept) if prefixes else padded
+        self.drafting.add_context(hidden_states, index, roots[:, None] + offsets, accepted, all_valid=all_valid)
+        self.root_position_tensor = roots + counts  # each row's next anchor follows the tokens it kept
 
     def _finished(self, committer: RowCommitter) -> bool:
-        if not self.pads_stopped_rows and all(c.stopped_at is not None for c in self.committers):
+        if (not self.pads_stopped_rows and committer.stopped_at is not None
+                and all(c.stopped_at is not None for c in self.committers)):
             # plain generate ends every row at the length where the last one stopped
             end = max(c.stopped_at for c in self.committers)
             for c in self.committers:
@@ -415,7 +435,7 @@ class BatchState:
         self.cache.batch_select_indices(index)
         self.drafting.select_rows(index)
         self.cache_valid = self.cache_valid[index]
-        self.position_offset = self.position_offset[index]
+        self.root_position_tensor = self.root_position_tensor[index]
         if self._room is not None:
             self._room = self._room[index]
         self.active = [self.active[i] for i in keep]

@@ -46,19 +46,21 @@ def best_first_shape(sorted_probs: torch.Tensor, budget: int) -> list[tuple[tupl
 
 
 def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, node_count=None, sample: bool = False,
-                          max_children: int = 4, ranked=None) -> CandidateTree:
+                          max_children: int = 4, ranked=None, shape=None) -> CandidateTree:
     """The best-first tree after `root_token` from the drafter's marginals `probs` (depth, vocab).
 
     `budget`: most drafted nodes; `node_count(reach) -> n`, optional: how many nodes (root included) to verify given
     the candidates' reach scores in decreasing order (the cost model); `max_children`: widest branching per node.
     `ranked`: (sorted probabilities, their tokens) per slot as host lists, when the caller read them already
-    (greedy: the tree is then built without reading the device)."""
+    (greedy: the tree is then built without reading the device); `shape`: `best_first_shape` of those probabilities
+    and `budget`, when the caller computed it."""
     if ranked is None:
         k = min(max_children, probs.shape[-1])
         sorted_probs, ranked_tokens = probs.topk(k, dim=-1)
         ranked = (sorted_probs.tolist(), ranked_tokens.tolist())
     sorted_probs, ranked_tokens = ranked
-    shape = best_first_shape(sorted_probs, budget)
+    if shape is None:
+        shape = best_first_shape(sorted_probs, budget)
     if node_count is not None:
         shape = shape[: node_count([score for _, score in shape]) - 1]
     index = {(): 0}

@@ -234,6 +234,7 @@ def speculative_generate(
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     # a target with linear attention verifies chains: its lookup drafts go alone (LOOKUP steps), never as a branch
     grafts_lookup = not has_linear_attention(model.config)
+    dtype = model.dtype  # a property that walks the parameters: read once
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
         step_start = time.perf_counter()
@@ -249,8 +250,8 @@ def speculative_generate(
 
         verify_start = time.perf_counter()
         layout = TreeLayout.of(trees, input_ids.device)
-        tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor(),
-                                                                model.dtype, layout, batch.cache_all_valid)
+        tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
+                                                                dtype, layout, batch.cache_all_valid)
         tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1])
         with recurrent.recording(tokens.shape[1]):
             out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,

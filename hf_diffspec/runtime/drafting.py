@@ -27,7 +27,7 @@ from .gates import speculation_gates_for
 from .policy import DraftLengthPolicy, FixedLength
 from .prefix_tree import build_prefix_tree, plan_branches
 from .recurrent_state import has_linear_attention
-from .tree import CandidateTree, host_to_device
+from .tree import CandidateTree, host_to_device, index_range
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
 
@@ -48,6 +48,7 @@ class DrafterContext:
 
     def __init__(self, drafter):
         self.drafter = drafter
+        self.device = drafter.device  # (a property that walks the parameters)
         self.cache = DynamicCache()
         self.valid: torch.Tensor | None = None  # (rows, ctx) bool over cached slots
         self.all_valid = True  # known on the host: every row may see every slot, cached or pending
@@ -67,12 +68,13 @@ class DrafterContext:
         self.pending = [(f[keep], p[keep], v[keep]) for f, p, v in self.pending]
 
     def _take_pending(self, rows: int):
-        device = self.drafter.device
+        device = self.device
         if not self.pending:
             return None, torch.empty(rows, 0, dtype=torch.long, device=device)
-        context = torch.cat([f for f, _, _ in self.pending], dim=1).to(device)
-        positions = torch.cat([p for _, p, _ in self.pending], dim=1).to(device)
-        new_valid = torch.cat([v for _, _, v in self.pending], dim=1).to(device)
+        if len(self.pending) == 1:  # a step's features (the usual case): nothing to join
+            context, positions, new_valid = (t.to(device) for t in self.pending[0])
+        else:
+            context, positions, new_valid = (torch.cat(parts, dim=1).to(device) for parts in zip(*self.pending))
         self.pending = []
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)
         return context, positions
@@ -87,7 +89,7 @@ class DrafterContext:
         """One forward over `[anchor, MASK...]` per row that also caches the pending context; (rows, block, hidden)."""
         context, context_positions = self._take_pending(root_tokens.shape[0])
         noise = self.drafter.block_embeds(root_tokens, block_size)
-        block_positions = root_positions[:, None] + torch.arange(block_size, device=root_positions.device)
+        block_positions = root_positions[:, None] + index_range(block_size, root_positions.device)
         out = self.drafter(
             noise_embeds=noise, context_hidden_states=context,
             position_ids=torch.cat([context_positions, block_positions], dim=1),
@@ -101,7 +103,7 @@ class DrafterContext:
                        prefixes: list[torch.Tensor], block_size: int) -> torch.Tensor:
         """Blocks `[anchor, prefix..., MASK...]`, one per prefix (of row `row_index[i]`), in one forward over the
         cached contexts of their rows; returns (len(prefixes), block, hidden)."""
-        device = self.drafter.device
+        device = self.device
         context, context_positions = self._take_pending(root_tokens.shape[0])
         if context is not None:
             self.drafter.prefill_context(context, context_positions, self.cache)
@@ -172,7 +174,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if isinstance(index, slice):
             features = features[:, index]
         else:
-            features = features[torch.arange(features.shape[0], device=index.device)[:, None], index]
+            features = features[index_range(features.shape[0], index.device)[:, None], index]
         if valid is None:
             valid, all_valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device), True
         if all_valid is None:
@@ -232,19 +234,20 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if self.policy.uses_cost_model and self.length_head is None:
             self.policy.record_draft_time(time.perf_counter() - start)
             limits = self.policy.chain_lengths(torch.cumprod(confidences, dim=-1).tolist(), limits)
+        tokens = torch.cat([roots[:, None], drafts[:, : max(limits)].long()], dim=1)  # every row's chain at once
         trees = []
         for row, k in enumerate(limits):
             draft_probs = None
             if self.sample_temperature is not None:
                 draft_probs = torch.cat([torch.zeros_like(probs[row, :1]), probs[row, :k]])
-            trees.append(CandidateTree.chain(roots[row], drafts[row, :k], confidences=confidences[row, :k],
-                                             draft_probs=draft_probs))
+            trees.append(CandidateTree(tokens[row, : k + 1], list(range(-1, k)), confidences=confidences[row, :k],
+                                       draft_probs=draft_probs))
         return trees
 
     def _draft_block(self, root_tokens: list[int], root_positions: list[int]):
         """One first-drafter pass over `[anchor, MASK...]` per row: (anchors, their positions, hidden states of the
         block's draft slots (rows, block - 1, hidden))."""
-        roots, positions = host_to_device([root_tokens, root_positions], self.first.drafter.device)  # one copy
+        roots, positions = host_to_device([root_tokens, root_positions], self.first.device)  # one copy
         return roots, positions, self.first.draft_block(roots, positions, self.block_size)[:, 1:]
 
     def _slot_logits(self, draft_hidden: torch.Tensor, span: int, needs_more) -> torch.Tensor:
@@ -261,7 +264,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         return logits
 
     def _root_only(self, root: int) -> CandidateTree:
-        return CandidateTree([root], [-1], device=self.first.drafter.device)
+        return CandidateTree([root], [-1], device=self.first.device)
 
     def _distributions(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions: softmax of the drafter logits, at the sampling temperature when sampling."""
@@ -364,6 +367,19 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         sample = self.sample_temperature is not None
         selector = getattr(drafter, "selector", None)
         budget, width = config.draft_tree_budget, config.draft_tree_width
+        reads = {}  # slots computed -> (distributions, every row's top-`width` probabilities and tokens per slot)
+        shapes = {}  # (slots computed, row) -> the row's best-first shape over them
+
+        def ranked(logits):
+            """The distributions of the slots computed so far, with each row's ranked probabilities and tokens per
+            slot on the host, in one read; kept, so that the tree is built from the read that sized it."""
+            computed = logits.shape[1]
+            if computed not in reads:
+                probs = self._distributions(logits)
+                top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+                reads[computed] = (probs, *torch.stack([top.values.double(), top.indices.double()]).tolist())
+            return reads[computed]
+
         if selector is not None and not sample:
             logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
         else:
@@ -371,9 +387,13 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             # deeper slots matter only when that tree already reaches the deepest slot computed
             def needs_more(logits):
                 computed = logits.shape[1]
-                top = self._distributions(logits).topk(min(width, logits.shape[-1]), dim=-1).values.tolist()
-                return any(max(len(path) for path, _ in best_first_shape(top[r], budget)) == computed
-                           for r in range(rows) if limits[r] > computed)
+                values = ranked(logits)[1]
+                for r in range(rows):
+                    if limits[r] > computed:  # kept: the row's tree has this shape when no more slots are computed
+                        shapes[computed, r] = best_first_shape(values[r], budget)
+                        if max(len(path) for path, _ in shapes[computed, r]) == computed:
+                            return True
+                return False
 
             logits = self._slot_logits(draft_hidden, max(limits), needs_more)
             limits = [min(k, logits.shape[1]) for k in limits]
@@ -387,16 +407,13 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
                      if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
             self.policy.record_draft_time(time.perf_counter() - start)
             return trees
-        probs = self._distributions(logits)
+        # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
+        probs, values, indices = ranked(logits)
         self.policy.record_draft_time(time.perf_counter() - start)
-        top = None
-        if not sample:  # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
-            ranked = probs.topk(min(width, probs.shape[-1]), dim=-1)
-            values, indices = torch.stack([ranked.values.double(), ranked.indices.double()]).tolist()
-            top = [(values[r][: limits[r]], [[int(t) for t in slot] for slot in indices[r][: limits[r]]])
-                   for r in range(rows)]
         return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], budget, node_count, sample=sample,
-                                      max_children=width, ranked=top[r] if top else None)
+                                      max_children=width, shape=shapes.get((logits.shape[1], r)),
+                                      ranked=(values[r][: limits[r]], [[int(t) for t in slot] for slot in
+                                                                       indices[r][: limits[r]]]))
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
     def get_candidates(self, *args, **kwargs):

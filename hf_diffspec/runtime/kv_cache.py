@@ -17,12 +17,14 @@ def keep_accepted_paths(cache, past_length: int, paths: list[list[int]], padded_
     kept = padded_paths.shape[1]
     if any(list(p) != list(range(len(p))) for p in paths):
         layers = [layer for layer in attention_layers(cache) if layer.keys is not None]
-        index = padded_paths.to(layers[0].keys.device) + past_length
+        index = (padded_paths.to(layers[0].keys.device) + past_length)[:, None, :, None]
+        expanded = {}  # per (heads, head dim): the index expanded to it (layers usually share one)
         for layer in layers:
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)
-                gathered = tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3]))
-                tensor[:, :, past_length : past_length + kept] = gathered
+            for tensor in (layer.keys, layer.values):
+                shape = (tensor.shape[1], tensor.shape[3])
+                if shape not in expanded:
+                    expanded[shape] = index.expand(-1, shape[0], -1, shape[1])
+                tensor[:, :, past_length : past_length + kept] = tensor.gather(2, expanded[shape])
     if num_slots > kept:
         crop_attention(cache, num_slots - kept)
 

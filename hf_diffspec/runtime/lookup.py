@@ -83,7 +83,7 @@ class PromptLookup:
         if not self.num_tokens:
             return NO_LOOKUP_DRAFTS
         limits = policy.depth_limits(root_positions, batch.max_drafts())
-        found = [self.find(ids, limit) for ids, limit in zip(batch.histories(), limits)]
+        found = self.find_rows(*batch.history_rows(), limits)
         lengths = policy.lookup_lengths([self.reach(len(d), n) for d, n in found], len(found))
         return LookupDrafts([list(d[:k]) for (d, _), k in zip(found, lengths)], [n for _, n in found])
 
@@ -105,24 +105,40 @@ class PromptLookup:
         if isinstance(ids, torch.Tensor):
             drafts, ngram = self.find(ids.cpu().numpy(), limit)
             return torch.as_tensor(drafts, dtype=ids.dtype, device=ids.device), ngram
-        limit = min(limit, self.num_tokens)
-        length = ids.shape[0]
-        if limit <= 0 or length < 2:
-            return ids[:0], 0
-        # earlier occurrences of the last token (before it, so that a continuation exists), and how many of the
-        # tokens before each also match the suffix, for all of them at once
-        ends = np.flatnonzero(ids[:-1] == ids[-1])
-        if not len(ends):
-            return ids[:0], 0
-        matched = np.ones(len(ends), dtype=np.int64)
-        still = np.ones(len(ends), dtype=bool)
-        for n in range(1, min(self.max_ngram, length - 1)):
-            before = ends - n
-            still &= (before >= 0) & (ids[np.maximum(before, 0)] == ids[length - 1 - n])
+        return self.find_rows(ids[None], [ids.shape[0]], [limit])[0]
+
+    def find_rows(self, ids: np.ndarray, lengths: list[int], limits: list[int]) -> list[tuple[np.ndarray, int]]:
+        """`find` for several rows at once, with the same few array operations whatever their number: row r's
+        committed tokens are `ids[r, : lengths[r]]` (`ids` (rows, at least the longest), on the host)."""
+        length = np.asarray(lengths)
+        rows = np.arange(len(lengths))
+        # earlier occurrences of each row's last token (before it, so that a continuation exists): their rows and
+        # ends, then how many of the tokens before each also match the suffix, for all of them at once
+        width = max(lengths)
+        if width < 2:
+            return [(ids[r, :0], 0) for r in rows]
+        last = ids[rows, np.maximum(length - 1, 0)]
+        row, end = np.nonzero((ids[:, :width] == last[:, None]) & (np.arange(width) < length[:, None] - 1))
+        if not len(end):
+            return [(ids[r, :0], 0) for r in rows]
+        matched = np.ones(len(end), dtype=np.int64)
+        still = np.ones(len(end), dtype=bool)
+        suffix_end = length[row] - 1
+        for n in range(1, min(self.max_ngram, width - 1)):
+            still &= (end >= n) & (n < suffix_end) & (ids[row, np.maximum(end - n, 0)] == ids[row, suffix_end - n])
             matched += still
-        best = int(matched.max())
-        best_end = int(ends[np.flatnonzero(matched == best)[-1]])
-        return ids[best_end + 1 : best_end + 1 + limit], best
+        # per row, the longest match and, among those, the most recent: the largest (matched, end)
+        best = np.full(len(lengths), -1)
+        np.maximum.at(best, row, matched * width + end)
+        found = []
+        for r, (n, limit) in enumerate(zip(lengths, limits)):
+            limit = min(limit, self.num_tokens)
+            if limit <= 0 or best[r] < 0:
+                found.append((ids[r, :0], 0))
+            else:
+                start = int(best[r] % width) + 1
+                found.append((ids[r, start : min(start + limit, n)], int(best[r] // width)))
+        return found
 
     def _counts(self, ngram: int) -> tuple[list[float], list[float]]:
         if ngram not in self.trials:

@@ -18,7 +18,7 @@ rectangle (the padding would enter the shorter rows' states) and rows accept dif
 Imports: torch/transformers only (this file travels in `custom_generate/`).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 # text configs whose linear-attention layers (Qwen3.5 GatedDeltaNet) this module rolls back
@@ -71,13 +71,15 @@ class RecurrentStates:
         self.inputs: dict[int, object] = {}
         self.replays = 0
 
-    @contextmanager
     def recording(self, num_slots: int):
         """Around the verify forward of `num_slots` tokens: save every linear layer's states and record the input it
         is given. A step of one token (a plain step) cannot be cut, so it saves nothing."""
         if not self.layers or num_slots == 1:
-            yield
-            return
+            return nullcontext()
+        return self._recording()
+
+    @contextmanager
+    def _recording(self):
         for index in self.layers:
             layer = self.cache.layers[index]
             self.saved[index] = ({k: s.clone() for k, s in layer.conv_states.items() if s is not None},

@@ -9,6 +9,7 @@ reads device tokens on the host unless it must (`token_list`), so building, veri
 whole batch costs a fixed number of host synchronisations (`TreeLayout`).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,18 +38,25 @@ class CandidateTree:
         self.device = device
         if len(parents) != size:
             raise ValueError("tokens must be 1-D with one parent per node")
-        if parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
-            raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
         self.parents = list(parents)
+        self.is_chain = self.parents == list(range(-1, size - 1))
+        if self.is_chain:
+            self.depths = list(range(size))
+        else:
+            self.depths = [0]
+            for i, p in enumerate(self.parents[1:], start=1):
+                if not 0 <= p < i:
+                    raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
+                self.depths.append(self.depths[p] + 1)
+            if self.parents[0] != -1:
+                raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
         self.draft_probs = draft_probs
         self.confidences = confidences
-        self.depths = [0] * size
-        for i, p in enumerate(self.parents[1:], start=1):
-            self.depths[i] = self.depths[p] + 1
-        self.is_chain = all(p == i - 1 for i, p in enumerate(self.parents))
         self._children = None
+        # two siblings carrying one token are refused where they are made (`children` says which)
         if not self.is_chain and (self._token_list is not None or tokens.device.type == "cpu"):
-            self.children  # noqa: B018 (two siblings carrying one token are refused where they are made)
+            if len(set(zip(self.parents[1:], self.token_list[1:]))) < size - 1:
+                self.children  # noqa: B018
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -110,6 +118,19 @@ class CandidateTree:
         return path[::-1]
 
 
+@functools.lru_cache(maxsize=128)
+def index_range(n: int, device: torch.device) -> torch.Tensor:
+    """`torch.arange(n)` on `device`, built once per size: the loop indexes slots, levels and rows with the same few
+    sizes every step (read only)."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _bit_values(n: int, device: torch.device) -> torch.Tensor:
+    """1 << j for j < n on `device` (read only)."""
+    return 1 << index_range(n, device)
+
+
 def host_to_device(data, device) -> torch.Tensor:
     """A long tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
     behind the device's work instead of waiting for it."""
@@ -136,60 +157,83 @@ def read_token_lists(trees: list[CandidateTree]) -> None:
 class TreeLayout:
     """The trees of a batch as a rectangle on the device, n = the largest tree: `tokens` (rows, n), shorter trees
     padded with their root; `parents` (rows, n), the root and padding slots their own parent; `depths` (rows, n), -1
-    for padding; `ancestors` (rows, n, n) bool, [r, i, j] True when node j is node i or one of its ancestors (a
-    padding slot: itself only). `chains`: every tree is a chain (an accepted path is then a prefix)."""
+    for padding; `real` (rows, n), depths >= 0; `ancestors` (rows, n, n) bool, [r, i, j] True when node j is node i
+    or one of its ancestors (a padding slot: itself only); `levels`, 0 .. max_depth. `chains`: every tree is a chain
+    (an accepted path is then a prefix); `uniform_chains`: chains of one length (slot i is the node at depth i)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
+    real: torch.Tensor
     ancestors: torch.Tensor
+    levels: torch.Tensor
     sizes: list[int]
     max_depth: int
     chains: bool
-
-    @property
-    def real(self) -> torch.Tensor:
-        return self.depths >= 0
+    uniform_chains: bool
 
     @classmethod
     def of(cls, trees: list[CandidateTree], device) -> "TreeLayout":
-        """Lay `trees` out on `device`: one host-to-device copy of their shapes (and of their tokens when the host
-        holds them all), none when they are chains of one length; the ancestor matrix is computed there."""
+        """Lay `trees` out on `device`: one host-to-device copy of their shapes and ancestors (and of their tokens
+        when the host holds them all), none when they are chains of one length (their shape is built once)."""
         rows, sizes = len(trees), [len(t) for t in trees]
         n, max_depth = max(sizes), max(t.max_depth for t in trees)
         chains = all(t.is_chain for t in trees)
-        index = torch.arange(n, device=device)
+        same_size = all(s == n for s in sizes)
         host_tokens = [t.token_list for t in trees] if all(t.knows_tokens() for t in trees) else None
-        if chains and all(s == n for s in sizes):
-            parents = (index - 1).clamp(min=0).expand(rows, n)
-            depths = index.expand(rows, n)
+        if chains and same_size:
+            parents, depths, real, ancestors, levels = _uniform_chains_shape(rows, n, device)
             if host_tokens is not None:
                 tokens = host_to_device(host_tokens, device)
         else:
-            parent_rows = [[max(p, 0) for p in t.parents] + list(range(len(t), n)) for t in trees]
-            depth_rows = [t.depths + [-1] * (n - len(t)) for t in trees]
-            shape = [parent_rows, depth_rows]
+            shape = [[[max(p, 0) for p in t.parents] + list(range(len(t), n)) for t in trees],
+                     [t.depths + [-1] * (n - len(t)) for t in trees]]
+            # each node's ancestors as the bits of one integer, built on the host in one pass over the nodes and
+            # copied with the shape (a padding slot: its own bit)
+            ancestor_bits = n < 63
+            if ancestor_bits:
+                shape.append([_ancestor_bits(t.parents) + [1 << i for i in range(len(t), n)] for t in trees])
             if host_tokens is not None:
                 shape.append([tokens + [tokens[0]] * (n - len(tokens)) for tokens in host_tokens])
             shape = host_to_device(shape, device)
             parents, depths = shape[0], shape[1]
+            real = depths >= 0
+            levels = index_range(max_depth + 1, device)
+            if ancestor_bits:
+                ancestors = (shape[2][:, :, None] & _bit_values(n, device)) != 0
+            else:  # each round adds the ancestors of every node's ancestors: max_depth rounds reach the root
+                ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n)
+                gather_index = parents[:, :, None].expand(rows, n, n)
+                for _ in range(max_depth):
+                    ancestors = ancestors | ancestors.gather(1, gather_index)
             if host_tokens is not None:
-                tokens = shape[2]
+                tokens = shape[-1]
         if host_tokens is None:
-            tokens = torch.stack([t.tokens.to(device) for t in trees]) if all(s == n for s in sizes) else \
+            tokens = torch.stack([t.tokens.to(device) for t in trees]) if same_size else \
                 torch.nn.utils.rnn.pad_sequence([t.tokens.to(device) for t in trees], batch_first=True)
-        real = depths >= 0
-        if not all(s == n for s in sizes):
+        if not same_size:
             tokens = torch.where(real, tokens, tokens[:, :1])
-        if chains:
-            ancestors = (index[None, :, None] >= index[None, None, :]) & real[:, :, None] & real[:, None, :]
-            ancestors = ancestors | torch.eye(n, dtype=torch.bool, device=device)
-        else:  # each round adds the ancestors of every node's ancestors: max_depth rounds reach the root
-            ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n)
-            gather_index = parents[:, :, None].expand(rows, n, n)
-            for _ in range(max_depth):
-                ancestors = ancestors | ancestors.gather(1, gather_index)
-        return cls(tokens, parents, depths, ancestors, sizes, max_depth, chains)
+        return cls(tokens, parents, depths, real, ancestors, levels, sizes, max_depth, chains, chains and same_size)
+
+
+def _ancestor_bits(parents: list[int]) -> list[int]:
+    """Per node of a tree (`parents` point backwards), bit j set when node j is the node or one of its ancestors."""
+    bits = []
+    for i, p in enumerate(parents):
+        bits.append((bits[p] if p >= 0 else 0) | 1 << i)
+    return bits
+
+
+@functools.lru_cache(maxsize=32)
+def _uniform_chains_shape(rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """`TreeLayout`'s parents, depths, real, ancestors and levels of `rows` chains of `n` nodes: the same tensors
+    step after step at a fixed draft length, so they are built once (read only; a few hundred bytes each)."""
+    index = index_range(n, device)
+    parents = (index - 1).clamp(min=0).expand(rows, n)
+    depths = index.expand(rows, n)
+    real = torch.ones(rows, n, dtype=torch.bool, device=device)
+    ancestors = (index[:, None] >= index[None, :]).expand(rows, n, n)
+    return parents, depths, real, ancestors, index
 
 
 def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions,
@@ -213,12 +257,10 @@ def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, ro
     n = layout.tokens.shape[1]
     if past_all_valid is None:
         past_all_valid = bool(past_valid.all())
-    if layout.chains and all(s == n for s in layout.sizes) and past_all_valid:
-        positions = past + torch.arange(n, device=device).expand(rows, -1)
-        return layout.tokens, None, positions
+    if layout.uniform_chains and past_all_valid:
+        return layout.tokens, None, layout.depths + past
     roots = torch.as_tensor(root_positions, device=device)
-    real = layout.real
     positions = roots[:, None] + layout.depths.clamp(min=0)
-    allowed = torch.cat([past_valid[:, None, :] & real[:, :, None], layout.ancestors], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    allowed = torch.cat([past_valid[:, None, :] & layout.real[:, :, None], layout.ancestors], dim=-1)
+    mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill_(allowed, 0)
     return layout.tokens, mask[:, None], positions
