@@ -20,7 +20,8 @@
 #     Defaults: 32 x 256 tokens, 300 steps of 2 x 64 (a GPU or a quiet CPU); on a shared 2-core CPU (25-70 s a
 #     step at nice 19): SEQUENCES=6 NEW_TOKENS=192 MAX_LENGTH=256 STEPS=65 SAVE_STEPS=15 MEASURE_STEPS=65.
 # drift: the same short continuation (data/regen-smollm2, 150 steps of 4 x 32 blocks) at lr 2e-4 (the earlier CPU
-#     runs) and at 3e-5 with EMA, scored by the offline acceptance on data/heldout-smollm2.
+#     runs) and at 3e-5 with EMA, scored by the offline acceptance on data/heldout-smollm2; the target's side of the
+#     step read from the features cache (`drafter_campaign_cpu.sh features` writes it).
 set -euo pipefail
 STAGE=${1:?usage: drafter_diagnostics.sh equivalence|overfit|drift}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -175,7 +176,7 @@ drift)
     hf-diffspec train kd --init "$SHIPPED" --data data/regen-smollm2 --out "$DIAG/drift-$ARM" \
         --batch-size 4 --num-anchors 32 --max-length 512 --max_steps 150 --schedule-steps 150 --save_steps 25 \
         --logging_steps 5 --offline-acceptance-steps 25 --offline-acceptance-data data/heldout-smollm2 \
-        --offline-acceptance-sequences 60 "${recipe[@]}" "${resume[@]}"
+        --offline-acceptance-sequences 60 --cached-features "${recipe[@]}" "${resume[@]}"
     ;;
 *)
     echo "unknown stage $STAGE (equivalence | overfit | drift)" >&2

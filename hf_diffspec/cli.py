@@ -1,6 +1,7 @@
 """Command line: `hf-diffspec demo | bench | profile | data | train | eval | push | convert | export`."""
 
 import argparse
+import json
 import logging
 import sys
 from dataclasses import dataclass, field, fields

@@ -100,7 +100,7 @@ def test_the_cache_resumes_and_refuses_other_layers_weights_and_missing_shards(t
         OnPolicyDistillationConfig(output_dir=str(tmp_path), init="x", cached_features=True)
 
 
-def test_data_features_and_train_with_cached_features_from_the_command_line(target_and_data, tmp_path, capsys):
+def test_data_features_train_with_cached_features_and_eval_acceptance_from_the_command_line(target_and_data, tmp_path, capsys):
     target, tokenizer, data = target_and_data
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
@@ -119,3 +119,8 @@ def test_data_features_and_train_with_cached_features_from_the_command_line(targ
           "--max_steps", "2", "--batch-size", "2", "--num-anchors", "4"])
     info = json.loads((tmp_path / "drafter" / "training_info.json").read_text())
     assert info["steps"] == 2 and info["config"]["cached_features"] is True
+    # the trained drafter's offline acceptance length on the same sequences, with its report written
+    main(["eval", "acceptance", "--drafter", str(tmp_path / "drafter"), "--data", str(copy), "--target",
+          str(tmp_path / "target"), "--dtype", "fp32", "--json", str(tmp_path / "acceptance.json")])
+    report = json.loads((tmp_path / "acceptance.json").read_text())
+    assert report["sequences"] == 5 and report["tau"] >= 1 and "chat" in report["per_domain"]
