@@ -173,10 +173,14 @@ drift)
     esac
     resume=()
     ls "$DIAG/drift-$ARM"/checkpoints/checkpoint-*/trainer_state.json >/dev/null 2>&1 && resume=(--resume)
+    # a shared 2-core CPU (an offline acceptance of 60 sequences takes ~25 min on one busy thread):
+    # STEPS=60 MEASURE_STEPS=20 MEASURE_SEQUENCES=30
+    STEPS=${STEPS:-150} MEASURE_STEPS=${MEASURE_STEPS:-25} MEASURE_SEQUENCES=${MEASURE_SEQUENCES:-60}
     hf-diffspec train kd --init "$SHIPPED" --data data/regen-smollm2 --out "$DIAG/drift-$ARM" \
-        --batch-size 4 --num-anchors 32 --max-length 512 --max_steps 150 --schedule-steps 150 --save_steps 25 \
-        --logging_steps 5 --offline-acceptance-steps 25 --offline-acceptance-data data/heldout-smollm2 \
-        --offline-acceptance-sequences 60 --cached-features "${recipe[@]}" "${resume[@]}"
+        --batch-size 4 --num-anchors 32 --max-length 512 --max_steps "$STEPS" --schedule-steps "$STEPS" \
+        --save_steps "$MEASURE_STEPS" --logging_steps 5 --offline-acceptance-steps "$MEASURE_STEPS" \
+        --offline-acceptance-data data/heldout-smollm2 --offline-acceptance-sequences "$MEASURE_SEQUENCES" \
+        --cached-features "${recipe[@]}" "${resume[@]}"
     ;;
 *)
     echo "unknown stage $STAGE (equivalence | overfit | drift)" >&2
