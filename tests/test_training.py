@@ -47,6 +47,7 @@ def test_data_shards_are_complete_resumable_and_checked(target_and_data, tokeniz
     assert not any(name.startswith(".") for name in files)  # no temporary file left behind
     ds = DrafterDataset(data, tokenizer=tokenizer)
     assert len(ds) == 8 and all(ds[i]["prompt_length"] < len(ds[i]["input_ids"]) for i in range(8))
+    assert json.loads((data / "shard-00000.json").read_text())["dtype"] == str(target.dtype).removeprefix("torch.")
     # resuming writes nothing new
     assert write_generated_data(target, tokenizer, "tiny", data, num_samples=8, max_new_tokens=40,
                                 prompts=PROMPTS) == 8

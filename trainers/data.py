@@ -74,7 +74,7 @@ class ShardWriter:
     are already on disk, in any shard set (resume). One writer per shard set at a time."""
 
     def __init__(self, out_dir, target_name: str, tokenizer, source: str, shard_size: int = SHARD_SIZE,
-                 prefix: str = "shard"):
+                 prefix: str = "shard", details: dict | None = None):
         if shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, got {shard_size}")
         self.shard_size = shard_size
@@ -95,6 +95,7 @@ class ShardWriter:
                     "vocab_size": len(tokenizer)}
             atomic_write(meta_path, json.dumps(meta, indent=2))
         self.source = source
+        self.details = details or {}  # how this run made its records (e.g. the target's dtype): in every sidecar
         self._remove_interrupted_writes()
         self.done_ids = {rid for shard in sorted(self.dir.glob("shard-*.json")) for rid in json.loads(shard.read_text())["ids"]}
         # after the highest number on disk, not the count: a shard deleted by hand is never overwritten
@@ -140,7 +141,7 @@ class ShardWriter:
                 np.savez_compressed(f, tokens=tokens.astype(dtype), offsets=offsets, prompt_lengths=prompt_lengths)
 
         sidecar = {"ids": [r["id"] for r in self.buffer], "domains": [r["domain"] for r in self.buffer],
-                   "source": self.source}
+                   "source": self.source, **self.details}
         atomic_write(self.dir / f"{name}.npz", write_arrays)
         # the sidecar is the "shard complete" marker, so it is written last
         atomic_write(self.dir / f"{name}.json", json.dumps(sidecar))
@@ -148,13 +149,15 @@ class ShardWriter:
         self.buffer = []
 
 
-def process_shard_writer(out_dir, target_name: str, tokenizer, source: str, shard_size: int = SHARD_SIZE):
+def process_shard_writer(out_dir, target_name: str, tokenizer, source: str, shard_size: int = SHARD_SIZE,
+                         details: dict | None = None):
     """This process's `ShardWriter`: alone, shards `shard-NNNNN`; one of several processes (`torchrun`, `accelerate
     launch`), its own shard set `shard-rankR-NNNNN`, created after the main process's (which writes meta.json)."""
     state = PartialState()
     prefix = "shard" if state.num_processes == 1 else f"shard-rank{state.process_index}"
     with state.main_process_first():
-        return ShardWriter(out_dir, target_name, tokenizer, source=source, shard_size=shard_size, prefix=prefix)
+        return ShardWriter(out_dir, target_name, tokenizer, source=source, shard_size=shard_size, prefix=prefix,
+                           details=details)
 
 
 def _process_alive(pid: int) -> bool:
@@ -217,9 +220,11 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
                          prompts: list[dict] | None = None, shard_size: int = SHARD_SIZE) -> int:
     """The target's own greedy answers (batched, left-padded, chat template) to ShareGPT prompts, or to `prompts`
     ({"id", "prompt"} records, e.g. from a JSONL file). Under several processes each answers its share of the
-    `num_samples` prompts into its own shard set (`process_shard_writer`); all return once every share is written."""
+    `num_samples` prompts into its own shard set (`process_shard_writer`); all return once every share is written.
+    Each shard records the dtype the target answered in (greedy answers in bf16 and in fp32 part at near ties)."""
     state = PartialState()
-    writer = process_shard_writer(out_dir, target_name, tokenizer, source="generated", shard_size=shard_size)
+    writer = process_shard_writer(out_dir, target_name, tokenizer, source="generated", shard_size=shard_size,
+                                  details={"dtype": str(target.dtype).removeprefix("torch.")})
     exclude = eval_prompt_texts()
     if prompts is None:
         source = [(rid, prompt) for rid, prompt, _ in sharegpt_exchanges(seed, exclude)]
