@@ -64,3 +64,20 @@ def test_host_syncs_per_step_stay_within_a_budget_independent_of_rows_trees_and_
     assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
     assert max(syncs[1:]) <= SYNC_BUDGET, f"syncs per step {syncs}; worst: {worst}"
     assert max(copies[1:]) <= COPY_BUDGET, f"copies per step {copies}; worst: {worst}"
+
+
+def test_host_time_bench_reports_host_time_and_torch_calls_per_step():
+    from hf_diffspec.bench.host_time import compare_host_time, host_time_markdown
+
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB)
+    drafter = tiny_drafter(target, block_size=6, seed=3, draft_tree_width=2)
+    results = compare_host_time(target, drafter, _prompts(2), max_new_tokens=8, batches=[1, 2], repeats=1)
+    ours = [r for r in results if r["method"].startswith("ours")]
+    assert [(r["method"], r["rows"]) for r in ours] == [
+        (m, rows) for rows in (1, 2) for m in ("ours: chains", "ours: trees", "ours: trees + lookup")]
+    for r in ours:
+        assert r["host_ms_per_step"] > 0 and r["forward_ms_per_step"] > 0
+        # each step accepts, lays out the next tree and drafts: dozens of torch calls outside the forwards
+        assert r["torch_calls_per_step"] > 10
+    assert drafter.config.draft_tree_budget is None  # the bench puts the drafter's config back
+    assert "torch calls / step" in host_time_markdown(results)

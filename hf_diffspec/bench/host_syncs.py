@@ -86,6 +86,7 @@ class HostSyncCounter(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.depth == 0 and self.current is not None:
             name = getattr(func, "__name__", str(func))
+            self.current["calls"] += 1  # every torch call: each costs a dispatch on the host
             if func in DEVICE_TO_HOST:
                 self.current["sync:" + name] += 1
             elif func in HOST_TO_DEVICE and args and _from_host(args[0]):
@@ -100,6 +101,11 @@ class HostSyncCounter(TorchFunctionMode):
     @property
     def per_step_syncs(self) -> list[int]:
         return [sum(v for k, v in step.items() if k.startswith("sync:")) for step in self.steps]
+
+    @property
+    def per_step_calls(self) -> list[int]:
+        """Torch calls per step outside the forwards (tensor attribute reads included): the loop's dispatch count."""
+        return [step["calls"] for step in self.steps]
 
     @property
     def per_step_copies(self) -> list[int]:

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from .host_syncs import HostSyncCounter
+
 
 class ForwardClock:
     """Seconds spent in the top-level forwards of `models` and the number of `target` forwards, while entered."""
@@ -59,8 +61,11 @@ class ForwardClock:
 
 def host_time_per_step(run, target, models=(), repeats: int = 3) -> dict:
     """Run `run()` (one generate call) `repeats` times after a warm-up; the median host seconds per target forward
-    apart from the forwards, and the median forward seconds per step."""
-    run()
+    apart from the forwards, the median forward seconds per step, and (from the warm-up, counted) the torch calls
+    per step outside the forwards, the first window after the prefill left out."""
+    with HostSyncCounter(target, models) as counter:
+        run()
+    calls = counter.per_step_calls[1:] or counter.per_step_calls
     host, forward = [], []
     for _ in range(repeats):
         with ForwardClock(target, models) as clock:
@@ -75,7 +80,8 @@ def host_time_per_step(run, target, models=(), repeats: int = 3) -> dict:
         host.append((wall - clock.seconds) / steps)
         forward.append(clock.seconds / steps)
     return {"host_ms_per_step": 1000 * sorted(host)[len(host) // 2],
-            "forward_ms_per_step": 1000 * sorted(forward)[len(forward) // 2]}
+            "forward_ms_per_step": 1000 * sorted(forward)[len(forward) // 2],
+            "torch_calls_per_step": round(sum(calls) / max(len(calls), 1), 1)}
 
 
 def compare_host_time(target, drafter, prompts: torch.Tensor, max_new_tokens: int = 64, batches=(1, 16),
@@ -120,11 +126,11 @@ def compare_host_time(target, drafter, prompts: torch.Tensor, max_new_tokens: in
 
 
 def host_time_markdown(results: list[dict]) -> str:
-    lines = ["| method | rows | host ms / step | forward ms / step |", "|---|---|---|---|"]
+    lines = ["| method | rows | host ms / step | forward ms / step | torch calls / step |", "|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['method']} | {r['rows']} | skipped: {r['skipped']} | |")
+            lines.append(f"| {r['method']} | {r['rows']} | skipped: {r['skipped']} | | |")
         else:
             lines.append(f"| {r['method']} | {r['rows']} | {r['host_ms_per_step']:.3f} | "
-                         f"{r['forward_ms_per_step']:.3f} |")
+                         f"{r['forward_ms_per_step']:.3f} | {r['torch_calls_per_step']:.0f} |")
     return "\n".join(lines)
