@@ -2,7 +2,8 @@
 for ours the loop's steps by kind (drafter steps, steps verifying prompt-lookup drafts alone, plain steps) with their
 mean time and tokens committed.
 
-    python examples/benchmarks/step_timing.py --rows 16 --reps 3 --method tree-lookup
+    python examples/benchmarks/step_timing.py --rows 16 --reps 3 --method tree-lookup [--dtype float32]
+        [--prompts-file examples/benchmarks/prompts/unseen_families.jsonl]
 
 Each repetition runs plain `generate` then the method (after one untimed warm-up of each); the gates' measurements
 persist across calls, so the first repetition also shows what a first call at this batch size pays for probes.
@@ -15,7 +16,7 @@ import torch
 
 from hf_diffspec import load_target
 from hf_diffspec.bench import Method, _encode_batches, _generate, build_method_drafters
-from hf_diffspec.prompts import load_prompts
+from hf_diffspec.prompts import load_prompts, load_prompts_file
 from hf_diffspec.runtime.gates import SpeculationGates, StepKind
 
 
@@ -26,10 +27,15 @@ def main() -> None:
     parser.add_argument("--method", default="tree-lookup", help="a bench method of ours")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per domain, cycled to fill the batch")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts-file", default=None, help="JSONL prompts (as bench --prompts-file) instead")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-    target, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+    target, tokenizer = load_target("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
     method = build_method_drafters([args.method], target, "smollm2-135m-instruct")[args.method]
-    prompts = load_prompts(n_per_domain=args.prompts, tokenizer=tokenizer)
+    if args.prompts_file:
+        prompts = load_prompts_file(args.prompts_file, tokenizer=tokenizer)
+    else:
+        prompts = load_prompts(n_per_domain=args.prompts, tokenizer=tokenizer)
     inputs = _encode_batches(tokenizer, prompts, args.rows, target.device)[0][1]
 
     steps = []  # the StepRecord of every loop step of the method's call
