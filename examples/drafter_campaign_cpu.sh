@@ -6,6 +6,7 @@
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh heldout > runs/campaign-heldout.log 2>&1 &
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh features > runs/campaign-features.log 2>&1 &
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh train > runs/campaign-train.log 2>&1 &
+#   bash examples/drafter_campaign_cpu.sh export      # then commit checkpoints/campaign-smollm2
 #
 # data:    the target's own greedy answers (batched) to the prompts of examples/campaign_prompts.py, in chunks of
 #          $CHUNK prompts, one committed shard per chunk (uint16 npz) under data/regen-mix-smollm2; a rerun skips the
@@ -19,22 +20,28 @@
 # features: the target's features and argmax for every training sequence, cached once (fp32, DIR/target-features,
 #          not committed: ~11 KiB a token; rebuilt on a new machine, resuming by shard): the train stage then runs no
 #          target forward, about half of its step.
-# train:   the continuation recipe (below) from the shipped drafter on the shards written so far, resumed by step from
-#          $RUN/checkpoints (machine-local: ~300 MB a checkpoint), with the offline acceptance length every 10 optimizer
-#          steps in $RUN/offline_acceptance.jsonl. On a machine without those checkpoints it starts again from the
-#          shipped drafter on the committed shards: the same recipe, a new curve.
+# train:   the continuation recipe (below) on the shards written so far, resumed by step from $RUN/checkpoints on the
+#          machine that wrote them (~300 MB a checkpoint, never committed), with the offline acceptance length every
+#          10 optimizer steps in $RUN/offline_acceptance.jsonl. On a machine without them it continues the committed
+#          campaign state ($CAMPAIGN: the drafter the last export left, its step on the cosine and its training
+#          tokens; Adam's moments start afresh), else it starts from the shipped drafter.
+# export:  the latest checkpoint of $RUN as the committed campaign state: its weight average in bf16 (~25 MB, a
+#          drafter folder that loads like any other), campaign.json (step, training tokens) and the whole curve
+#          (offline_acceptance.jsonl: the earlier runs' lines and this run's); written aside, then swapped in.
 #
 # Stop a stage with `kill -- -PGID` of its process group (nohup keeps the group of the shell that started it) or
 # `kill PID` of its python process; a rerun resumes. Pause it while anything is timed (kill -STOP / -CONT).
 #
 # THREADS (default 1) caps the threads of each stage, so that stages can share the cores with other work.
 set -euo pipefail
-STAGE=${1:?usage: drafter_campaign_cpu.sh data|heldout|features|train}
+STAGE=${1:?usage: drafter_campaign_cpu.sh data|heldout|features|train|export}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 export OMP_NUM_THREADS=${THREADS:-1} MKL_NUM_THREADS=${THREADS:-1}
 DATA=${DATA:-data/regen-mix-smollm2}
 HELDOUT=${HELDOUT:-data/heldout-smollm2}
+RUN=${RUN:-runs/campaign}
+CAMPAIGN=${CAMPAIGN:-checkpoints/campaign-smollm2}
 
 case "$STAGE" in
 data)
@@ -82,19 +89,77 @@ features)
         --dtype fp32 --features-dtype fp32
     ;;
 train)
-    RUN=${RUN:-runs/campaign}
     # the recipe (issue 29 item 3): 4 sequences x 64 anchors x 8 accumulated = 2,048 blocks per optimizer step,
-    # peak lr 1e-4 on one cosine of 2,000 steps across every resume, EMA 0.995, loss over slots 1-8
-    resume=()
-    ls "$RUN"/checkpoints/checkpoint-*/trainer_state.json >/dev/null 2>&1 && resume=(--resume)
-    hf-diffspec train kd --init checkpoints/smollm2-135m-instruct-dflash --data "$DATA" data/regen-smollm2 \
+    # peak lr 1e-4 on one cosine of 2,000 steps across every resume and machine, EMA 0.995, loss over slots 1-8
+    TOTAL=2000
+    # features of shards written since the last run (the cache writes only what is missing)
+    hf-diffspec data features "$DATA" data/regen-smollm2 --drafter checkpoints/smollm2-135m-instruct-dflash \
+        --dtype fp32 --features-dtype fp32
+    start=(--init checkpoints/smollm2-135m-instruct-dflash --max_steps "$TOTAL")
+    if ls "$RUN"/checkpoints/checkpoint-*/trainer_state.json >/dev/null 2>&1; then
+        # this machine's run goes on, to the end of the curve whatever step it started at
+        done_before=$(python -c "import sys, torch; from hf_diffspec.trainers.pipeline import last_complete_checkpoint
+print(torch.load(last_complete_checkpoint(sys.argv[1]) / 'training_args.bin', weights_only=False).schedule_start)" \
+            "$RUN/checkpoints")
+        start=(--init checkpoints/smollm2-135m-instruct-dflash --max_steps $((TOTAL - done_before)) --resume)
+    elif [ -f "$CAMPAIGN/campaign.json" ]; then
+        read -r step tokens < <(python -c "import json, sys; c = json.load(open(sys.argv[1]))
+print(c['schedule_step'], c['training_tokens'])" "$CAMPAIGN/campaign.json")
+        start=(--init "$CAMPAIGN" --max_steps $((TOTAL - step)) --schedule-start "$step" --tokens-seen-start "$tokens")
+        # the committed curve is this run's too: its measurements append to it
+        mkdir -p "$RUN" && cp "$CAMPAIGN/offline_acceptance.jsonl" "$RUN/offline_acceptance.jsonl"
+    fi
+    hf-diffspec train kd "${start[@]}" --data "$DATA" data/regen-smollm2 \
         --out "$RUN" --batch-size 4 --num-anchors 64 --grad-accum 8 --max-length 512 --lr 1e-4 \
-        --schedule-steps 2000 --warmup_steps 20 --max_steps 2000 --ema-decay 0.995 --loss-depth 8 \
+        --schedule-steps "$TOTAL" --warmup_steps 20 --ema-decay 0.995 --loss-depth 8 \
         --cached-features --save_steps 5 --logging_steps 1 --offline-acceptance-steps 10 --offline-acceptance-data "$HELDOUT" \
-        --offline-acceptance-sequences 60 "${resume[@]}"
+        --offline-acceptance-sequences 60
+    ;;
+export)
+    python - "$RUN" "$CAMPAIGN" <<'EOF'
+import json, shutil, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from hf_diffspec import DiffusionDrafter, load_target
+from hf_diffspec.trainers.pipeline import last_complete_checkpoint
+
+run, campaign = Path(sys.argv[1]), Path(sys.argv[2])
+checkpoint = last_complete_checkpoint(run / "checkpoints")
+if checkpoint is None:
+    sys.exit(f"no complete checkpoint under {run}/checkpoints to export")
+state = json.loads((checkpoint / "trainer_state.json").read_text())
+args = torch.load(checkpoint / "training_args.bin", weights_only=False)
+target, _ = load_target("smollm2-135m-instruct", dtype=torch.float32)
+drafter = DiffusionDrafter.from_pretrained(checkpoint, target=target)
+average = checkpoint / "ema.safetensors"
+if average.exists():  # the average is what ships and what the next run continues
+    _, unexpected = drafter.load_state_dict(load_file(average), strict=False)
+    assert not unexpected, unexpected
+aside = campaign.with_name(campaign.name + ".partial")
+shutil.rmtree(aside, ignore_errors=True)
+drafter.to(torch.bfloat16).save_pretrained(aside)
+step = args.schedule_start + state["global_step"]
+(aside / "campaign.json").write_text(json.dumps({
+    "schedule_step": step, "schedule_steps": args.schedule_steps, "training_tokens": state["num_input_tokens_seen"],
+    "from_checkpoint": checkpoint.name, "learning_rate": args.learning_rate, "ema_decay": args.ema_decay}, indent=1))
+# the curve: every line measured up to this step (the run's file holds the earlier runs' lines too); a step
+# measured twice keeps its last line
+lines = {}
+for path in (campaign / "offline_acceptance.jsonl", run / "offline_acceptance.jsonl"):
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["step"] <= step:
+                lines[record["step"]] = line
+(aside / "offline_acceptance.jsonl").write_text("".join(lines[k] + "\n" for k in sorted(lines)))
+shutil.rmtree(campaign, ignore_errors=True)
+aside.rename(campaign)
+print(f"exported step {step} ({state['num_input_tokens_seen']} training tokens) to {campaign}")
+EOF
     ;;
 *)
-    echo "unknown stage $STAGE (data | heldout | features | train)" >&2
+    echo "unknown stage $STAGE (data | heldout | features | train | export)" >&2
     exit 2
     ;;
 esac

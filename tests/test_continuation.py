@@ -1,6 +1,8 @@
 """The continuation recipe: an EMA of the weights that survives a resume, one cosine whose length a resumed run
 keeps, and a loss truncated at a depth."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -8,7 +10,7 @@ from transformers import TrainerCallback
 
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer
 from hf_diffspec.trainers.configs import DrafterTrainingArguments
-from hf_diffspec.trainers.continuation import EMA_FILE, EMACallback, WarmupCosine
+from hf_diffspec.trainers.continuation import EMA_FILE, ContinuedRun, EMACallback, WarmupCosine
 from helpers import tiny_drafter, tiny_target
 
 VOCAB = 32
@@ -93,6 +95,26 @@ def test_one_cosine_across_resumes_keeps_the_length_it_started_with(target_and_r
     assert schedule(0) > 0 and schedule(1) < schedule(2) == 1.0 and schedule(10) == schedule(50) == 0.0
 
 
+def test_a_run_continued_on_another_machine_follows_the_same_cosine_and_counts_on(target_and_records, tmp_path):
+    """No checkpoint travels, only the drafter: the continuation starts at --schedule-start on the same curve, and its
+    training tokens count on from --tokens-seen-start."""
+    target, records = target_and_records
+    lrs = lambda trainer: {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}  # noqa: E731
+    straight = make_trainer(target, records, tmp_path / "straight", max_steps=6, save_steps=100, schedule_steps=10,
+                            warmup_steps=2)
+    straight.train()
+    continued = make_trainer(target, records, tmp_path / "continued", [ContinuedRun(1000)], max_steps=2,
+                             save_steps=100, schedule_steps=10, warmup_steps=2, schedule_start=4,
+                             tokens_seen_start=1000)
+    continued.train()
+    assert lrs(continued)[1] == pytest.approx(lrs(straight)[5]) and lrs(continued)[2] == pytest.approx(lrs(straight)[6])
+    assert lrs(continued)[1] < 1e-2  # past the warmup and the peak: no second warmup
+    seen = continued.state.num_input_tokens_seen
+    assert 1000 < seen < 1000 + straight.state.num_input_tokens_seen
+    with pytest.raises(ValueError, match="--schedule-steps"):
+        DrafterTrainingArguments(output_dir=str(tmp_path / "x"), schedule_start=4)
+
+
 def test_the_loss_leaves_slots_deeper_than_its_depth_out(target_and_records, tmp_path, monkeypatch):
     target, records = target_and_records
     seen = []
@@ -131,3 +153,26 @@ def test_train_kd_with_an_ema_saves_the_average(real_target, tmp_path):
     raw, saved = load_file(out / "checkpoints" / "checkpoint-3" / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in average.items())
     assert not all(torch.equal(raw[k], v) for k, v in average.items())
+
+
+def test_a_continued_run_logs_its_curve_steps_and_keeps_them_when_resumed(real_target, tmp_path):
+    from hf_diffspec.trainers.data import write_generated_data
+    from hf_diffspec.trainers.pipeline import train_drafter
+
+    tokenizer = real_target[1]
+    target = tiny_target("llama", seed=3, vocab_size=len(tokenizer))
+    data = tmp_path / "data"
+    write_generated_data(target, tokenizer, "tiny", data, num_samples=2, max_new_tokens=12, batch_size=2,
+                         prompts=[{"id": "a", "prompt": "Say hi."}, {"id": "b", "prompt": "Count to three."}])
+    common = dict(output_dir=str(tmp_path / "run"), num_layers=1, block_size=4, num_anchors=4,
+                  per_device_train_batch_size=2, learning_rate=1e-2, bf16=False, save_steps=1, schedule_steps=8,
+                  offline_acceptance_steps=1, offline_acceptance_data=[str(data)])
+    # another machine took 2 steps and saw 100 tokens; this one takes 2 more, then is resumed for a third
+    train_drafter(target, tokenizer, "tiny", [str(data)],
+                  DrafterTrainingArguments(max_steps=2, schedule_start=2, tokens_seen_start=100, **common), command="t")
+    train_drafter(target, tokenizer, "tiny", [str(data)],
+                  DrafterTrainingArguments(max_steps=3, resume=True, **common), command="t")
+    lines = [json.loads(line) for line in (tmp_path / "run" / "offline_acceptance.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [2, 3, 4, 5]
+    tokens = [line["training_tokens"] for line in lines]
+    assert tokens[0] == 100 and tokens == sorted(tokens) and tokens[-1] > tokens[0]

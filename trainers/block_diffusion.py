@@ -208,7 +208,8 @@ class BlockDiffusionTrainer(Trainer):
         if self.time_budget:
             self.time_budget.start()
         if self.args.schedule_steps:
-            schedule = WarmupCosine(self.args.schedule_steps, self.args.get_warmup_steps(self.args.schedule_steps))
+            schedule = WarmupCosine(self.args.schedule_steps, self.args.get_warmup_steps(self.args.schedule_steps),
+                                    start=self.args.schedule_start)
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, schedule)
             return self.lr_scheduler
         if not self.time_budget:

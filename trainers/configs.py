@@ -146,6 +146,17 @@ class DrafterTrainingArguments(TrainingArguments):
                           "this run (restored from the checkpoint, whatever a later run passes), while each run stops "
                           "at its own --max_steps or --time-budget: one curve across machines."},
     )
+    schedule_start: int = field(
+        default=0,
+        metadata={"help": "Optimizer steps that earlier runs (on other machines) took on the --schedule-steps curve, "
+                          "continued here from the drafter they left (--init): the cosine and the logged steps count "
+                          "on from there. Adam's moments start afresh (they are twice the drafter's size, so they do "
+                          "not travel). With --resume the checkpoint's own value is kept."},
+    )
+    tokens_seen_start: int = field(
+        default=0, metadata={"help": "Training tokens those earlier runs saw (with --schedule-start): the logged "
+                                     "training tokens count on from there."}
+    )
     ema_decay: float = field(
         default=0.0,
         metadata={"help": "Keep an exponential moving average of the weights with this decay per optimizer step "
@@ -186,6 +197,9 @@ class DrafterTrainingArguments(TrainingArguments):
             self.use_cpu = not torch.cuda.is_available()
         if self.bf16 is None:
             self.bf16 = fast_bf16("cpu" if self.use_cpu else None)
+        if (self.schedule_start or self.tokens_seen_start) and not self.schedule_steps:
+            raise ValueError("--schedule-start / --tokens-seen-start continue a --schedule-steps curve: pass "
+                             "--schedule-steps (the curve's total length) too")
         if self.offline_acceptance_steps > 0 and not self.offline_acceptance_data:
             raise ValueError("--offline-acceptance-steps measures on held-out sequences: pass --offline-acceptance-data "
                              "DIR (e.g. data/heldout-smollm2, written by examples/drafter_campaign_cpu.sh heldout)")

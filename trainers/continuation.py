@@ -25,18 +25,33 @@ logger = logging.getLogger(__name__)
 
 class WarmupCosine:
     """Learning-rate factor at optimizer step `step`: linear warmup over `warmup_steps`, then a cosine to 0 at
-    `total_steps` (and 0 after it)."""
+    `total_steps` (and 0 after it). `start`: steps earlier runs took on this curve (a run that continues another
+    machine's from its drafter): this run's step 0 is the curve's step `start`."""
 
-    def __init__(self, total_steps: int, warmup_steps: int):
+    def __init__(self, total_steps: int, warmup_steps: int, start: int = 0):
         if total_steps < 1:
             raise ValueError(f"the schedule needs at least one step, got {total_steps}")
         self.total_steps, self.warmup_steps = total_steps, min(warmup_steps, total_steps - 1)
+        self.start = start
 
     def __call__(self, step: int) -> float:
+        step += getattr(self, "start", 0)  # (a scheduler state saved before `start` existed has none)
         if step < self.warmup_steps:
             return (step + 1) / (self.warmup_steps + 1)
         frac = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         return 0.5 * (1 + math.cos(math.pi * frac))
+
+
+class ContinuedRun(TrainerCallback):
+    """A run that continues another machine's (`--schedule-start`, `--tokens-seen-start`): its training tokens count
+    on from the earlier runs' total, so the logged curve is one curve."""
+
+    def __init__(self, tokens_seen_start: int):
+        self.tokens_seen_start = tokens_seen_start
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:  # a resumed run has the count in its checkpoint already
+            state.num_input_tokens_seen = self.tokens_seen_start
 
 
 class EMACallback(TrainerCallback):

@@ -186,7 +186,7 @@ class OfflineAcceptanceCallback(HeldOutTauCallback):
     def write(self, drafter, state, start: float) -> None:
         report = offline_acceptance(self.trainer, drafter, self.dataset, self.max_sequences)
         report.pop("committed_per_step")
-        line = {"step": state.global_step, "training_tokens": state.num_input_tokens_seen, **report,
+        line = {"step": self.curve_step(state), "training_tokens": state.num_input_tokens_seen, **report,
                 "seconds": round(time.perf_counter() - start, 1)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as log:  # one whole line per write: a kill leaves earlier lines intact

@@ -42,7 +42,7 @@ from .block_diffusion import (
     loss_curve_summary,
 )
 from .configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig, VariablePrefixConfig
-from .continuation import EMACallback, ema_callback
+from .continuation import ContinuedRun, EMACallback, ema_callback
 from .data import DrafterDataset, classify_domain, process_shard_writer, sharegpt_exchanges
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"]
@@ -148,6 +148,10 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
                 f"--resume: no checkpoint under {out / 'checkpoints'} to resume from (only a checkpoint-N folder "
                 "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
             )
+        # a run that continued another machine's (--schedule-start) keeps its place on the curve: the logged steps
+        # count from there (its cosine is in the scheduler state that the checkpoint restores)
+        saved = torch.load(resume_from / "training_args.bin", weights_only=False)  # written by the Trainer, above
+        args.schedule_start = getattr(saved, "schedule_start", 0)
     vocab_size = target.get_input_embeddings().num_embeddings
     mask_token_id = resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size)
     drafter = build_drafter(target, args, mask_token_id)
@@ -185,6 +189,8 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         data_collator=collator,
     )
     base = (lambda: build_drafter(target, args, mask_token_id)) if args.lora else None  # what LoRA merges into
+    if args.tokens_seen_start:  # before the measuring callbacks: they log the tokens seen
+        trainer.add_callback(ContinuedRun(args.tokens_seen_start))
     if args.ema_decay:  # before the measuring callbacks: they measure the average
         if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
             raise ValueError("--ema-decay averages whole weights on every process; under FSDP or DeepSpeed they are "
@@ -265,13 +271,17 @@ class HeldOutTauCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         # the main process's reading of the log decides for all (it may be writing to it while another reads)
-        measured = broadcast_object_list([state.global_step in read_heldout_tau(self.path)])[0]
+        measured = broadcast_object_list([self.curve_step(state) in read_heldout_tau(self.path)])[0]
         if not measured:
             self.measure(state)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.every == 0:
             self.measure(state)
+
+    def curve_step(self, state) -> int:
+        """The step on the run's curve: this run's optimizer steps after those of the runs it continues."""
+        return state.global_step + self.trainer.args.schedule_start
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.global_step % self.every:
@@ -290,7 +300,7 @@ class HeldOutTauCallback(TrainerCallback):
         drafter.config.draft_tree_budget = None  # chains of the whole block, whatever the checkpoint's defaults
         drafter.config.prompt_lookup_num_tokens = None
         tau = heldout_tau(self.trainer.target, self.tokenizer, drafter, self.prompts, self.max_new_tokens)
-        line = {"step": state.global_step, "training_tokens": state.num_input_tokens_seen, "tau": tau.pop("all"),
+        line = {"step": self.curve_step(state), "training_tokens": state.num_input_tokens_seen, "tau": tau.pop("all"),
                 "tau_per_domain": tau, "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
                 "seconds": round(time.perf_counter() - start, 1)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
