@@ -136,15 +136,22 @@ def test_the_loss_leaves_slots_deeper_than_its_depth_out(target_and_records, tmp
     assert len(depth_1) == int((everything == 1.0).sum())  # the same slot-1 rows, none lost
 
 
-def test_train_kd_with_an_ema_saves_the_average(real_target, tmp_path):
+def _tiny_target_and_its_answers(real_target, tmp_path):
+    """A tiny target with SmolLM2's vocabulary and a data directory of its own greedy answers to two prompts."""
     from hf_diffspec.trainers.data import write_generated_data
-    from hf_diffspec.trainers.pipeline import train_drafter
 
     tokenizer = real_target[1]
     target = tiny_target("llama", seed=3, vocab_size=len(tokenizer))
     data = tmp_path / "data"
     write_generated_data(target, tokenizer, "tiny", data, num_samples=2, max_new_tokens=12, batch_size=2,
                          prompts=[{"id": "a", "prompt": "Say hi."}, {"id": "b", "prompt": "Count to three."}])
+    return target, tokenizer, data
+
+
+def test_train_kd_with_an_ema_saves_the_average(real_target, tmp_path):
+    from hf_diffspec.trainers.pipeline import train_drafter
+
+    target, tokenizer, data = _tiny_target_and_its_answers(real_target, tmp_path)
     cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "run"), num_layers=1, block_size=4, num_anchors=4,
                                    per_device_train_batch_size=2, max_steps=3, learning_rate=1e-2, bf16=False,
                                    save_steps=3, ema_decay=0.6)
@@ -156,14 +163,9 @@ def test_train_kd_with_an_ema_saves_the_average(real_target, tmp_path):
 
 
 def test_a_continued_run_logs_its_curve_steps_and_keeps_them_when_resumed(real_target, tmp_path):
-    from hf_diffspec.trainers.data import write_generated_data
     from hf_diffspec.trainers.pipeline import train_drafter
 
-    tokenizer = real_target[1]
-    target = tiny_target("llama", seed=3, vocab_size=len(tokenizer))
-    data = tmp_path / "data"
-    write_generated_data(target, tokenizer, "tiny", data, num_samples=2, max_new_tokens=12, batch_size=2,
-                         prompts=[{"id": "a", "prompt": "Say hi."}, {"id": "b", "prompt": "Count to three."}])
+    target, tokenizer, data = _tiny_target_and_its_answers(real_target, tmp_path)
     common = dict(output_dir=str(tmp_path / "run"), num_layers=1, block_size=4, num_anchors=4,
                   per_device_train_batch_size=2, learning_rate=1e-2, bf16=False, save_steps=1, schedule_steps=8,
                   offline_acceptance_steps=1, offline_acceptance_data=[str(data)])

@@ -35,7 +35,7 @@ class WarmupCosine:
         self.start = start
 
     def __call__(self, step: int) -> float:
-        step += getattr(self, "start", 0)  # (a scheduler state saved before `start` existed has none)
+        step += self.start
         if step < self.warmup_steps:
             return (step + 1) / (self.warmup_steps + 1)
         frac = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
