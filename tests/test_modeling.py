@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
-from hf_diffspec.runtime.kv_cache import keep_accepted_paths
+from hf_diffspec.runtime.kv_cache import gather_slots
 from hf_diffspec.modeling import default_target_layer_ids
 from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
 from helpers import tiny_drafter, tiny_family_target, tiny_target
@@ -197,7 +197,7 @@ def test_tree_forward_and_compaction_equal_plain_forwards(kind, attn):
             assert torch.allclose(out.logits[row, node], ref, atol=1e-5)
     paths = [trees[0].path_to(4), [0]]  # a non-prefix path 0 -> 1 -> 3 -> 4; the chain accepts only its root
     padded = torch.tensor([p + [p[-1]] * (4 - len(p)) for p in paths])
-    keep_accepted_paths(cache, 9, paths, padded, tokens.shape[1])
+    gather_slots(cache, 9, padded)
     assert cache.get_seq_length() == 9 + 4
     valid = torch.ones(2, 13, dtype=torch.bool)
     valid[1, 10:] = False  # the second row kept one slot; the rest of its column is not its own

@@ -81,3 +81,23 @@ def test_host_time_bench_reports_host_time_and_torch_calls_per_step():
         assert r["torch_calls_per_step"] > 10
     assert drafter.config.draft_tree_budget is None  # the bench puts the drafter's config back
     assert "torch calls / step" in host_time_markdown(results)
+
+
+def test_torch_calls_per_step_grow_with_the_targets_depth_only_by_the_caches_crop():
+    """Accepted tree paths stay in the slots the verify forward wrote them to (the nodes off them are hidden, and
+    dropped every few dozen slots): per step the loop touches each K/V layer only to crop it (two views), where moving
+    the accepted paths together took a gather and a write per tensor and layer on every step whose path was not its
+    tree's first slots (here: prompt-lookup branches)."""
+    calls = {}
+    for layers in (2, 10):
+        target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0, layers=layers)
+        drafter = tiny_drafter(target, block_size=6, seed=3, draft_tree_budget=10, draft_tree_width=2)
+        ids = _prompts(1)
+        with HostSyncCounter(target, [drafter]) as counter:
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                  num_assistant_tokens=4, prompt_lookup_num_tokens=3, max_new_tokens=32,
+                                  min_new_tokens=32, do_sample=False, return_dict_in_generate=True)
+        assert out.speculation_stats.lookup_tokens > 0
+        steps = counter.per_step_calls[1:]
+        calls[layers] = sum(steps) / len(steps)
+    assert (calls[10] - calls[2]) / 8 <= 3, calls

@@ -6,7 +6,7 @@ import torch
 from hf_diffspec.runtime.best_first_tree import best_first_shape, build_best_first_tree
 from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
 from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
-from helpers import assert_sampling_matches_plain, tiny_drafter, tiny_target
+from helpers import NoisyOracle, assert_sampling_matches_plain, install_oracle, random_ids, tiny_drafter, tiny_target
 
 
 def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
@@ -213,3 +213,42 @@ def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(m
         assert max(slots) == 4 and len(slots) > 10
     else:  # long chains: later chunks were computed when the chain reached them
         assert max(slots) > 4 and max(verified) > 4
+
+
+@pytest.mark.parametrize("compact_after", [4, 10_000])
+def test_accepted_paths_stay_in_place_and_hidden_nodes_are_dropped_in_batches(monkeypatch, compact_after):
+    """Every accepted path sits behind wrong siblings (never its tree's first slots), so the cache holds tree nodes
+    that no row accepted: hidden per row, then dropped by a compaction every `compact_after` hidden slots (4: many
+    times a call) or only at the end (10,000). Both are plain generate's tokens, two rows and one; the cache returned
+    at batch 1 holds the committed tokens alone and goes on exactly like plain generate's."""
+    from hf_diffspec.runtime import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "COMPACT_AFTER_HIDDEN_SLOTS", compact_after)
+    hidden, moves = [], []
+    compact = batch_module.BatchState.compact
+
+    def hidden_slots(batch):
+        return batch.cache_valid.shape[1] - batch._tail_start - max(batch._tail_counts, default=0)
+
+    def recording_compact(self):
+        hidden.append(hidden_slots(self))
+        compact(self)
+        moves.append(hidden[-1] - hidden_slots(self))
+
+    monkeypatch.setattr(batch_module.BatchState, "compact", recording_compact)
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    for rows in (2, 1):
+        ids = random_ids(4, 8, rows=rows)
+        reference = target.generate(ids, max_new_tokens=40, do_sample=False)
+        install_oracle(monkeypatch, NoisyOracle(list(reference), vocab_size=128, noise=0.2, branches=2, seed=rows))
+        hidden.clear(), moves.clear()
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                              return_dict_in_generate=True)
+        assert torch.equal(out.sequences, reference[:, :out.sequences.shape[1]])
+        assert out.speculation_stats.tau > 1.5 and max(hidden) > 0
+        assert sum(m > 0 for m in moves) > (2 if compact_after == 4 else 0)
+        assert max(hidden) < compact_after + 6 * 3  # hidden slots never outgrow the threshold by more than a tree
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1  # the last token is not cached yet
+    following = target.generate(out.sequences, cache=out.cache, max_new_tokens=10, do_sample=False)
+    assert torch.equal(following, reference[:, : following.shape[1]])

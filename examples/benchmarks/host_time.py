@@ -4,7 +4,10 @@ so that the loop's own work dominates: our loop (chains, best-first trees, trees
 weights, every call generating the same number of tokens (min_new_tokens). Timings on a shared machine are
 indicative: read the ratios within one run.
 
-    python examples/benchmarks/host_time.py [--device cuda] [--max-new-tokens 64] [--json out.json]
+    python examples/benchmarks/host_time.py [--device cuda] [--max-new-tokens 64] [--layers 4] [--json out.json]
+
+`--layers 36` gives the target an 8B model's depth (Qwen3-8B, Llama-3-8B: 32-36 layers) at the same tiny width: what
+the loop does per layer of the KV cache (crop, move accepted tree paths) then shows in the host time and calls.
 """
 
 import argparse
@@ -32,10 +35,11 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--layers", type=int, default=4, help="target layers (the drafter has one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    target = tiny_llama(4, 0, args.device)
+    target = tiny_llama(args.layers, 0, args.device)
     torch.manual_seed(1)
     # MASK is a target token (3) so that z-lab's package can load the same drafter
     drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8, mask_token_id=3,

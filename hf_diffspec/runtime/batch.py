@@ -2,8 +2,9 @@
 
 `BatchState` owns everything that must change together when rows accept different numbers of tokens or finish:
 the per-row committers (tokens, scores, stopping), the rows still decoding, their anchors, the validity of every
-cached slot per row (left padding and slots of drafts another row accepted are invisible to a row), the target's KV
-cache and the drafter's context caches. The loop only calls `accept`, `keep_accepted` and `drop_finished`.
+cached slot per row (left padding, slots of drafts another row accepted and tree nodes off a row's accepted path are
+invisible to it), the target's KV cache and the drafter's context caches. The loop only calls `accept`,
+`keep_accepted`, `drop_finished` and, at the end, `compact`.
 
 Stopping follows plain `generate` exactly (`_sample` in transformers 5.24): when the stopping criteria include an EOS
 criterion, a row that stops is padded with `pad_token_id` until the batch ends; without one, a stopped row goes on
@@ -29,7 +30,7 @@ from transformers import (
     SuppressTokensLogitsProcessor,
 )
 
-from .kv_cache import crop_attention, keep_accepted_paths
+from .kv_cache import crop_attention, gather_slots
 from .tree import TreeLayout, host_to_device, index_range
 from .verification import choose_token, choose_token_among_drafts
 
@@ -39,6 +40,10 @@ PREFIX_FREE_PROCESSORS = (SuppressTokensLogitsProcessor, InfNanRemoveLogitsProce
 LENGTH_GATED_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
                            SuppressTokensAtBeginLogitsProcessor, ForcedBOSTokenLogitsProcessor,
                            ForcedEOSTokenLogitsProcessor)
+# hidden slots in the cache's tail (tree nodes off the accepted paths) that trigger a compaction: moving the accepted
+# nodes together every step costs a gather and a write per K/V tensor per step, a fixed cost per layer that an
+# 8B target's 36 layers pay on every step; a few dozen hidden slots cost the attention next to nothing
+COMPACT_AFTER_HIDDEN_SLOTS = 64
 
 
 def _inactive(processor, lengths: range) -> bool:
@@ -215,6 +220,13 @@ class BatchState:
         # on the device, each active row's anchor position (see `start`), advanced by what each step keeps
         self.root_position_tensor = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
         self.cache_all_valid = False  # known on the host: every active row may see every cached slot
+        # known on the host: every active row sees every slot it committed or was prompted with (no padding, rows in
+        # step); unlike `cache_all_valid`, blind to the tail's hidden tree nodes (the drafter's context has none)
+        self.rows_all_valid = False
+        # the cache's tail: from `_tail_start` on, slots may be hidden tree nodes; per active row, how many of them
+        # it sees (on the host)
+        self._tail_start = 0
+        self._tail_counts: list[int] = []
         self.root_shift: list[int] = []  # per row: root position - committed length (see `start`)
         self.cut_tokens: dict[int, int] = {}  # per row: committed tokens cut back when the batch ended
         self._room: torch.Tensor | None = None  # on the device, tokens each active row may still commit
@@ -244,7 +256,8 @@ class BatchState:
         count); the host keeps each row's root position as its committed length + a shift (one read, here), the
         device as `root_position_tensor`."""
         self.root_position_tensor = self.cache_valid.sum(-1) + position_offset
-        self.cache_all_valid = bool(self.cache_valid.all())
+        self.cache_all_valid = self.rows_all_valid = bool(self.cache_valid.all())
+        self._tail_start, self._tail_counts = self.cache_valid.shape[1], [0] * len(self.active)
         self.root_shift = (self.root_position_tensor - 1 - prompt_length).tolist()
 
     @property
@@ -379,13 +392,17 @@ class BatchState:
 
     def keep_accepted(self, paths: list[list[int]], hidden_states, num_slots: int) -> None:
         """Keep each row's accepted path in the target's cache, mark its slots valid for that row only, and hand
-        their target features to the drafter."""
+        their target features to the drafter.
+
+        The accepted nodes stay in the slots the tree forward wrote them to: the slots after the last accepted node
+        of every row are cropped, and the nodes before it that a row did not accept stay, hidden by its validity mask
+        (a node's key carries its own position, whatever its slot) until `compact` drops them."""
         device = self.cache_valid.device
-        past = self.cache_valid.shape[1]
         roots = self.root_position_tensor
         lengths = [len(p) for p in paths]
         kept = max(lengths)
-        # a path whose last node is its length - 1 is its tree's first slots (nodes are numbered after their parents)
+        span = max(p[-1] for p in paths) + 1  # slots up to the last accepted node (nodes follow their parents)
+        # a path whose last node is its length - 1 is its tree's first slots
         prefixes = all(p[-1] == len(p) - 1 for p in paths)
         if self._accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
             nodes, counts = self._accepted
@@ -393,19 +410,40 @@ class BatchState:
         else:
             padded = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
             counts = host_to_device(lengths, device)
-        if prefixes:  # the accepted slots are in place: drop the rest
-            if num_slots > kept:
-                crop_attention(self.cache, num_slots - kept)
-        else:
-            keep_accepted_paths(self.cache, past, paths, padded, num_slots)
+        if num_slots > span:
+            crop_attention(self.cache, num_slots - span)
         offsets = index_range(kept, device)
         accepted = offsets[None] < counts[:, None]
-        all_valid = self.cache_all_valid and min(lengths) == kept
-        self.cache_all_valid = all_valid
-        self.cache_valid = torch.cat([self.cache_valid, accepted], dim=1)
+        if prefixes:  # nothing hidden but a shorter row's tail
+            visible = accepted
+        else:  # a padding entry may point past `span`; it adds nothing
+            visible = torch.zeros(len(paths), span, dtype=torch.long, device=device).scatter_add_(
+                1, padded.clamp(max=span - 1), accepted.long()) > 0
+        self.rows_all_valid = self.rows_all_valid and min(lengths) == kept
+        self.cache_all_valid = self.cache_all_valid and self.rows_all_valid and prefixes
+        self.cache_valid = torch.cat([self.cache_valid, visible], dim=1)
+        self._tail_counts = [c + n for c, n in zip(self._tail_counts, lengths)]
         index = slice(0, kept) if prefixes else padded
-        self.drafting.add_context(hidden_states, index, roots[:, None] + offsets, accepted, all_valid=all_valid)
+        self.drafting.add_context(hidden_states, index, roots[:, None] + offsets, accepted,
+                                  all_valid=self.rows_all_valid)
         self.root_position_tensor = roots + counts  # each row's next anchor follows the tokens it kept
+        if self.cache_valid.shape[1] - self._tail_start - max(self._tail_counts) >= COMPACT_AFTER_HIDDEN_SLOTS:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the slots of the cache's tail that no row sees: each row's visible tail slots move to the tail's
+        front in order, and the cache is cropped to the row that has the most (one gather and one write per K/V
+        tensor, every `COMPACT_AFTER_HIDDEN_SLOTS` hidden slots, and at the end of the call)."""
+        start, counts = self._tail_start, self._tail_counts
+        tail = self.cache_valid[:, start:]
+        if not counts or tail.shape[1] == max(counts):
+            return
+        # per row, its visible slots first, in order (a stable sort puts hidden after visible)
+        order = torch.sort((~tail).to(torch.uint8), dim=1, stable=True).indices[:, : max(counts)]
+        gather_slots(self.cache, start, order)
+        self.cache_valid = torch.cat([self.cache_valid[:, :start], tail.gather(1, order)], dim=1)
+        self._tail_start, self._tail_counts = start + min(counts), [c - min(counts) for c in counts]
+        self.cache_all_valid = self.rows_all_valid
 
     def _finished(self, committer: RowCommitter) -> bool:
         if (not self.pads_stopped_rows and committer.stopped_at is not None
@@ -435,6 +473,7 @@ class BatchState:
         self.cache.batch_select_indices(index)
         self.drafting.select_rows(index)
         self.cache_valid = self.cache_valid[index]
+        self._tail_counts = [self._tail_counts[i] for i in keep]
         self.root_position_tensor = self.root_position_tensor[index]
         if self._room is not None:
             self._room = self._room[index]

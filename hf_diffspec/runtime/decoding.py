@@ -15,8 +15,10 @@ target itself picks.
                                            processors and criteria need no exact prefix per position); else token
                                            by token (logits processors, stopping criteria, streamer)
         lookup.record_verified         ──► which lookup drafts were accepted, per depth and match length
-        batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache; their target features become the
-                                           drafter's new context
+        batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache where the forward wrote them (the
+                                           nodes off them hidden per row, dropped every few dozen slots: no
+                                           per-layer move each step); their target features become the drafter's
+                                           new context
         recurrent.keep_accepted(paths) ──► linear-attention targets (chains, batch size 1): a cut chain's recurrent
                                            states put back and advanced through the accepted tokens
                                            (`recurrent_state.py`)
@@ -270,6 +272,7 @@ def speculative_generate(
 
     if streamer is not None:
         streamer.end()
+    batch.compact()  # the returned cache holds no hidden tree nodes
     sequences = batch.sequences(pad_token_id(generation_config))
     for row, tokens in batch.cut_tokens.items():
         stats.cut_back(row, tokens)
