@@ -21,10 +21,15 @@
 #          not committed: ~11 KiB a token; rebuilt on a new machine, resuming by shard): the train stage then runs no
 #          target forward, about half of its step.
 # train:   the continuation recipe (below) on the shards written so far, resumed by step from $RUN/checkpoints on the
-#          machine that wrote them (~300 MB a checkpoint, never committed), with the offline acceptance length every
+#          machine that wrote them (~300 MB a checkpoint, never committed), on the shards whose features it cached
+#          at its start ($RUN/data: the data stage may go on writing), with the offline acceptance length every
 #          10 optimizer steps in $RUN/offline_acceptance.jsonl. On a machine without them it continues the committed
 #          campaign state ($CAMPAIGN: the drafter the last export left, its step on the cosine and its training
-#          tokens; Adam's moments start afresh), else it starts from the shipped drafter.
+#          tokens; Adam's moments start afresh), else it starts from the shipped drafter. A drafter without a reduced
+#          draft vocabulary first gets one of VOCAB tokens (default 16384; 0: the full vocabulary), the most frequent
+#          response tokens of the data and of 20,000 ShareGPT answers, same weights (`hf-diffspec convert
+#          --reduce-vocab`), kept in $RUN/init: the LM head over 16,384 rows instead of 49,152 makes a step ~2.2x
+#          faster (examples/benchmarks/train_step.py) and costs ~0.2% of tau (docs/training.md).
 # export:  the latest checkpoint of $RUN as the committed campaign state: its weight average in bf16 (~25 MB, a
 #          drafter folder that loads like any other), campaign.json (step, training tokens) and the whole curve
 #          (offline_acceptance.jsonl: the earlier runs' lines and this run's); written aside, then swapped in.
@@ -95,21 +100,45 @@ train)
     # features of shards written since the last run (the cache writes only what is missing)
     hf-diffspec data features "$DATA" data/regen-smollm2 --drafter checkpoints/smollm2-135m-instruct-dflash \
         --dtype fp32 --features-dtype fp32
-    start=(--init checkpoints/smollm2-135m-instruct-dflash --max_steps "$TOTAL")
+    VOCAB=${VOCAB:-16384}
+    init=checkpoints/smollm2-135m-instruct-dflash
+    more=(--max_steps "$TOTAL")
     if ls "$RUN"/checkpoints/checkpoint-*/trainer_state.json >/dev/null 2>&1; then
-        # this machine's run goes on, to the end of the curve whatever step it started at
+        # this machine's run goes on, to the end of the curve whatever step it started at, from the drafter it
+        # started from (its vocabulary is the checkpoints')
         done_before=$(python -c "import sys, torch; from hf_diffspec.trainers.pipeline import last_complete_checkpoint
 print(torch.load(last_complete_checkpoint(sys.argv[1]) / 'training_args.bin', weights_only=False).schedule_start)" \
             "$RUN/checkpoints")
-        start=(--init checkpoints/smollm2-135m-instruct-dflash --max_steps $((TOTAL - done_before)) --resume)
-    elif [ -f "$CAMPAIGN/campaign.json" ]; then
-        read -r step tokens < <(python -c "import json, sys; c = json.load(open(sys.argv[1]))
+        [ -f "$RUN/init/config.json" ] && init=$RUN/init
+        more=(--max_steps $((TOTAL - done_before)) --resume)
+    else
+        if [ -f "$CAMPAIGN/campaign.json" ]; then
+            read -r step tokens < <(python -c "import json, sys; c = json.load(open(sys.argv[1]))
 print(c['schedule_step'], c['training_tokens'])" "$CAMPAIGN/campaign.json")
-        start=(--init "$CAMPAIGN" --max_steps $((TOTAL - step)) --schedule-start "$step" --tokens-seen-start "$tokens")
-        # the committed curve is this run's too: its measurements append to it
-        mkdir -p "$RUN" && cp "$CAMPAIGN/offline_acceptance.jsonl" "$RUN/offline_acceptance.jsonl"
+            init=$CAMPAIGN
+            more=(--max_steps $((TOTAL - step)) --schedule-start "$step" --tokens-seen-start "$tokens")
+            # the committed curve is this run's too: its measurements append to it
+            mkdir -p "$RUN" && cp "$CAMPAIGN/offline_acceptance.jsonl" "$RUN/offline_acceptance.jsonl"
+        fi
+        if [ "$VOCAB" != 0 ] && ! grep -q '"draft_vocab_size": [0-9]' "$init/config.json"; then
+            # the campaign's draft vocabulary, chosen once: the drafter carries it from then on
+            rm -rf "$RUN/init" "$RUN/init.partial"
+            hf-diffspec convert "$init" --reduce-vocab "$VOCAB" --data "$DATA" data/regen-smollm2 \
+                --sharegpt-responses 20000 --out "$RUN/init.partial"
+            mv "$RUN/init.partial" "$RUN/init"
+            init=$RUN/init
+        fi
     fi
-    hf-diffspec train kd "${start[@]}" --data "$DATA" data/regen-smollm2 \
+    # the shards whose features are cached now (hard links; the data stage may write more while this run trains)
+    snapshot=$RUN/data
+    rm -rf "$snapshot" && mkdir -p "$snapshot"
+    ln "$DATA/meta.json" "$snapshot/"
+    ln -s "$(realpath "$DATA/target-features")" "$snapshot/target-features"
+    for cached in "$DATA"/target-features/shard-*.safetensors; do
+        shard=$(basename "$cached" .safetensors)
+        ln "$DATA/$shard.npz" "$DATA/$shard.json" "$snapshot/"
+    done
+    hf-diffspec train kd --init "$init" "${more[@]}" --data "$snapshot" data/regen-smollm2 \
         --out "$RUN" --batch-size 4 --num-anchors 64 --grad-accum 8 --max-length 512 --lr 1e-4 \
         --schedule-steps "$TOTAL" --warmup_steps 20 --ema-decay 0.995 --loss-depth 8 \
         --cached-features --save_steps 5 --logging_steps 1 --offline-acceptance-steps 10 --offline-acceptance-data "$HELDOUT" \

@@ -5,10 +5,12 @@ each in a fresh process.
 
     python examples/benchmarks/train_step.py --anchors 64,512 --settings 0:live,16:live,16:cached,16:cached:8 --reps 3
 
-A setting is ROWS:FEATURES[:DEPTH]: ROWS blocks per attention row (`--blocks-per-row`; 0 is one row per sequence,
-the dense mask the step used before rows), FEATURES `live` (a target forward in the step) or `cached` (the target's
-features and argmax read from the batch, as `--cached-features` gives them; computed once here, untimed), DEPTH the
-`--loss-depth` (default: every slot). Sequences are random tokens (`--seq-len`, a `--prompt-len` prompt, the rest
+A setting is ROWS:FEATURES[:DEPTH[:VOCAB]]: ROWS blocks per attention row (`--blocks-per-row`; 0 is one row per
+sequence, the dense mask the step used before rows), FEATURES `live` (a target forward in the step) or `cached` (the
+target's features and argmax read from the batch, as `--cached-features` gives them; computed once here, untimed),
+DEPTH the `--loss-depth` (default, or 0: every slot), VOCAB a reduced draft vocabulary of that many target tokens (the
+most frequent response tokens of data/regen-smollm2, as `hf-diffspec convert --reduce-vocab` picks them; default:
+the full vocabulary). Sequences are random tokens (`--seq-len`, a `--prompt-len` prompt, the rest
 response) with every slot of every block supervised (no target-consistent labels): the LM head's worst case, the
 same in every setting. Prints one line per setting, then a JSON summary.
 """
@@ -28,17 +30,26 @@ from hf_diffspec import DiffusionDrafter, load_target
 from hf_diffspec.machine import machine_description
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer
 from hf_diffspec.trainers.configs import DrafterTrainingArguments
+from hf_diffspec.trainers.draft_vocabulary import most_frequent_tokens
 
 DRAFTER = "checkpoints/smollm2-135m-instruct-dflash"
 
 
 def setup(args):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    target, _ = load_target("smollm2-135m-instruct", dtype=dtype)
+    target, tokenizer = load_target("smollm2-135m-instruct", dtype=dtype)
     drafter = DiffusionDrafter.from_pretrained(DRAFTER, target=target, length_head=False)
     config = DrafterTrainingArguments(output_dir=tempfile.mkdtemp(), bf16=False, report_to=[], disable_tqdm=True,
                                       target_consistent_labels=False)
     trainer = BlockDiffusionTrainer(model=drafter, args=config, train_dataset=[], target=target)
+    vocabularies = {}  # size -> the draft vocabulary's ids, built once per size
+
+    def draft_vocabulary(size: int) -> torch.Tensor:
+        if size not in vocabularies:
+            vocabularies[size] = most_frequent_tokens(["data/regen-smollm2"], size, tokenizer=tokenizer)
+        return vocabularies[size]
+
+    trainer.draft_vocabulary = draft_vocabulary
     generator = torch.Generator().manual_seed(0)
     records = [{"input_ids": torch.randint(2, target.config.vocab_size, (args.seq_len,), generator=generator),
                 "prompt_length": args.prompt_len} for _ in range(args.batch_size)]
@@ -46,10 +57,16 @@ def setup(args):
 
 
 def parse_setting(text: str) -> dict:
-    rows, features, *depth = text.split(":")
-    if features not in ("live", "cached") or len(depth) > 1:
-        raise SystemExit(f"a setting is ROWS:live|cached[:DEPTH], got {text!r}")
-    return {"blocks_per_row": int(rows), "features": features, "loss_depth": int(depth[0]) if depth else None}
+    rows, features, *rest = text.split(":")
+    if features not in ("live", "cached") or len(rest) > 2:
+        raise SystemExit(f"a setting is ROWS:live|cached[:DEPTH[:VOCAB]], got {text!r}")
+    depth, vocab = (int(x) or None for x in (rest + ["0", "0"])[:2])
+    return {"blocks_per_row": int(rows), "features": features, "loss_depth": depth, "draft_vocab": vocab}
+
+
+def use_draft_vocabulary(trainer, size: int | None) -> None:
+    """Train over the `size` most frequent response tokens, or the full vocabulary (None)."""
+    trainer.model.set_draft_vocabulary(None if size is None else trainer.draft_vocabulary(size))
 
 
 def with_cached_features(trainer, batch) -> dict:
@@ -61,6 +78,7 @@ def with_cached_features(trainer, batch) -> dict:
 def step(trainer, batches, setting: dict) -> float:
     trainer.args.blocks_per_row = setting["blocks_per_row"]
     trainer.args.loss_depth = setting["loss_depth"]
+    use_draft_vocabulary(trainer, setting["draft_vocab"])
     batch = batches[setting["features"]]
     trainer.model.zero_grad(set_to_none=True)
     start = time.perf_counter()
