@@ -33,6 +33,8 @@
 # export:  the latest checkpoint of $RUN as the committed campaign state: its weight average in bf16 (~25 MB, a
 #          drafter folder that loads like any other), campaign.json (step, training tokens) and the whole curve
 #          (offline_acceptance.jsonl: the earlier runs' lines and this run's); written aside, then swapped in.
+#          Each export adds ~25 MB to the repository's history: export when the curve has moved or every ~200
+#          steps, not every session; a machine that keeps $RUN resumes from its own checkpoints without one.
 #
 # Stop a stage with `kill -- -PGID` of its process group (nohup keeps the group of the shell that started it) or
 # `kill PID` of its python process; a rerun resumes. Pause it while anything is timed (kill -STOP / -CONT).
