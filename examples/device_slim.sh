@@ -3,16 +3,20 @@
 # does not ignore, at most 64 MiB a call. The tracked tree holds three ~25 MB drafters (the shipped DFlash drafter,
 # the D2SD VP drafter and the CPU campaign's state), more than that. `slim` takes the checkpoints a device run does
 # not read out of git's index and ignores them in .git/info/exclude (the files stay on disk; nothing is committed);
-# `restore` puts them back. Between the two, commit nothing: a commit would record their removal.
+# `restore` puts back what `slim` took out. Between the two, commit nothing: a commit would record their removal.
 #
 #   bash examples/device_slim.sh slim       # then the device calls (examples/gpu_check.sh reads no checkpoint)
 #   bash examples/device_slim.sh restore
 #   bash examples/device_slim.sh size       # MiB that would travel now
 #
-# SLIM_PATHS overrides the checkpoints taken out (space-separated, relative to the repository root).
+# SLIM_PATHS overrides the checkpoints taken out (space-separated, relative to the repository root); SLIM_PATHS=all
+# takes out every checkpoint (the drafter campaign's lease carries the shipped drafter itself:
+# examples/drafter_campaign.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-read -r -a paths <<< "${SLIM_PATHS:-checkpoints/campaign-smollm2 checkpoints/smollm2-135m-instruct-d2sd-vp}"
+slim_paths=${SLIM_PATHS:-checkpoints/campaign-smollm2 checkpoints/smollm2-135m-instruct-d2sd-vp}
+[ "$slim_paths" = all ] && slim_paths=$(git ls-files checkpoints | cut -d/ -f1-2 | sort -u | tr '\n' ' ')
+read -r -a paths <<< "$slim_paths"
 marker="# examples/device_slim.sh: left out of device runs until 'restore'"
 exclude=$(git rev-parse --git-path info/exclude)
 
@@ -38,17 +42,21 @@ slim)
     echo "slim: $(travelling_mib) MiB would travel (limit 64). Commit nothing until 'bash examples/device_slim.sh restore'."
     ;;
 restore)
-    git reset -q HEAD -- "${paths[@]}"
-    if [ -f "$exclude" ]; then  # drop the marker and the lines after it that slim wrote
-        python3 - "$exclude" "$marker" "${paths[@]}" <<'EOF'
+    # the paths slim wrote after its marker, whatever SLIM_PATHS says now; the marker and those lines go
+    mapfile -t paths < <(python3 - "$exclude" "$marker" <<'EOF'
 import sys
-path, marker, *paths = sys.argv[1:]
-written = {marker, *(f"/{p}/" for p in paths)}
-lines = open(path).read().splitlines()
-kept = [line for line in lines if line not in written]
-open(path, "w").write("".join(line + "\n" for line in kept))
+from itertools import takewhile
+from pathlib import Path
+path, marker = Path(sys.argv[1]), sys.argv[2]
+lines = path.read_text().splitlines() if path.exists() else []
+if marker in lines:
+    at = lines.index(marker)
+    taken = list(takewhile(lambda line: line.startswith("/checkpoints/"), lines[at + 1:]))
+    print("\n".join(line.strip("/") for line in taken))
+    path.write_text("".join(line + "\n" for line in lines[:at] + lines[at + 1 + len(taken):]))
 EOF
-    fi
+    )
+    [ "${#paths[@]}" -gt 0 ] && git reset -q HEAD -- "${paths[@]}"
     echo "restored: $(travelling_mib) MiB would travel"
     ;;
 size)

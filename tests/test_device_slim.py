@@ -1,5 +1,6 @@
 """`examples/device_slim.sh`: what a device call sends stays under its 64 MiB, and the checkout comes back as it was."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,8 +18,10 @@ def test_device_slim_keeps_what_travels_under_64_mib_and_restores_the_index(tmp_
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "t"],
                    cwd=clone, check=True)
 
-    def slim(action: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(script), action], cwd=clone, capture_output=True, text=True, check=check)
+    def slim(action: str, check: bool = True, paths: str | None = None) -> subprocess.CompletedProcess:
+        env = {**os.environ, "SLIM_PATHS": paths} if paths else None
+        return subprocess.run(["bash", str(script), action], cwd=clone, capture_output=True, text=True, check=check,
+                              env=env)
 
     exclude = clone / ".git" / "info" / "exclude"
     exclude_before = exclude.read_text() if exclude.exists() else ""
@@ -29,6 +32,16 @@ def test_device_slim_keeps_what_travels_under_64_mib_and_restores_the_index(tmp_
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
     assert status and all(line.startswith("D  checkpoints/") for line in status.splitlines())
     assert "already slim" in slim("slim", check=False).stderr
+    slim("restore")
+    assert float(slim("size").stdout) == before
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout == ""
+    assert (exclude.read_text() if exclude.exists() else "") == exclude_before
+
+    # every checkpoint out (the drafter campaign's lease), and `restore` without SLIM_PATHS puts back all of them
+    slim("slim", paths="all")
+    assert float(slim("size").stdout) < 8
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
+    assert "checkpoints/smollm2-135m-instruct-dflash/" in status
     slim("restore")
     assert float(slim("size").stdout) == before
     assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout == ""
