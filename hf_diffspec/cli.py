@@ -222,8 +222,18 @@ def cmd_eval(args) -> None:
     from .drafters import load_drafter
     from .runtime.files import atomic_write
     from .trainers.data import DrafterDataset
-    from .trainers.offline_acceptance import measuring_trainer, offline_acceptance
+    from .trainers.offline_acceptance import measuring_trainer, offline_acceptance, paired_tau_difference
 
+    base = None
+    if args.against:  # read before measuring: a wrong path fails at once
+        try:
+            with open(args.against) as f:
+                base = json.load(f)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--against {args.against}: {error}") from None
+        if "sequence_tau_sums" not in base:
+            raise SystemExit(f"--against {args.against}: a report without per-sequence sums (written before paired "
+                             "comparisons existed): measure that drafter again with --json")
     target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
     try:
         drafter = load_drafter(args.drafter, target, args.target, length_head=False)
@@ -239,6 +249,13 @@ def cmd_eval(args) -> None:
     if report["unjudged_blocks"]:
         print(f"{report['unjudged_blocks']} blocks stopped where the text is not this target's own greedy choice "
               "(data written in another precision or by another target)")
+    if args.against:
+        try:
+            difference, se = paired_tau_difference(report, base)
+        except ValueError as error:
+            raise SystemExit(f"--against {args.against}: {error}") from None
+        print(f"tau - tau of {base.get('config', {}).get('drafter') or args.against}: {difference:+.4f} ± {se:.4f} "
+              f"(paired over the same {len(report['sequence_blocks'])} sequences and {report['blocks']} blocks)")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "func"}
         atomic_write(args.json, json.dumps({"config": config, **report}, indent=1))
@@ -433,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     acceptance.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     acceptance.add_argument("--device", default=None)
     acceptance.add_argument("--json", default=None, help="write the report (per domain, per slot, per step) here")
+    acceptance.add_argument("--against", default=None, metavar="REPORT.json",
+                            help="another drafter's --json report on the same data: print the difference in tau with "
+                                 "its paired standard error")
     acceptance.set_defaults(func=cmd_eval)
 
     push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")

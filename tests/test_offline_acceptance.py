@@ -12,7 +12,8 @@ from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, BlockDiffusionTrainer
 from hf_diffspec.trainers.configs import DrafterTrainingArguments
 from hf_diffspec.trainers.offline_acceptance import (
-    block_drafts, decode_walk, measuring_trainer, offline_acceptance, sequence_inputs, summarize,
+    block_drafts, decode_walk, measuring_trainer, offline_acceptance, paired_tau_difference, sequence_inputs,
+    summarize,
 )
 from helpers import tiny_drafter, tiny_target
 
@@ -134,6 +135,31 @@ def test_decode_walk_and_summary():
     mean = 11 / 6
     expected = ((1 + 2 + 3 + 1 - 4 * mean) ** 2 + (2 + 2 - 2 * mean) ** 2) ** 0.5 / 6
     assert report["tau_se"] == round(expected, 4)
+
+
+def test_two_drafters_on_the_same_sequences_compare_paired(trained):
+    """The paired difference is the difference of the two taus, with a standard error from the per-sequence
+    differences (smaller than either tau's own when the drafters agree on most blocks); reports on other sequences
+    are refused."""
+    target, drafter, trainer, prompts, records = trained
+    untrained = tiny_drafter(target, block_size=BLOCK, seed=5).float().eval()
+    after = offline_acceptance(trainer, drafter, records)
+    before = offline_acceptance(trainer, untrained, records)
+    difference, se = paired_tau_difference(after, before)
+    assert difference == pytest.approx(sum(after["sequence_tau_sums"]) / after["blocks"]
+                                       - sum(before["sequence_tau_sums"]) / before["blocks"])
+    assert round(difference, 3) == round(after["tau"] - before["tau"], 3) and difference > 0
+    blocks = after["sequence_blocks"]
+    deltas = [a - b for a, b in zip(after["sequence_tau_sums"], before["sequence_tau_sums"])]
+    expected = sum((d - n * difference) ** 2 for d, n in zip(deltas, blocks)) ** 0.5 / sum(blocks)
+    assert se == pytest.approx(expected) and se > 0
+    same, zero = paired_tau_difference(after, after)
+    assert same == 0 and zero == 0
+    fewer = offline_acceptance(trainer, drafter, records[:4])
+    with pytest.raises(ValueError, match="different sequences"):
+        paired_tau_difference(fewer, before)
+    with pytest.raises(ValueError, match="measure both drafters again"):
+        paired_tau_difference({k: v for k, v in after.items() if k != "sequence_tau_sums"}, before)
 
 
 def test_a_variable_prefix_trainer_is_refused(trained):

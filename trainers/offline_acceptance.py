@@ -166,8 +166,30 @@ def offline_acceptance(trainer: BlockDiffusionTrainer, model, dataset: DrafterDa
     report = summarize(per_sequence, block_size)
     domains = sorted({r["domain"] for r in per_sequence})
     report["per_domain"] = {d: summarize([r for r in per_sequence if r["domain"] == d], block_size) for d in domains}
+    # per sequence, what a paired comparison of two drafters on the same sequences needs (`paired_tau_difference`)
+    report["sequence_blocks"] = [len(r["taus"]) for r in per_sequence]
+    report["sequence_tau_sums"] = [int(r["taus"].sum()) for r in per_sequence]
     report["committed_per_step"] = [r["steps"] for r in per_sequence]
     return report
+
+
+def paired_tau_difference(report: dict, base: dict) -> tuple[float, float]:
+    """tau of `report` minus tau of `base`, two `offline_acceptance` reports on the same sequences (hence the same
+    blocks), with the sequence-clustered standard error of the difference: both drafters are judged on every block,
+    so most of what makes each tau uncertain (which sequences, which blocks) cancels."""
+    for name in ("sequence_blocks", "sequence_tau_sums"):
+        if name not in report or name not in base:
+            raise ValueError(f"a report without {name!r} (written before paired comparisons existed): measure both "
+                             "drafters again with `hf-diffspec eval acceptance --json`")
+    if report["sequence_blocks"] != base["sequence_blocks"]:
+        raise ValueError("the two reports were measured on different sequences or blocks (other --data, "
+                         "--max-sequences or target): measure both on the same ones")
+    blocks = report["sequence_blocks"]
+    deltas = [a - b for a, b in zip(report["sequence_tau_sums"], base["sequence_tau_sums"])]
+    total = sum(blocks)
+    mean = sum(deltas) / total
+    clustered = sum((d - n * mean) ** 2 for d, n in zip(deltas, blocks))  # as `summarize`'s, on the differences
+    return mean, math.sqrt(clustered) / total
 
 
 class OfflineAcceptanceCallback(HeldOutTauCallback):
