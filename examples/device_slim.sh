@@ -8,6 +8,8 @@
 #   bash examples/device_slim.sh slim       # then the device calls (examples/gpu_check.sh reads no checkpoint)
 #   bash examples/device_slim.sh restore
 #   bash examples/device_slim.sh size       # MiB that would travel now
+#   bash examples/device_slim.sh wheels [DIR]   # the libraries a GPU image lacks or holds older, as wheels in DIR
+#                                               # (default .device-wheels, ignored: carry it; examples/device_env.sh)
 #
 # SLIM_PATHS overrides the checkpoints taken out (space-separated, relative to the repository root); SLIM_PATHS=all
 # takes out every checkpoint (the drafter campaign's lease carries the shipped drafter itself:
@@ -62,8 +64,16 @@ EOF
 size)
     travelling_mib
     ;;
+wheels)
+    # the versions installed here of what the image lacks (gguf) or holds older (transformers, peft); ~14 MiB
+    dir=${2:-.device-wheels}
+    mkdir -p "$dir"
+    pins=$(python -m pip freeze | grep -i -E '^(transformers|gguf|peft)==')
+    python -m pip download -q --no-deps --only-binary=:all: -d "$dir" $pins
+    du -sh "$dir"
+    ;;
 *)
-    echo "usage: bash examples/device_slim.sh slim|restore|size" >&2
+    echo "usage: bash examples/device_slim.sh slim|restore|size|wheels [DIR]" >&2
     exit 2
     ;;
 esac

@@ -19,10 +19,10 @@
 #   SCALE=tiny DEVICE=cpu bash examples/drafter_campaign.sh run                      # every step, minutes, CPU
 #
 # What `run` needs beside the repository: the PyPI wheels that hold the target's weights (SmolLM2's Q4_1 GGUF, its
-# smallest exact form, 89 MiB) and the data (ShareGPT prompts, the held-out prompt sets), the pure-Python wheels of the
-# libraries this project needs beyond PyTorch, and the shipped drafter it starts from. The bundle holds the whole
-# repository and the ShareGPT wheel (~180 MB); the lease's payload holds the shipped drafter and the 16,384 prompts
-# drawn here instead (~135 MiB in 3 calls).
+# smallest exact form, 89 MiB) and the data (ShareGPT prompts, the held-out prompt sets), the wheels of the libraries
+# a GPU image lacks or holds older (examples/device_env.sh), and the shipped drafter it starts from. The bundle holds
+# the whole repository and the ShareGPT wheel (~170 MB); the lease's payload holds the shipped drafter and the 16,384
+# prompts drawn here instead (~120 MiB in 3 calls).
 # Results (drafter, heldout_tau.jsonl, the curve's table, bench JSON) are written to $RESULTS (default runs/campaign);
 # when $OUT is set they are also packed there as pieces of at most 15 MiB with their SHA256SUMS (a device call
 # returns at most 8 files of 16 MiB), which `join` checks and unpacks.
@@ -33,7 +33,7 @@ LEASE_MIB=64  # what one device call may send
 LEASE_PROMPTS=${LEASE_PROMPTS:-16384}  # ShareGPT prompts drawn for the lease (fewer in tests)
 STASH=.campaign-stash  # on the device: where the parts wait for the last one (ignored, so kept between calls)
 
-stage_wheels() {  # DIR [sharegpt]: DIR/cache/wheels (target, data) and DIR/wheels (libraries beyond PyTorch)
+stage_wheels() {  # DIR [sharegpt]: DIR/cache/wheels (target, data) and DIR/wheels (libraries)
     mkdir -p "$1/cache/wheels" "$1/wheels"
     python - "$1/cache/wheels" "${2:-}" <<'EOF'
 import shutil, sys
@@ -46,10 +46,7 @@ if sys.argv[2] == "sharegpt":
 for requirement in needed:
     shutil.copy(fetch_wheel(requirement), sys.argv[1])
 EOF
-    # the versions installed here, of the pure-Python libraries a GPU image with PyTorch may lack or hold older
-    local pins
-    pins=$(python -m pip freeze | grep -i -E '^(transformers|gguf|peft|accelerate|huggingface.hub|tqdm)==')
-    python -m pip download -q --no-deps --only-binary=:all: -d "$1/wheels" $pins
+    bash "$ROOT/examples/device_slim.sh" wheels "$1/wheels" >/dev/null  # what a GPU image lacks or holds older
 }
 
 travelling_mib() {  # what a device call sends now, before carried paths
@@ -143,10 +140,8 @@ run)
     cd "$ROOT"
     BUNDLE=${BUNDLE:-$([ -d "$STASH/bundle" ] && echo "$ROOT/$STASH/bundle" || echo "$ROOT")}
     [ -d "$BUNDLE/cache/wheels" ] && export HF_DIFFSPEC_CACHE=${HF_DIFFSPEC_CACHE:-$BUNDLE/cache}
-    if ! command -v hf-diffspec >/dev/null; then  # a bare GPU image: the libraries travelled as wheels
-        python -m pip install -q --no-index --no-deps --upgrade "$BUNDLE"/wheels/*.whl
-        python -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT"
-    fi
+    . examples/device_env.sh
+    device_env "$BUNDLE/wheels"  # the libraries that travelled as wheels, and this project, first on PYTHONPATH
     INIT=checkpoints/smollm2-135m-instruct-dflash
     [ -f "$BUNDLE/drafter/model.safetensors" ] && INIT=$BUNDLE/drafter
     DEVICE=${DEVICE:-cuda}

