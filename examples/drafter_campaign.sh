@@ -49,11 +49,6 @@ EOF
     bash "$ROOT/examples/device_slim.sh" wheels "$1/wheels" >/dev/null  # what a GPU image lacks or holds older
 }
 
-travelling_mib() {  # what a device call sends now, before carried paths
-    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s -- 2>/dev/null) \
-        | awk '{ total += $1 } END { printf "%.1f\n", total / 1048576 }'
-}
-
 case "$MODE" in
 bundle)
     out=${2:?usage: drafter_campaign.sh bundle OUT.tar}
@@ -71,7 +66,7 @@ lease)
     # here: the payload cut into parts that fit beside the travelling tree, one part a call, and the calls to make
     cd "$ROOT"
     lease=.campaign-lease
-    tree=$(travelling_mib)
+    tree=$(bash examples/device_slim.sh size)  # what every call sends before its carried part
     part_mib=$(python3 -c "import math; print(math.floor($LEASE_MIB - $tree - 1))")  # 1 MiB to spare
     if [ "$part_mib" -lt 8 ]; then
         echo "$tree MiB of the tree would travel with every call, leaving no room for the payload: run" \
@@ -91,7 +86,7 @@ lease)
         "$stage/prompts.jsonl" "$stage/payload/prompts.jsonl.xz"
     tar -cf "$stage/payload.tar" -C "$stage/payload" .
     sum=$(sha256sum "$stage/payload.tar" | cut -c1-16)
-    rm -rf "$lease" && mkdir -p "$stage/parts"
+    rm -rf "$lease" "$lease.partial" && mkdir -p "$stage/parts"
     split -b "${part_mib}M" -d -a 2 "$stage/payload.tar" "$stage/parts/part-"
     parts=("$stage"/parts/part-*)
     n=${#parts[@]}
