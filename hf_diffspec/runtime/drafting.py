@@ -292,6 +292,11 @@ class DiffusionCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         pass  # the verified length is the policy's decision, made in `propose`
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most drafts one step proposes (transformers >= 5.25 sizes a croppable cache's history by it)."""
+        return self.block_size - 1
+
 
 class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
     """D²SD: the first drafter's block per row, then K branches re-drafted from the prefix lengths where rejection is

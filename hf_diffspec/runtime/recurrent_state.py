@@ -67,7 +67,7 @@ class RecurrentStates:
         # Qwen3.5's GatedDeltaNet modules carry their layer's type and index
         self.layers = {module.layer_idx: module for module in model.modules()
                        if getattr(module, "layer_type", None) == "linear_attention" and hasattr(module, "layer_idx")}
-        self.saved: dict[int, tuple[dict, dict]] = {}
+        self.saved: dict[int, tuple] = {}  # layer index: (conv states, recurrent states, token count or None)
         self.inputs: dict[int, object] = {}
         self.replays = 0
 
@@ -82,8 +82,11 @@ class RecurrentStates:
     def _recording(self):
         for index in self.layers:
             layer = self.cache.layers[index]
+            # transformers >= 5.25 also counts the tokens a linear layer has seen (its `get_seq_length`)
+            length = getattr(layer, "cumulative_length_linear", None)
             self.saved[index] = ({k: s.clone() for k, s in layer.conv_states.items() if s is not None},
-                                 {k: s.clone() for k, s in layer.recurrent_states.items() if s is not None})
+                                 {k: s.clone() for k, s in layer.recurrent_states.items() if s is not None},
+                                 None if length is None else length.clone())
 
         def record(index, module, args, kwargs):
             self.inputs[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -105,8 +108,10 @@ class RecurrentStates:
             return
         for index, module in self.layers.items():
             layer = self.cache.layers[index]
-            conv, recurrent = saved[index]
+            conv, recurrent, length = saved[index]
             layer.conv_states.update(conv)
             layer.recurrent_states.update(recurrent)
+            if length is not None:
+                layer.cumulative_length_linear.copy_(length)
             module(hidden_states=inputs[index][:, :accepted], cache=self.cache)
         self.replays += 1
