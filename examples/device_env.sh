@@ -4,7 +4,8 @@
 # installed into a private folder put first on PYTHONPATH and PATH; the image's own packages stay as they are. Without
 # them nothing changes. Why: a GPU image holds PyTorch and an older transformers (5.17 on the H200 image, 2026-11),
 # with which the decoding loop fails (its hidden states come back indexed differently); huggingface_hub stays the
-# image's (transformers 5.24 takes >= 1.31, and hub 2.x would need httpx2, which such an image lacks).
+# image's (the carried transformers 5.24 takes >= 1.31; hub 2.x, which 5.25 requires, would need httpx2, which such
+# an image lacks).
 device_env() {
     local wheels=$1 root site
     root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -65,10 +65,12 @@ size)
     travelling_mib
     ;;
 wheels)
-    # the versions installed here of what the image lacks (gguf) or holds older (transformers, peft); ~14 MiB
+    # what the image lacks (gguf) or holds older (transformers, peft), ~14 MiB: gguf and peft as installed here;
+    # transformers 5.24, the newest that takes the image's huggingface_hub 1.x (5.25 needs hub >= 2.4, which needs
+    # httpx2, absent there)
     dir=${2:-.device-wheels}
     mkdir -p "$dir"
-    pins=$(python -m pip freeze | grep -i -E '^(transformers|gguf|peft)==')
+    pins="transformers==${DEVICE_TRANSFORMERS:-5.24.0} $(python -m pip freeze | grep -i -E '^(gguf|peft)==')"
     python -m pip download -q --no-deps --only-binary=:all: -d "$dir" $pins
     du -sh "$dir"
     ;;

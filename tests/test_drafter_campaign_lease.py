@@ -4,11 +4,14 @@ calls of at most 64 MiB each, arrives whole or is refused, and its results come 
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["examples/drafter_campaign.sh", "examples/device_slim.sh", "examples/device_env.sh", ".gitignore"]
@@ -24,6 +27,18 @@ def travelling(repo: Path) -> list[str]:
     """The files a device call sends from `repo`, before carried paths: tracked and untracked-not-ignored."""
     listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo).stdout
     return [name for name in listed.split("\0") if name and (repo / name).is_file()]
+
+
+IMAGE_HUB = "1.33.0"  # the H200 image's huggingface_hub (2026-11)
+
+
+def image_hub_satisfies(wheel: Path, hub_version: str) -> bool:
+    """Whether the transformers in `wheel` accepts huggingface_hub `hub_version` (its Requires-Dist)."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requirement = next(Requirement(line.split(":", 1)[1]) for line in metadata.splitlines()
+                       if line.startswith("Requires-Dist:") and re.match(r"Requires-Dist:\s*huggingface[-_]hub", line, re.I))
+    return requirement.specifier.contains(hub_version)
 
 
 def sha256(path: Path) -> str:
@@ -84,6 +99,7 @@ def test_the_payload_arrives_whole_after_the_last_part_or_is_refused(lease, tmp_
     carried = [p.name.split("-")[0] for p in (bundle / "wheels").iterdir()]
     # huggingface_hub stays the image's: 2.x needs httpx2, which a GPU image lacks (examples/device_env.sh)
     assert sorted(carried) == ["gguf", "peft", "transformers"]
+    assert image_hub_satisfies(next((bundle / "wheels").glob("transformers-*.whl")), IMAGE_HUB)
     assert (bundle / "prompts.jsonl.xz").is_file()
     assert not (device / ".campaign-stash" / "parts").exists()
 
