@@ -20,9 +20,11 @@
 # features: the target's features and argmax for every training sequence, cached once (fp32, DIR/target-features,
 #          not committed: ~11 KiB a token; rebuilt on a new machine, resuming by shard): the train stage then runs no
 #          target forward, about half of its step.
-# train:   the continuation recipe (below) on the shards written so far, resumed by step from $RUN/checkpoints on the
-#          machine that wrote them (~300 MB a checkpoint, never committed), on the shards whose features it cached
-#          at its start ($RUN/data: the data stage may go on writing), with the offline acceptance length every
+# train:   the continuation recipe (below) on the shards written so far (the first $SHARDS of them when set, e.g.
+#          SHARDS=8 on a new machine, so that training starts after ~40 minutes of caching features rather than
+#          hours; run the features stage beside it for the rest), their features cached first, resumed by step from
+#          $RUN/checkpoints on the machine that wrote them (~300 MB a checkpoint, never committed), on the shards it
+#          took at its start ($RUN/data: the data stage may go on writing), with the offline acceptance length every
 #          10 optimizer steps in $RUN/offline_acceptance.jsonl. On a machine without them it continues the committed
 #          campaign state ($CAMPAIGN: the drafter the last export left, its step on the cosine and its training
 #          tokens; Adam's moments start afresh), else it starts from the shipped drafter. A drafter without a reduced
@@ -99,8 +101,18 @@ train)
     # the recipe (issue 29 item 3): 4 sequences x 64 anchors x 8 accumulated = 2,048 blocks per optimizer step,
     # peak lr 1e-4 on one cosine of 2,000 steps across every resume and machine, EMA 0.995, loss over slots 1-8
     TOTAL=2000
-    # features of shards written since the last run (the cache writes only what is missing)
-    hf-diffspec data features "$DATA" data/regen-smollm2 --drafter checkpoints/smollm2-135m-instruct-dflash \
+    # the shards this run trains on: the first $SHARDS complete ones (default: all written so far), as hard links
+    # (the data stage may go on writing); their features are cached first, only those missing (a new machine
+    # rebuilds them all, ~4 minutes a shard on one thread: SHARDS bounds that wait, and the features stage can cache
+    # the rest beside this run for the next one)
+    snapshot=$RUN/data
+    rm -rf "$snapshot" && mkdir -p "$snapshot" "$DATA/target-features"
+    ln "$DATA/meta.json" "$snapshot/"
+    ln -s "$(realpath "$DATA/target-features")" "$snapshot/target-features"
+    for sidecar in $(ls "$DATA"/shard-*.json | head -n "${SHARDS:-100000}"); do
+        ln "$sidecar" "${sidecar%.json}.npz" "$snapshot/"
+    done
+    hf-diffspec data features "$snapshot" data/regen-smollm2 --drafter checkpoints/smollm2-135m-instruct-dflash \
         --dtype fp32 --features-dtype fp32
     VOCAB=${VOCAB:-16384}
     init=checkpoints/smollm2-135m-instruct-dflash
@@ -131,15 +143,6 @@ print(c['schedule_step'], c['training_tokens'])" "$CAMPAIGN/campaign.json")
             init=$RUN/init
         fi
     fi
-    # the shards whose features are cached now (hard links; the data stage may write more while this run trains)
-    snapshot=$RUN/data
-    rm -rf "$snapshot" && mkdir -p "$snapshot"
-    ln "$DATA/meta.json" "$snapshot/"
-    ln -s "$(realpath "$DATA/target-features")" "$snapshot/target-features"
-    for cached in "$DATA"/target-features/shard-*.safetensors; do
-        shard=$(basename "$cached" .safetensors)
-        ln "$DATA/$shard.npz" "$DATA/$shard.json" "$snapshot/"
-    done
     hf-diffspec train kd --init "$init" "${more[@]}" --data "$snapshot" data/regen-smollm2 \
         --out "$RUN" --batch-size 4 --num-anchors 64 --grad-accum 8 --max-length 512 --lr 1e-4 \
         --schedule-steps "$TOTAL" --warmup_steps 20 --ema-decay 0.995 --loss-depth 8 \
