@@ -4,7 +4,6 @@ calls of at most 64 MiB each, arrives whole or is refused, and its results come 
 
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import zipfile
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["examples/drafter_campaign.sh", "examples/device_slim.sh", "examples/device_env.sh", ".gitignore"]
@@ -36,9 +36,10 @@ def image_hub_satisfies(wheel: Path, hub_version: str) -> bool:
     """Whether the transformers in `wheel` accepts huggingface_hub `hub_version` (its Requires-Dist)."""
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    requirement = next(Requirement(line.split(":", 1)[1]) for line in metadata.splitlines()
-                       if line.startswith("Requires-Dist:") and re.match(r"Requires-Dist:\s*huggingface[-_]hub", line, re.I))
-    return requirement.specifier.contains(hub_version)
+    requirements = [Requirement(line.split(":", 1)[1]) for line in metadata.splitlines()
+                    if line.startswith("Requires-Dist:")]
+    hub = next(r for r in requirements if canonicalize_name(r.name) == "huggingface-hub")
+    return hub.specifier.contains(hub_version)
 
 
 def sha256(path: Path) -> str:
