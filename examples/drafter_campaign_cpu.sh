@@ -146,7 +146,7 @@ print(c['schedule_step'], c['training_tokens'])" "$CAMPAIGN/campaign.json")
     hf-diffspec train kd --init "$init" "${more[@]}" --data "$snapshot" data/regen-smollm2 \
         --out "$RUN" --batch-size 4 --num-anchors 64 --grad-accum 8 --max-length 512 --lr 1e-4 \
         --schedule-steps "$TOTAL" --warmup_steps 20 --ema-decay 0.995 --loss-depth 8 \
-        --cached-features --save_steps 5 --logging_steps 1 --offline-acceptance-steps 10 --offline-acceptance-data "$HELDOUT" \
+        --cached-features --save_steps 5 --logging_steps 1 --offline-acceptance-steps 20 --offline-acceptance-data "$HELDOUT" \
         --offline-acceptance-sequences 60
     ;;
 export)
