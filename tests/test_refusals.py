@@ -40,7 +40,11 @@ def test_static_offloaded_and_quantized_caches_are_refused(pair):
     static = StaticCache(config=target.config, max_cache_len=32)
     refused(target, drafter, "a cache of type StaticCache.*Pass a DynamicCache", cache=static)
     refused(target, drafter, "a cache of type StaticCache", past_key_values=static)  # its name before 5.24
-    refused(target, drafter, r"\(offloaded\).*Pass a DynamicCache", cache=DynamicCache(offloading=True))
+    try:
+        offloaded = DynamicCache(offloading=True)
+    except RuntimeError as error:  # a CUDA build of torch without a driver cannot make the cache's prefetch stream
+        pytest.skip(f"DynamicCache(offloading=True) cannot be built on this machine: {error}")
+    refused(target, drafter, r"\(offloaded\).*Pass a DynamicCache", cache=offloaded)
 
 
 def test_encoder_decoder_targets_are_refused(pair):
