@@ -217,6 +217,15 @@ def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
 
 
 @pytest.mark.speculation_gate
+def test_every_gate_of_a_setup_probes_within_the_setups_budget():
+    from hf_diffspec.runtime.gates import SpeculationGates
+
+    gates = SpeculationGates(probe_budget=0.005)
+    made = [gates.drafter, gates.drafter_gate(3), gates.lookups_alone_gate(3), gates.lookups_alone_gate(1)]
+    assert [g.probe_budget for g in made] == [0.005] * 4
+    assert SpeculationGates().drafter_gate(2).probe_budget == 0.02
+
+
 def test_gate_probes_plain_decoding_while_speculation_wins():
     """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
     good: while speculation wins, plain steps are probed too, within the same budget."""

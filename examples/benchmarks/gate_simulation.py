@@ -1,22 +1,31 @@
-"""The speculation gate on simulated steps: what it keeps of speculation that pays, and what it costs where
+"""The speculation gates on simulated steps: what they keep of speculation that pays, and what they cost where
 speculation loses.
 
-    python examples/benchmarks/gate_simulation.py
+    python examples/benchmarks/gate_simulation.py [--probe-budget 0.02]
 
-A speculative step commits 1-4 tokens with probabilities 0.6 / 0.2 / 0.1 / 0.1 (1.7 on average) and costs
-`spec_cost` plain steps (each time x uniform(0.9, 1.1)); a plain step commits 1 token. For each cost, the gate's
-throughput relative to always decoding plainly (3000 tokens, mean over 20 seeds), next to always speculating.
+One gate, batch 1: a speculative step commits 1-4 tokens with probabilities 0.6 / 0.2 / 0.1 / 0.1 (1.7 on average)
+and costs `spec_cost` plain steps (each time x uniform(0.9, 1.1)); a plain step commits 1 token. For each cost, the
+gate's throughput relative to always decoding plainly (3000 tokens, mean over 20 seeds), next to always speculating.
+
+All gates, 16 rows (`SpeculationGates`: the drafter's, and per prompt-lookup match length the drafter-or-not and
+lookups-alone-or-plain ones): 40% of steps have a lookup match (n-gram 1-4, mostly 3); a drafter step costs 3 plain
+steps and commits 1.2 tokens a row, a lookup-only step costs 1.8 plain steps and commits `lookup_tokens` a row (each
+x uniform(0.7-0.8, 1.2-1.3), times x uniform(0.9, 1.1)), as 16 rows measured on the AVX2 EPYC
+(docs/results.md). 2,400 steps, mean over 20 seeds: throughput relative to plain decoding, against the best choice (lookup-only
+steps on every match if they pay, else plain steps), and the steps of each kind. `--probe-budget`: the share of
+decoding time each gate may spend probing the arm that loses (the library's default is 0.02).
 """
 
+import argparse
 import random
 
-from hf_diffspec.runtime.gates import SpeculationGate
+from hf_diffspec.runtime.gates import SpeculationGate, SpeculationGates, StepKind, StepRecord
 
 ACCEPTED, PROBABILITIES = [1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1]
 
 
-def throughput(spec_cost: float, seed: int, tokens_wanted: int = 3000) -> float:
-    rng, gate, seconds, tokens = random.Random(seed), SpeculationGate(), 0.0, 0
+def throughput(spec_cost: float, seed: int, budget: float, tokens_wanted: int = 3000) -> float:
+    rng, gate, seconds, tokens = random.Random(seed), SpeculationGate(budget), 0.0, 0
     while tokens < tokens_wanted:
         speculate = gate.should_speculate(1)
         committed = rng.choices(ACCEPTED, PROBABILITIES)[0] if speculate else 1
@@ -26,9 +35,46 @@ def throughput(spec_cost: float, seed: int, tokens_wanted: int = 3000) -> float:
     return tokens / seconds
 
 
-mean = sum(a * p for a, p in zip(ACCEPTED, PROBABILITIES))
-print("| speculative step cost (plain steps) | always speculating vs plain | gate vs plain |")
-print("|---|---|---|")
-for spec_cost in (1.3, 1.5, 1.7, 2.0, 3.0):
-    gate = sum(throughput(spec_cost, seed) for seed in range(20)) / 20
-    print(f"| {spec_cost} | {mean / spec_cost:.2f}x | {gate:.3f}x |")
+def batched_throughput(lookup_tokens: float, seed: int, budget: float, rows: int = 16, steps: int = 2400,
+                       lookup_cost: float = 1.8) -> tuple[float, dict]:
+    rng, gates, seconds, tokens = random.Random(seed), SpeculationGates(budget), 0.0, 0.0
+    kinds = dict.fromkeys(StepKind, 0)
+    for _ in range(steps):
+        ngram = rng.choice([1, 2, 3, 3, 3, 4]) if rng.random() < 0.4 else 0
+        kind = gates.decide(rows, ngram)
+        if kind is StepKind.DRAFT:
+            cost, committed = 3.0, 1.2 * rows * rng.uniform(0.7, 1.3)
+        elif kind is StepKind.LOOKUP:
+            cost, committed = lookup_cost, lookup_tokens * rows * rng.uniform(0.8, 1.2)
+        else:
+            cost, committed = 1.0, rows
+        cost *= rng.uniform(0.9, 1.1)
+        gates.record(StepRecord(kind, rows, ngram, round(committed), cost, slots=1, verify_seconds=cost))
+        seconds, tokens, kinds[kind] = seconds + cost, tokens + committed, kinds[kind] + 1
+    return tokens / seconds / rows, kinds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--probe-budget", type=float, default=0.02)
+    budget = parser.parse_args().probe_budget
+    mean = sum(a * p for a, p in zip(ACCEPTED, PROBABILITIES))
+    print("| speculative step cost (plain steps) | always speculating vs plain | gate vs plain |")
+    print("|---|---|---|")
+    for spec_cost in (1.3, 1.5, 1.7, 2.0, 3.0):
+        gate = sum(throughput(spec_cost, seed, budget) for seed in range(20)) / 20
+        print(f"| {spec_cost} | {mean / spec_cost:.2f}x | {gate:.3f}x |")
+
+    print("\n| 16 rows: lookup-only tokens a row (cost 1.8) | gates vs plain | best choice vs plain "
+          "| drafter / lookup-only / plain steps |")
+    print("|---|---|---|---|")
+    for lookup_tokens in (1.6, 1.75, 1.9, 2.2):
+        runs = [batched_throughput(lookup_tokens, seed, budget) for seed in range(20)]
+        rate = sum(r for r, _ in runs) / len(runs)
+        counts = " / ".join(f"{sum(k[kind] for _, k in runs) / len(runs):.0f}" for kind in StepKind)
+        best = max(1.0, (0.6 + 0.4 * lookup_tokens) / (0.6 + 0.4 * 1.8))
+        print(f"| {lookup_tokens} | {rate:.3f}x | {best:.3f}x | {counts} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -181,8 +181,9 @@ class SpeculationGates:
     from what another match length measured: at a large batch nearly every step has lookup drafts, and each gate's
     own first drafter probe there costs several plain steps."""
 
-    def __init__(self):
-        self.drafter = SpeculationGate()
+    def __init__(self, probe_budget: float = 0.02):
+        self.probe_budget = probe_budget  # each gate's (`SpeculationGate`)
+        self.drafter = SpeculationGate(probe_budget)
         self.after_match: dict[int, SpeculationGate] = {}
         self.lookups_alone: dict[int, SpeculationGate] = {}
         # the gates a new batch size may start from, in the order they were made (see `SpeculationGate.fallbacks`)
@@ -199,10 +200,9 @@ class SpeculationGates:
         """Without the drafter, after a `lookup_ngram`-token match: verify the lookup drafts alone, or not."""
         return self._family_gate(self.lookups_alone, self._alone_family, lookup_ngram)
 
-    @staticmethod
-    def _family_gate(gates: dict, family: list, lookup_ngram: int) -> SpeculationGate:
+    def _family_gate(self, gates: dict, family: list, lookup_ngram: int) -> SpeculationGate:
         if lookup_ngram not in gates:
-            gate = gates[lookup_ngram] = SpeculationGate()
+            gate = gates[lookup_ngram] = SpeculationGate(self.probe_budget)
             family.append(gate)
             gate.fallbacks = family
         return gates[lookup_ngram]
