@@ -25,7 +25,7 @@
 #          hours; run the features stage beside it for the rest), their features cached first, resumed by step from
 #          $RUN/checkpoints on the machine that wrote them (~300 MB a checkpoint, never committed), on the shards it
 #          took at its start ($RUN/data: the data stage may go on writing), with the offline acceptance length every
-#          10 optimizer steps in $RUN/offline_acceptance.jsonl. On a machine without them it continues the committed
+#          20 optimizer steps in $RUN/offline_acceptance.jsonl. On a machine without them it continues the committed
 #          campaign state ($CAMPAIGN: the drafter the last export left, its step on the cosine and its training
 #          tokens; Adam's moments start afresh), else it starts from the shipped drafter. A drafter without a reduced
 #          draft vocabulary first gets one of VOCAB tokens (default 16384; 0: the full vocabulary), the most frequent

@@ -216,7 +216,6 @@ def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
     assert choices[:3] == [True, True, True] and not choices[3] and sum(choices) <= 6
 
 
-@pytest.mark.speculation_gate
 def test_every_gate_of_a_setup_probes_within_the_setups_budget():
     from hf_diffspec.runtime.gates import SpeculationGates
 
@@ -226,6 +225,7 @@ def test_every_gate_of_a_setup_probes_within_the_setups_budget():
     assert SpeculationGates().drafter_gate(2).probe_budget == 0.02
 
 
+@pytest.mark.speculation_gate
 def test_gate_probes_plain_decoding_while_speculation_wins():
     """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
     good: while speculation wins, plain steps are probed too, within the same budget."""

@@ -10,9 +10,9 @@ gate's throughput relative to always decoding plainly (3000 tokens, mean over 20
 All gates, 16 rows (`SpeculationGates`: the drafter's, and per prompt-lookup match length the drafter-or-not and
 lookups-alone-or-plain ones): 40% of steps have a lookup match (n-gram 1-4, mostly 3); a drafter step costs 3 plain
 steps and commits 1.2 tokens a row, a lookup-only step costs 1.8 plain steps and commits `lookup_tokens` a row (each
-x uniform(0.7-0.8, 1.2-1.3), times x uniform(0.9, 1.1)), as 16 rows measured on the AVX2 EPYC
-(docs/results.md). 2,400 steps, mean over 20 seeds: throughput relative to plain decoding, against the best choice (lookup-only
-steps on every match if they pay, else plain steps), and the steps of each kind. `--probe-budget`: the share of
+x uniform(0.7-0.8, 1.2-1.3), times x uniform(0.9, 1.1)), as 16 rows measured on the AVX2 EPYC (docs/results.md).
+2,400 steps, mean over 20 seeds: throughput relative to plain decoding, against the best choice (lookup-only steps on
+every match if they pay, else plain steps), and the steps of each kind. `--probe-budget`: the share of
 decoding time each gate may spend probing the arm that loses (the library's default is 0.02).
 """
 
