@@ -10,12 +10,11 @@ Methods are reported as `METHOD@a` and `METHOD@b`, with every column `hf-diffspe
 
 import argparse
 
-import torch
-
 from hf_diffspec import load_target
 from hf_diffspec.bench import (
     build_method_drafters, machine_description, machine_markdown, markdown_table, run_benchmark, summarize, write_json,
 )
+from hf_diffspec.cli import DTYPES
 from hf_diffspec.prompts import load_prompts
 
 
@@ -28,9 +27,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=5, help="prompts per domain")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=None, help="as `hf-diffspec bench --rounds`")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    target, tok = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+    target, tok = load_target("smollm2-135m-instruct", dtype=DTYPES[args.dtype])
     machine = machine_description(target)
     print(machine_markdown(machine) + "\n")
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
