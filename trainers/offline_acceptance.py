@@ -41,16 +41,18 @@ DRAFT_ROWS = 64  # blocks whose (rows, slots, vocabulary) logits exist at a time
 
 
 @torch.no_grad()
-def block_drafts(trainer: BlockDiffusionTrainer, model, inputs: dict) -> tuple[torch.Tensor, ...]:
+def block_drafts(trainer: BlockDiffusionTrainer, model, inputs: dict, blocks=None) -> tuple[torch.Tensor, ...]:
     """One training forward over all blocks of `inputs` (the collator's columns) with `model`, the drafter to measure
-    (e.g. a copy in the target's dtype; `trainer` supplies the target and the forward). Returns, per draft slot
-    (batch, anchors, block_size - 1): the greedy draft, the target's token there, whether the slot is judged (inside
-    the sequence, and the text from the anchor to it the target's own greedy choice, whatever the training
-    configuration's target_consistent_labels says) and whether it is inside the sequence."""
+    (e.g. a copy in the target's dtype; `trainer` supplies the target and the forward), or `blocks`, that forward's
+    output where the caller has it. Returns, per draft slot (batch, anchors, block_size - 1): the greedy draft, the
+    target's token there, whether the slot is judged (inside the sequence, and the text from the anchor to it the
+    target's own greedy choice, whatever the training configuration's target_consistent_labels says) and whether it
+    is inside the sequence."""
     if type(trainer).prefix_lengths is not BlockDiffusionTrainer.prefix_lengths:
         raise ValueError(f"{type(trainer).__name__} drafts after a prefix of real tokens; the offline acceptance "
                          "length measures first (DFlash) drafters, whose blocks are [anchor, MASK...]")
-    blocks = trainer.block_forward(model, inputs)
+    if blocks is None:
+        blocks = trainer.block_forward(model, inputs)
     slot_positions, labels = blocks.slot_positions, blocks.labels
     written = inputs["input_ids"].gather(1, slot_positions.flatten(1)).view_as(slot_positions)
     consistent = torch.ones_like(labels, dtype=torch.bool)
@@ -64,10 +66,11 @@ def block_drafts(trainer: BlockDiffusionTrainer, model, inputs: dict) -> tuple[t
 
 
 @torch.no_grad()
-def accepted_drafts(trainer: BlockDiffusionTrainer, model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def accepted_drafts(trainer: BlockDiffusionTrainer, model, inputs: dict,
+                    blocks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch, anchors) leading drafts of each block equal to the target's own continuation (`block_drafts`), and
     whether the block was cut short because the text after them is not the target's own choice."""
-    drafts, labels, judged, in_sequence = block_drafts(trainer, model, inputs)
+    drafts, labels, judged, in_sequence = block_drafts(trainer, model, inputs, blocks)
     accepted = torch.cumprod(((drafts == labels) & judged).long(), -1).sum(-1)
     after = accepted.clamp(max=drafts.shape[-1] - 1)[..., None]  # the draft slot that ended the chain
     cut = (in_sequence & ~judged).gather(-1, after)[..., 0] & (accepted < drafts.shape[-1])

@@ -16,6 +16,7 @@ import torch
 from hf_diffspec import load_target
 from hf_diffspec.cli import DTYPES
 from hf_diffspec.drafters import load_drafter
+from hf_diffspec.runtime.files import atomic_write
 from hf_diffspec.trainers.data import DrafterDataset
 from hf_diffspec.trainers.offline_acceptance import (
     ANCHORS_PER_FORWARD, accepted_drafts, measuring_trainer, sequence_inputs,
@@ -33,9 +34,9 @@ def reach_pairs(trainer, drafter, dataset, max_sequences: int):
         for start in range(0, len(anchors), ANCHORS_PER_FORWARD):
             inputs = sequence_inputs(sequence, prompt_length, anchors[start : start + ANCHORS_PER_FORWARD],
                                      trainer.args.device)
-            accepted, _ = accepted_drafts(trainer, drafter, inputs)
-            hidden = trainer.block_forward(drafter, inputs).hidden[:, :, 1:]
-            reach = torch.cumprod(drafter.length_head(hidden).float().sigmoid(), dim=-1)
+            blocks = trainer.block_forward(drafter, inputs)  # one forward for both the drafts and the head
+            accepted, _ = accepted_drafts(trainer, drafter, inputs, blocks)
+            reach = torch.cumprod(drafter.length_head(blocks.hidden[:, :, 1:]).float().sigmoid(), dim=-1)
             slots = torch.arange(1, reach.shape[-1] + 1)
             predicted.append(reach[0].cpu())
             observed.append((accepted[0].cpu()[:, None] >= slots).float())
@@ -65,9 +66,9 @@ def main() -> None:
         print(f"| {k + 1} | {mean_predicted[k]:.4f} | {mean_observed[k]:.4f} | {ratio:.2f} |")
     print(f"\nexpected tau: predicted {1 + mean_predicted.sum():.4f}, observed {1 + mean_observed.sum():.4f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "blocks": len(predicted), "predicted_reach": mean_predicted.tolist(),
-                       "observed_reach": mean_observed.tolist()}, f, indent=1)
+        atomic_write(args.json, json.dumps({"config": vars(args), "blocks": len(predicted),
+                                            "predicted_reach": mean_predicted.tolist(),
+                                            "observed_reach": mean_observed.tolist()}, indent=1))
 
 
 if __name__ == "__main__":
