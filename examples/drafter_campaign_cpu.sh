@@ -8,12 +8,12 @@
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh train > runs/campaign-train.log 2>&1 &
 #   bash examples/drafter_campaign_cpu.sh export      # then commit checkpoints/campaign-smollm2
 #
-# data:    the target's own greedy answers (batched) to the prompts of examples/campaign_prompts.py, in chunks of
-#          $CHUNK prompts, one committed shard per chunk (uint16 npz) under data/regen-mix-smollm2; a rerun skips the
-#          ids already written, so it resumes at the first unfinished chunk. DTYPE (default bfloat16, as the bench
-#          decodes) sets the target's dtype; on a CPU without native bf16 (AVX2 only) DTYPE=float32 answers ~4x
-#          faster (84-89 against ~20 tokens/s for SmolLM2 at 32-96 rows, 2 threads). Each shard's sidecar records its
-#          dtype; the features cache and the training labels are fp32 either way.
+# data:    the target's own greedy answers (batched) to the first $NUM prompts of examples/campaign_prompts.py (a
+#          longer list starts with a shorter one, so NUM can grow), in chunks of $CHUNK prompts not yet answered, one
+#          committed shard per chunk (uint16 npz) under data/regen-mix-smollm2: a rerun resumes where the last left.
+#          DTYPE (default bfloat16, as the bench decodes) sets the target's dtype; on a CPU without native bf16 (AVX2
+#          only) DTYPE=float32 answers ~4x faster (84-89 against ~20 tokens/s for SmolLM2 at 32-96 rows, 2 threads).
+#          Each shard's sidecar records its dtype; the features cache and the training labels are fp32 either way.
 # heldout: the target's greedy answers, one prompt at a time as the benchmark decodes them, to the held-out prompts
 #          (code/math/chat evaluation sets and the unseen families), under data/heldout-smollm2: the sequences the
 #          offline acceptance length is measured on. Never trained on.
@@ -24,7 +24,8 @@
 #          SHARDS=8 on a new machine, so that training starts after ~40 minutes of caching features rather than
 #          hours; run the features stage beside it for the rest), their features cached first, resumed by step from
 #          $RUN/checkpoints on the machine that wrote them (~300 MB a checkpoint, never committed), on the shards it
-#          took at its start ($RUN/data: the data stage may go on writing), with the offline acceptance length every
+#          took at its start ($RUN/data: the data stage may go on writing; FEATURES=live: no cache, the target runs in
+#          each step, cheaper on a machine that trains less than an epoch), with the offline acceptance length every
 #          20 optimizer steps in $RUN/offline_acceptance.jsonl. On a machine without them it continues the committed
 #          campaign state ($CAMPAIGN: the drafter the last export left, its step on the cosine and its training
 #          tokens; Adam's moments start afresh), else it starts from the shipped drafter. A drafter without a reduced
@@ -54,14 +55,17 @@ CAMPAIGN=${CAMPAIGN:-checkpoints/campaign-smollm2}
 
 case "$STAGE" in
 data)
-    NUM=${NUM:-6000} CHUNK=${CHUNK:-128} GEN_BATCH=${GEN_BATCH:-32} GEN_TOKENS=${GEN_TOKENS:-256}
+    # NUM: 14000 takes every usable ShareGPT prompt (13,822; the first 6,000 were the list until 2026-12-04)
+    NUM=${NUM:-14000} CHUNK=${CHUNK:-128} GEN_BATCH=${GEN_BATCH:-32} GEN_TOKENS=${GEN_TOKENS:-256}
     DTYPE=${DTYPE:-bfloat16}
     mkdir -p "$DATA"
-    # deterministic from the wheel: rebuilt on a new machine (prompts.jsonl is not committed)
-    [ -f "$DATA/prompts.jsonl" ] || python examples/campaign_prompts.py --num "$NUM" --out "$DATA/prompts.jsonl" \
-        --exclude-data data/regen-smollm2
+    # deterministic from the wheel: rebuilt on a new machine or for a larger NUM (prompts.jsonl is not committed)
+    python examples/campaign_prompts.py --num "$NUM" --out "$DATA/prompts.jsonl.partial" --exclude-data data/regen-smollm2
+    mv "$DATA/prompts.jsonl.partial" "$DATA/prompts.jsonl"
     python - "$DATA" "$CHUNK" "$GEN_BATCH" "$GEN_TOKENS" "$DTYPE" <<'EOF'
+import json
 import sys
+from pathlib import Path
 import torch
 from hf_diffspec import load_target
 from hf_diffspec.prompts import load_prompts_file
@@ -70,10 +74,13 @@ from hf_diffspec.trainers.data import write_generated_data
 out, chunk, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 target, tok = load_target("smollm2-135m-instruct", dtype=getattr(torch, sys.argv[5]))
 prompts = load_prompts_file(f"{out}/prompts.jsonl")
-for start in range(0, len(prompts), chunk):  # one shard per chunk: a kill loses at most one chunk
+done = {rid for sidecar in Path(out).glob("shard-*.json") for rid in json.loads(sidecar.read_text())["ids"]}
+todo = [p for p in prompts if p["id"] not in done]
+print(f"{len(prompts) - len(todo)} of {len(prompts)} prompts answered before, {len(todo)} to go", flush=True)
+for start in range(0, len(todo), chunk):  # one shard per chunk: a kill loses at most one chunk
     write_generated_data(target, tok, "smollm2-135m-instruct", out, chunk, max_new_tokens=tokens, batch_size=batch,
-                         prompts=prompts[start : start + chunk], shard_size=chunk)
-    print(f"chunk {start // chunk} done ({min(start + chunk, len(prompts))} of {len(prompts)} prompts)", flush=True)
+                         prompts=todo[start : start + chunk], shard_size=chunk)
+    print(f"chunk done ({min(start + chunk, len(todo))} of {len(todo)} prompts to go)", flush=True)
 EOF
     ;;
 heldout)
@@ -112,8 +119,16 @@ train)
     for sidecar in $(ls "$DATA"/shard-*.json | head -n "${SHARDS:-100000}"); do
         ln "$sidecar" "${sidecar%.json}.npz" "$snapshot/"
     done
-    hf-diffspec data features "$snapshot" data/regen-smollm2 --drafter checkpoints/smollm2-135m-instruct-dflash \
-        --dtype fp32 --features-dtype fp32
+    # FEATURES=live runs the target in every step instead: caching costs one target forward per sequence up front
+    # (~3 hours for 47 shards on one thread), a live step one per sequence it trains on, so on a machine that trains
+    # less than an epoch (~180 steps of 32 sequences) before it goes, live is cheaper
+    features=(--cached-features)
+    if [ "${FEATURES:-cached}" = live ]; then
+        features=()
+    else
+        hf-diffspec data features "$snapshot" data/regen-smollm2 --drafter checkpoints/smollm2-135m-instruct-dflash \
+            --dtype fp32 --features-dtype fp32
+    fi
     VOCAB=${VOCAB:-16384}
     init=checkpoints/smollm2-135m-instruct-dflash
     more=(--max_steps "$TOTAL")
@@ -146,7 +161,7 @@ print(c['schedule_step'], c['training_tokens'])" "$CAMPAIGN/campaign.json")
     hf-diffspec train kd --init "$init" "${more[@]}" --data "$snapshot" data/regen-smollm2 \
         --out "$RUN" --batch-size 4 --num-anchors 64 --grad-accum 8 --max-length 512 --lr 1e-4 \
         --schedule-steps "$TOTAL" --warmup_steps 20 --ema-decay 0.995 --loss-depth 8 \
-        --cached-features --save_steps 5 --logging_steps 1 --offline-acceptance-steps 20 --offline-acceptance-data "$HELDOUT" \
+        "${features[@]}" --save_steps 5 --logging_steps 1 --offline-acceptance-steps 20 --offline-acceptance-data "$HELDOUT" \
         --offline-acceptance-sequences 60
     ;;
 export)

@@ -96,3 +96,23 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
     assert {(r["rows"], r["oracle_tau"]) for r in runs} == {(rows, tau) for rows in (1, 4) for tau in (2, 4, 8)}
     assert all(r["syncs_per_step_max"] <= 3 for r in runs)
 
+
+
+def test_campaign_prompt_lists_grow_by_prefix_and_keep_the_shares():
+    """The data stage answers a list and may later ask for a longer one: the longer list must start with the shorter,
+    and every prefix must hold the families in their shares until a family runs out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("campaign_prompts", ROOT / "examples" / "campaign_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    by_family = {name: [{"id": f"{name}/{i}", "domain": name} for i in range(size)]
+                 for name, size in (("code", 400), ("math", 30), ("chat", 1000))}
+    weights = {"code": 0.3, "math": 0.2, "chat": 0.5}
+    short = module.mixed_order(by_family, weights, 100, seed=0)
+    long = module.mixed_order(by_family, weights, 1000, seed=0)
+    assert long[:100] == short and len({p["id"] for p in long}) == 1000
+    assert [sum(p["domain"] == name for p in short) for name in weights] == [30, 20, 50]
+    # math runs out at 30: the others fill in, in their own ratio
+    counts = {name: sum(p["domain"] == name for p in long) for name in weights}
+    assert counts["math"] == 30 and abs(counts["code"] / counts["chat"] - 0.6) < 0.01
