@@ -8,9 +8,10 @@
 #   nohup nice -n 19 bash examples/drafter_campaign_cpu.sh train > runs/campaign-train.log 2>&1 &
 #   bash examples/drafter_campaign_cpu.sh export      # then commit checkpoints/campaign-smollm2
 #
-# data:    the target's own greedy answers (batched) to the first $NUM prompts of examples/campaign_prompts.py (a
-#          longer list starts with a shorter one, so NUM can grow), in chunks of $CHUNK prompts not yet answered, one
-#          committed shard per chunk (uint16 npz) under data/regen-mix-smollm2: a rerun resumes where the last left.
+# data:    the target's own greedy answers (batched) to the prompts of examples/campaign_prompts.py (ShareGPT's
+#          first turns, then the next turn of each conversation answered so far, after the target's own answers),
+#          in chunks of $CHUNK prompts not yet answered, one committed shard per chunk (uint16 npz) under
+#          data/regen-mix-smollm2: a rerun resumes where the last left.
 #          DTYPE (default bfloat16, as the bench decodes) sets the target's dtype; on a CPU without native bf16 (AVX2
 #          only) DTYPE=float32 answers ~4x faster (84-89 against ~20 tokens/s for SmolLM2 at 32-96 rows, 2 threads).
 #          Each shard's sidecar records its dtype; the features cache and the training labels are fp32 either way.
@@ -55,12 +56,15 @@ CAMPAIGN=${CAMPAIGN:-checkpoints/campaign-smollm2}
 
 case "$STAGE" in
 data)
-    # NUM: 14000 takes every usable ShareGPT prompt (13,822; the first 6,000 were the list until 2026-12-04)
-    NUM=${NUM:-14000} CHUNK=${CHUNK:-128} GEN_BATCH=${GEN_BATCH:-32} GEN_TOKENS=${GEN_TOKENS:-256}
+    # NUM (default: all) caps the list: every usable ShareGPT first turn (13,822; the first 6,000 were the list until
+    # 2026-12-04), then the follow-up turns of the conversations answered so far, each family after its first turns
+    NUM=${NUM:-1000000} CHUNK=${CHUNK:-128} GEN_BATCH=${GEN_BATCH:-32} GEN_TOKENS=${GEN_TOKENS:-256}
     DTYPE=${DTYPE:-bfloat16}
     mkdir -p "$DATA"
-    # deterministic from the wheel: rebuilt on a new machine or for a larger NUM (prompts.jsonl is not committed)
-    python examples/campaign_prompts.py --num "$NUM" --out "$DATA/prompts.jsonl.partial" --exclude-data data/regen-smollm2
+    # deterministic from the wheel and the shards: rebuilt at every start (prompts.jsonl is not committed), so the
+    # turns answered since the last start bring their follow-ups
+    python examples/campaign_prompts.py --num "$NUM" --out "$DATA/prompts.jsonl.partial" --exclude-data data/regen-smollm2 \
+        --follow-ups "$DATA"
     mv "$DATA/prompts.jsonl.partial" "$DATA/prompts.jsonl"
     python - "$DATA" "$CHUNK" "$GEN_BATCH" "$GEN_TOKENS" "$DTYPE" <<'EOF'
 import json
@@ -68,12 +72,11 @@ import sys
 from pathlib import Path
 import torch
 from hf_diffspec import load_target
-from hf_diffspec.prompts import load_prompts_file
 from hf_diffspec.trainers.data import write_generated_data
 
 out, chunk, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 target, tok = load_target("smollm2-135m-instruct", dtype=getattr(torch, sys.argv[5]))
-prompts = load_prompts_file(f"{out}/prompts.jsonl")
+prompts = [json.loads(line) for line in open(f"{out}/prompts.jsonl", encoding="utf-8")]
 done = {rid for sidecar in Path(out).glob("shard-*.json") for rid in json.loads(sidecar.read_text())["ids"]}
 todo = [p for p in prompts if p["id"] not in done]
 print(f"{len(prompts) - len(todo)} of {len(prompts)} prompts answered before, {len(todo)} to go", flush=True)

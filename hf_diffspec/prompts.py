@@ -27,12 +27,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["DOMAINS", "chat_prompt", "eval_prompt_texts", "iter_sharegpt", "load_prompts", "load_prompts_file"]
 
 
-def chat_prompt(tokenizer, prompt: str, tokenize: bool = False) -> str | list[int]:
-    """``prompt`` as a single user turn through the tokenizer's chat template, ending with the assistant's
-    generation prompt: the text, or with ``tokenize=True`` its token ids (the text tokenized without adding special
-    tokens, which the template already holds)."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=tokenize, return_dict=False)
+def chat_prompt(tokenizer, prompt: str | list[dict], tokenize: bool = False) -> str | list[int]:
+    """``prompt`` through the tokenizer's chat template, ending with the assistant's generation prompt: a string is a
+    single user turn, a list a conversation of ``{"role", "content"}`` messages that ends with a user turn. The text,
+    or with ``tokenize=True`` its token ids (the text tokenized without adding special tokens, which the template
+    already holds)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError("a conversation to answer must end with a user message")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, return_dict=False)
 
 
 #: Evaluation domains, in the order :func:`load_prompts` returns them by default.

@@ -98,14 +98,19 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
 
 
 
-def test_campaign_prompt_lists_grow_by_prefix_and_keep_the_shares():
-    """The data stage answers a list and may later ask for a longer one: the longer list must start with the shorter,
-    and every prefix must hold the families in their shares until a family runs out."""
+def campaign_prompts():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("campaign_prompts", ROOT / "examples" / "campaign_prompts.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_campaign_prompt_lists_grow_by_prefix_and_keep_the_shares():
+    """The data stage answers a list and may later ask for a longer one: the longer list must start with the shorter,
+    and every prefix must hold the families in their shares until a family runs out."""
+    module = campaign_prompts()
     by_family = {name: [{"id": f"{name}/{i}", "domain": name} for i in range(size)]
                  for name, size in (("code", 400), ("math", 30), ("chat", 1000))}
     weights = {"code": 0.3, "math": 0.2, "chat": 0.5}
@@ -116,3 +121,71 @@ def test_campaign_prompt_lists_grow_by_prefix_and_keep_the_shares():
     # math runs out at 30: the others fill in, in their own ratio
     counts = {name: sum(p["domain"] == name for p in long) for name in weights}
     assert counts["math"] == 30 and abs(counts["code"] / counts["chat"] - 0.6) < 0.01
+
+
+def test_campaign_follow_ups_continue_the_targets_own_conversations(real_target, tmp_path):
+    """A follow-up turn carries the target's own earlier answers as the assistant's turns (decoded from the shards,
+    EOS dropped), goes after its family's first turns, and is answered like any prompt; a turn whose earlier answer
+    is missing, or whose prompt is too long, gives none."""
+    from hf_diffspec.prompts import chat_prompt
+    from hf_diffspec.trainers.data import DrafterDataset, write_generated_data
+    from tests.helpers import tiny_target
+
+    module = campaign_prompts()
+    tokenizer = real_target[1]
+    target = tiny_target("llama", seed=3, vocab_size=len(tokenizer))
+    conversations = {
+        "a": [{"from": "human", "value": "Write a Python function that adds two numbers."}, {"from": "gpt", "value": "x"},
+              {"from": "human", "value": "Now make it add three numbers instead."}, {"from": "gpt", "value": "y"},
+              {"from": "human", "value": "And explain how it works, briefly please."}],
+        "b": [{"from": "human", "value": "What is the derivative of x squared?"}, {"from": "gpt", "value": "z"},
+              {"from": "human", "value": "x" * 3000}],
+        "c": [{"from": "human", "value": "Tell me a short story about a cat."}],
+    }
+    first_turns = {"sharegpt/a/turn0": "code", "sharegpt/b/turn0": "math", "sharegpt/c/turn0": "chat"}
+    data = tmp_path / "data"
+    prompts = [{"id": rid, "prompt": conversations[rid.split("/")[1]][0]["value"]} for rid in first_turns]
+    write_generated_data(target, tokenizer, "tiny", data, num_samples=3, max_new_tokens=6, batch_size=3, prompts=prompts)
+    answers = module.answered(data)
+    assert set(answers) == set(first_turns)
+
+    after = module.follow_ups(answers, conversations, first_turns, tokenizer, max_prompt_tokens=384)
+    assert list(after) == ["code"]  # b's next turn is too long, c has none
+    (turn2,) = after["code"]
+    assert turn2["id"] == "sharegpt/a/turn0>2" and turn2["domain"] == "code"
+    first_answer = answers["sharegpt/a/turn0"]
+    first_answer = first_answer[:-1] if first_answer[-1] == tokenizer.eos_token_id else first_answer
+    assert [m["role"] for m in turn2["messages"]] == ["user", "assistant", "user"]
+    assert turn2["messages"][1]["content"] == tokenizer.decode(first_answer)
+    assert turn2["messages"][2]["content"] == "Now make it add three numbers instead."
+    with pytest.raises(ValueError, match="end with a user message"):
+        chat_prompt(tokenizer, turn2["messages"][:2])
+
+    # the list: follow-ups after their family's first turns, first-turn order untouched
+    by_family = {f: [{"id": rid, "domain": f}] for rid, f in first_turns.items()}
+    weights = {"code": 0.5, "math": 0.25, "chat": 0.25}
+    plain = module.mixed_order(by_family, weights, 10, seed=0)
+    mixed = module.mixed_order(by_family, weights, 10, seed=0, after=after)
+    assert [p for p in mixed if "messages" not in p] == plain and mixed[-1] is turn2
+
+    # answered like a prompt, its prompt tokens those of the whole conversation; then the third turn follows
+    write_generated_data(target, tokenizer, "tiny", data, num_samples=1, max_new_tokens=6, batch_size=1, prompts=[turn2])
+    dataset = DrafterDataset(data, tokenizer=tokenizer)
+    prompt_ids = chat_prompt(tokenizer, turn2["messages"], tokenize=True)
+    assert any(item_prompt == len(prompt_ids) and seq[:item_prompt].tolist() == prompt_ids
+               for seq, item_prompt in zip(dataset.sequences, dataset.prompt_lengths))
+    deeper = module.follow_ups(module.answered(data), conversations, first_turns, tokenizer, max_prompt_tokens=384)
+    assert [p["id"] for p in deeper["code"]] == ["sharegpt/a/turn0>2", "sharegpt/a/turn0>2>4"]  # shallower first
+    turn4 = deeper["code"][1]
+    answers = module.answered(data)
+    second_answer = answers["sharegpt/a/turn0>2"]
+    second_answer = second_answer[:-1] if second_answer[-1] == tokenizer.eos_token_id else second_answer
+    assert turn4["messages"][:3] == turn2["messages"] and turn4["messages"][3:] == [
+        {"role": "assistant", "content": tokenizer.decode(second_answer)},
+        {"role": "user", "content": "And explain how it works, briefly please."}]
+    finished = {"sharegpt/a/turn0": tokenizer("def add(a, b):", add_special_tokens=False)["input_ids"]
+                + [tokenizer.eos_token_id]}  # an answer that ended: the template closes the turn itself
+    (closed,) = module.follow_ups(finished, conversations, first_turns, tokenizer, max_prompt_tokens=384)["code"]
+    assert closed["messages"][1]["content"] == "def add(a, b):"
+    del answers["sharegpt/a/turn0"]  # an earlier answer missing: no conversation to continue
+    assert module.follow_ups(answers, conversations, first_turns, tokenizer, max_prompt_tokens=384) == {}

@@ -214,12 +214,18 @@ def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, m
     return written
 
 
+def user_turns(prompt: str | list[dict]) -> list[str]:
+    """The user's texts of a prompt: the prompt itself, or a conversation's user messages."""
+    return [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt if m.get("role") == "user"]
+
+
 @torch.no_grad()
 def write_generated_data(target, tokenizer, target_name: str, out_dir, num_samples: int, max_new_tokens: int = 256,
                          batch_size: int = 16, max_prompt_length: int = 512, seed: int = 0, skip: int = 0,
                          prompts: list[dict] | None = None, shard_size: int = SHARD_SIZE) -> int:
-    """The target's own greedy answers (batched, left-padded, chat template) to ShareGPT prompts, or to `prompts`
-    ({"id", "prompt"} records, e.g. from a JSONL file). Under several processes each answers its share of the
+    """The target's own greedy answers (batched, left-padded, chat template) to ShareGPT prompts, or to `prompts`:
+    {"id", "prompt"} records (e.g. from a JSONL file), or {"id", "messages"} for a conversation that ends with a user
+    turn (`chat_prompt`), its domain that of its user turns. Under several processes each answers its share of the
     `num_samples` prompts into its own shard set (`process_shard_writer`); all return once every share is written.
     Each shard records the dtype the target answered in (greedy answers in bf16 and in fp32 part at near ties)."""
     state = PartialState()
@@ -229,7 +235,8 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
     if prompts is None:
         source = [(rid, prompt) for rid, prompt, _ in sharegpt_exchanges(seed, exclude)]
     else:
-        source = [(p["id"], p["prompt"]) for p in prompts if p["prompt"] not in exclude]
+        source = [(p["id"], p["messages"] if "messages" in p else p["prompt"]) for p in prompts]
+        source = [(rid, prompt) for rid, prompt in source if not exclude.intersection(user_turns(prompt))]
     todo = []
     for record_id, prompt in source[skip:]:
         if len(todo) >= num_samples:
@@ -258,7 +265,7 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
             response = out[row, width:].tolist()
             if eos in response:
                 response = response[: response.index(eos) + 1]
-            writer.add(record_id, ids + response, len(ids), classify_domain(prompt))
+            writer.add(record_id, ids + response, len(ids), classify_domain("\n".join(user_turns(prompt))))
         bar.update(len(batch))
     bar.close()
     writer.flush()
