@@ -365,7 +365,9 @@ def evaluate_drafter(target, tokenizer, drafter, prompts_per_domain: int, max_ne
 def length_head_summary(history: list[dict]) -> dict:
     """The head's binary cross-entropy at the end of training, next to the drafter's raw confidence used as the
     acceptance probability (the baseline it competes with), and its calibration (mean predicted vs observed)."""
-    logs = [h for h in history if "confidence_bce" in h][-3:]  # the last logged points, averaged
+    # the last logged points, averaged; the closing summary carries the metrics of the steps since the last point
+    # but no "loss" of its own
+    logs = [h for h in history if "confidence_bce" in h and "loss" in h][-3:]
     if not logs:
         return {}
     mean = lambda key: round(sum(h[key] for h in logs) / len(logs), 4)  # noqa: E731
