@@ -38,7 +38,8 @@
 #          drafter folder that loads like any other), campaign.json (step, training tokens) and the whole curve
 #          (offline_acceptance.jsonl: the earlier runs' lines and this run's); written aside, then swapped in.
 #          Each export adds ~25 MB to the repository's history: export when the curve has moved or every ~200
-#          steps, not every session; a machine that keeps $RUN resumes from its own checkpoints without one.
+#          steps; a machine that keeps $RUN resumes from its own checkpoints without one, but steps on a machine
+#          that goes without an export are lost (steps 215-288 were, on 2026-12-04).
 #
 # Stop a stage with `kill -- -PGID` of its process group (nohup keeps the group of the shell that started it) or
 # `kill PID` of its python process; a rerun resumes. Pause it while anything is timed (kill -STOP / -CONT).
