@@ -22,6 +22,8 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
+
 from hf_diffspec.prompts import chat_prompt, eval_prompt_texts, iter_sharegpt
 from hf_diffspec.trainers.data import classify_domain
 
@@ -106,9 +108,8 @@ def mixed_order(by_family: dict[str, list[dict]], weights: dict[str, float], num
 
 
 def answered(data_dir) -> dict[str, list[int]]:
-    """Record id -> the target's answer (its tokens, without the closing EOS) for every sequence of a data folder."""
-    import numpy as np
-
+    """Record id -> the target's answer (its tokens, with the closing EOS if it ended) for every sequence of a data
+    folder."""
     answers = {}
     for sidecar in sorted(Path(data_dir).glob("shard-*.json")):
         arrays = np.load(sidecar.with_suffix(".npz"))
