@@ -73,18 +73,22 @@ import sys
 from pathlib import Path
 import torch
 from hf_diffspec import load_target
+from hf_diffspec.prompts import chat_prompt
 from hf_diffspec.trainers.data import write_generated_data
 
 out, chunk, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+max_prompt = 512  # longer prompts leave no room for an answer in a training window
 target, tok = load_target("smollm2-135m-instruct", dtype=getattr(torch, sys.argv[5]))
 prompts = [json.loads(line) for line in open(f"{out}/prompts.jsonl", encoding="utf-8")]
 done = {rid for sidecar in Path(out).glob("shard-*.json") for rid in json.loads(sidecar.read_text())["ids"]}
 todo = [p for p in prompts if p["id"] not in done]
-print(f"{len(prompts) - len(todo)} of {len(prompts)} prompts answered before, {len(todo)} to go", flush=True)
-for start in range(0, len(todo), chunk):  # one shard per chunk: a kill loses at most one chunk
+fits = [p for p in todo if len(chat_prompt(tok, p.get("messages") or p["prompt"], tokenize=True)) <= max_prompt]
+print(f"{len(prompts) - len(todo)} of {len(prompts)} prompts answered before, {len(todo) - len(fits)} over "
+      f"{max_prompt} tokens, {len(fits)} to go", flush=True)
+for start in range(0, len(fits), chunk):  # one shard per chunk: a kill loses at most one chunk
     write_generated_data(target, tok, "smollm2-135m-instruct", out, chunk, max_new_tokens=tokens, batch_size=batch,
-                         prompts=todo[start : start + chunk], shard_size=chunk)
-    print(f"chunk done ({min(start + chunk, len(todo))} of {len(todo)} prompts to go)", flush=True)
+                         prompts=fits[start : start + chunk], shard_size=chunk, max_prompt_length=max_prompt)
+    print(f"chunk done ({min(start + chunk, len(fits))} of {len(fits)} prompts to go)", flush=True)
 EOF
     ;;
 heldout)
