@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 from hf_diffspec import load_target
 from hf_diffspec.prompts import chat_prompt
-from hf_diffspec.trainers.data import write_generated_data
+from hf_diffspec.trainers.data import record_prompt, write_generated_data
 
 out, chunk, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 max_prompt = 512  # longer prompts leave no room for an answer in a training window
@@ -82,7 +82,7 @@ target, tok = load_target("smollm2-135m-instruct", dtype=getattr(torch, sys.argv
 prompts = [json.loads(line) for line in open(f"{out}/prompts.jsonl", encoding="utf-8")]
 done = {rid for sidecar in Path(out).glob("shard-*.json") for rid in json.loads(sidecar.read_text())["ids"]}
 todo = [p for p in prompts if p["id"] not in done]
-fits = [p for p in todo if len(chat_prompt(tok, p.get("messages") or p["prompt"], tokenize=True)) <= max_prompt]
+fits = [p for p in todo if len(chat_prompt(tok, record_prompt(p), tokenize=True)) <= max_prompt]
 print(f"{len(prompts) - len(todo)} of {len(prompts)} prompts answered before, {len(todo) - len(fits)} over "
       f"{max_prompt} tokens, {len(fits)} to go", flush=True)
 for start in range(0, len(fits), chunk):  # one shard per chunk: a kill loses at most one chunk

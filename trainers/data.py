@@ -214,6 +214,11 @@ def write_relabel_data(tokenizer, target_name: str, out_dir, num_samples: int, m
     return written
 
 
+def record_prompt(record: dict) -> str | list[dict]:
+    """What a prompt record asks: its conversation ("messages") when it has one, else its "prompt"."""
+    return record["messages"] if "messages" in record else record["prompt"]
+
+
 def user_turns(prompt: str | list[dict]) -> list[str]:
     """The user's texts of a prompt: the prompt itself, or a conversation's user messages."""
     return [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt if m.get("role") == "user"]
@@ -235,7 +240,7 @@ def write_generated_data(target, tokenizer, target_name: str, out_dir, num_sampl
     if prompts is None:
         source = [(rid, prompt) for rid, prompt, _ in sharegpt_exchanges(seed, exclude)]
     else:
-        source = [(p["id"], p["messages"] if "messages" in p else p["prompt"]) for p in prompts]
+        source = [(p["id"], record_prompt(p)) for p in prompts]
         source = [(rid, prompt) for rid, prompt in source if not exclude.intersection(user_turns(prompt))]
     todo = []
     for record_id, prompt in source[skip:]:
