@@ -33,9 +33,11 @@ parser.add_argument("--chat-template-kwargs", type=json.loads, default={"enable_
                     help='JSON for the chat template (default {"enable_thinking": false}: thinking off, as z-lab\'s '
                          'Qwen drafters were trained; \'{}\' for targets whose template has no such switch)')
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="float32: the exactness check (identical to plain greedy generate)")
 args = parser.parse_args()
 
-target, tok = hf_diffspec.load_target(args.target, dtype=torch.bfloat16, device=args.device)
+target, tok = hf_diffspec.load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
 drafter = hf_diffspec.DiffusionDrafter.from_pretrained(args.drafter, target=target)
 
 messages = [{"role": "user", "content": args.prompt}]
@@ -66,4 +68,5 @@ print(f"plain generate {plain_seconds:.1f} s, speculative {speculative_seconds:.
       f"{plain_seconds / speculative_seconds:.2f}x (one run each, after a warm-up)")
 # bf16: a forward over several tokens rounds differently from a one-token one, so a near-tie can flip
 same = torch.equal(plain, speculative.sequences)
-print(f"identical to plain generate: {same}" + ("" if same else " (bfloat16 rounding; float32 is the exactness check)"))
+print(f"identical to plain generate: {same}" + ("" if same or args.dtype == "float32" else
+                                                f" ({args.dtype} rounding; float32 is the exactness check)"))

@@ -317,19 +317,48 @@ def cmd_export(args) -> None:
 
 
 def cmd_profile(args) -> None:
-    from .runtime.cost_model import PROFILE_SIZES, measure_verify_cost, save_profile
+    from .runtime.cost_model import PROFILE_SIZES, measure_profile, save_profile
 
+    if args.show or args.clear:
+        show_or_clear_profiles(args.clear)
+        return
     batches = comma_separated(args.batch_sizes, int, "--batch-sizes takes comma-separated integers")
     target, _ = load_target_of(args)
-    costs = measure_verify_cost(target, batches=batches, context_length=args.context_length, repeats=args.repeats)
-    path = save_profile(target, costs)
+    measured = measure_profile(target, batches=batches, context_length=args.context_length, repeats=args.repeats)
+    costs = measured.costs
     print("ms per target forward, rows x tokens per row (cached context of "
           f"{args.context_length} tokens per row)\n")
     print("| rows \\ tokens | " + " | ".join(str(n) for n in PROFILE_SIZES) + " |")
     print("|---" * (len(PROFILE_SIZES) + 1) + "|")
     for rows, row in costs.items():
         print(f"| {rows} | " + " | ".join(f"{row[n] * 1000:.0f}" for n in PROFILE_SIZES) + " |")
+    if measured.problem is not None:
+        raise SystemExit(f"\nnot saved: the measurement {measured.problem} after {measured.attempts} attempts. Stop "
+                         "what else runs on this machine and measure again.")
+    path = save_profile(target, costs, measured.others_load)
     print(f"\nsaved {path}; generate() now sizes drafts and trees from it for this target/device/dtype")
+
+
+def show_or_clear_profiles(clear: bool) -> None:
+    """`hf-diffspec profile --show | --clear`: the cached verify-cost profiles, one line each, or remove them."""
+    from .runtime.cost_model import profile_dir, read_profile
+
+    paths = sorted(profile_dir().glob("*.json"))
+    if not paths:
+        print(f"no verify-cost profiles in {profile_dir()}")
+    for path in paths:
+        if clear:
+            path.unlink()
+            print(f"removed {path}")
+            continue
+        data = json.loads(path.read_text())
+        costs, problem = read_profile(path)
+        one = f"T(1 row, 1 token) = {costs[1][1] * 1000:.1f} ms" if costs and 1 in costs and 1 in costs[1] else ""
+        load = data.get("others_load_cores")
+        print(f"{path.name}: {data.get('model_type')} on {data.get('device')} in {data.get('dtype')}, "
+              f"{data.get('threads')} threads, measured {data.get('measured_at', 'at an unknown time')}"
+              + (f" with other processes at {load:.2f} cores" if load is not None else "")
+              + (f"; {one}" if one else "") + (f"; {problem}" if problem else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -433,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile = sub.add_parser("profile", parents=[loads_target],
                              help="measure the target's verify cost T(rows, n) once; used to size drafts and trees")
+    profile.add_argument("--show", action="store_true", help="list the cached profiles and stop")
+    profile.add_argument("--clear", action="store_true", help="remove the cached profiles and stop")
     profile.add_argument("--context-length", type=int, default=256)
     profile.add_argument("--repeats", type=int, default=5)
     profile.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows per forward to measure")

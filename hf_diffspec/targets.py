@@ -302,7 +302,7 @@ def load_target(
     name_or_path: str | os.PathLike[str],
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer, ready for inference.
 
@@ -330,7 +330,8 @@ def load_target(
             the gain of verifying several draft tokens at once; in bf16 it costs about the same.
             Use float32 where bit-exact agreement with plain greedy decoding matters.
         device: where to put the model; CPU when None.
-        attn_implementation: passed to ``from_pretrained``.
+        attn_implementation: passed to ``from_pretrained``; None: transformers' default for the architecture
+            (SDPA where the model supports it, else eager: gpt-oss has no SDPA path).
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode; the tokenizer has a pad token (the EOS

@@ -139,6 +139,54 @@ def tiny_hybrid_target(kind: str = "qwen3_5", seed: int = 0, vocab_size: int = 1
     return model.eval()
 
 
+# the classes `AutoModelForCausalLM` returns for real multimodal checkpoints (Gemma 3 / 4), and Qwen3.5's as an
+# image-text model loads; `tiny_multimodal_target` builds them
+MULTIMODAL = ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe")
+
+
+def tiny_multimodal_target(kind: str, seed: int = 0, vocab_size: int = 128, window: int = 4, sharpen: float = 1.0):
+    """A tiny random fp32 `...ForConditionalGeneration` target (vision tower included, used with text prompts): the
+    text model of `tiny_family_target` / `tiny_hybrid_target` inside the composite config real checkpoints have.
+    Multimodal placeholder tokens take the top ids of the vocabulary (`random_ids` prompts stay below 120)."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma4Config,
+                              Gemma4ForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+
+    top = vocab_size - 1
+    if kind in ("gemma3", "gemma4"):
+        text = tiny_family_target(kind, seed=seed, vocab_size=vocab_size, window=window).config.to_dict()
+    else:
+        text = tiny_hybrid_target(kind, seed=seed, vocab_size=vocab_size).config.to_dict()
+    torch.manual_seed(seed)
+    if kind == "gemma3":
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=32, patch_size=8)
+        model = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=top - 2,
+            eoi_token_index=top - 1, image_token_index=top))
+    elif kind == "gemma4":
+        model = Gemma4ForConditionalGeneration(Gemma4Config(
+            text_config=text, boi_token_id=top - 6, eoi_token_id=top - 5, image_token_id=top - 4,
+            video_token_id=top - 3, boa_token_id=top - 2, eoa_token_index=top - 1, audio_token_id=top))
+    else:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=2, spatial_merge_size=2)
+        config_class, model_class = ((Qwen3_5Config, Qwen3_5ForConditionalGeneration) if kind == "qwen3_5"
+                                     else (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration))
+        model = model_class(config_class(text_config=text, vision_config=vision, image_token_id=top - 3,
+                                         video_token_id=top - 2, vision_start_token_id=top - 1,
+                                         vision_end_token_id=top))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+        for module in model.modules():  # louder linear layers, as in `tiny_hybrid_target`
+            if getattr(module, "layer_type", None) == "linear_attention" and hasattr(module, "out_proj"):
+                module.out_proj.weight.mul_(4)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
 def tiny_drafter(target, block_size: int = 4, seed: int = 0, **kw):
     torch.manual_seed(seed)
     return hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=block_size, **kw)

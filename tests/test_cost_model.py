@@ -3,6 +3,9 @@
 import json
 import logging
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -126,7 +129,7 @@ def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "1")
     disturbed = {1: {1: 0.306, 2: 4.052, 4: 4.063, 8: 4.091, 16: 4.126}}
     quiet = {1: {1: 0.05, 2: 0.06, 4: 0.094, 8: 0.169, 16: 0.305}}
-    assert not cost_model.plausible_costs(disturbed) and cost_model.plausible_costs(quiet)
+    assert cost_model.implausible_costs(disturbed) and cost_model.implausible_costs(quiet) is None
     measured = iter([disturbed, quiet])
     monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: next(measured))
     with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
@@ -134,7 +137,6 @@ def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
     assert cost.costs == quiet and "disturbed" in caplog.text
 
 
-@pytest.mark.speculation_gate
 def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     from hf_diffspec.runtime.gates import SpeculationGate
 
@@ -197,7 +199,6 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
     assert slow.steps[(32, False)] != slow.steps[(64, False)]
 
 
-@pytest.mark.speculation_gate
 def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
     from hf_diffspec.runtime.gates import SpeculationGate
 
@@ -225,7 +226,6 @@ def test_every_gate_of_a_setup_probes_within_the_setups_budget():
     assert SpeculationGates().drafter_gate(2).probe_budget == 0.02
 
 
-@pytest.mark.speculation_gate
 def test_gate_probes_plain_decoding_while_speculation_wins():
     """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
     good: while speculation wins, plain steps are probed too, within the same budget."""
@@ -274,7 +274,6 @@ def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.speculation_gate
 @pytest.mark.parametrize("seed", [0, 1])
 def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, seed):
     """Whatever the gate chooses, each step (plain or speculative) commits the target's own tokens; the drafter's
@@ -295,3 +294,109 @@ def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, see
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, ref)
     assert out.speculation_stats.plain_steps > 0 and out.speculation_stats.draft_forwards > 0
+
+
+QUIET = {1: {1: 0.05, 2: 0.06, 4: 0.08, 8: 0.12, 16: 0.2}, 4: {1: 0.06, 2: 0.075, 4: 0.1, 8: 0.16, 16: 0.28}}
+REACH = [[0.9, 0.8, 0.7, 0.5, 0.3, 0.2, 0.1], [0.5, 0.2, 0.1], [0.1, 0.05, 0.02], [0.99] * 15]
+
+
+def decisions(cost):
+    """What the policy would verify under `cost`: best slot counts for a few reach lists, at 1 and 4 rows."""
+    return [best_node_count([reach] * rows, lambda n: cost(n, rows), 0.01) for reach in REACH for rows in (1, 4)]
+
+
+@pytest.mark.parametrize("poison", ["slow_one_token", "non_monotone"])
+def test_a_poisoned_profile_file_is_measured_again_on_load(tmp_path, monkeypatch, caplog, poison):
+    """A profile cached while another process held the cores (T(1) 5x its quiet value; a 4-token forward at 0.48x a
+    1-token one, as seen on a 2-core machine) is not trusted: the next call measures again and decides as the quiet
+    profile does."""
+    from hf_diffspec.runtime import cost_model
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    poisoned = {b: dict(row) for b, row in QUIET.items()}
+    if poison == "slow_one_token":
+        poisoned[1][1] = 5 * QUIET[1][1]
+    else:
+        poisoned[1][4] = 0.48 * poisoned[1][1]
+    save_profile(target, poisoned)
+    assert decisions(VerifyCost(poisoned)) != decisions(VerifyCost(QUIET))  # the poison changes what is verified
+    monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: QUIET)
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+        cost = VerifyCost.for_target(target)
+    assert "measuring it again" in caplog.text
+    assert decisions(cost) == decisions(VerifyCost(QUIET))
+    assert cost_model.read_profile(cost_model.profile_path(target)) == (QUIET, None)  # the quiet one is cached
+
+
+def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monkeypatch, caplog):
+    """A profile measured while the machine was busy all along (every forward 5x slower: a plausible curve) is caught
+    by the loop: its steps run far faster than profiled, so it is measured again, once, with one log line."""
+    from hf_diffspec.runtime import cost_model
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("qwen3", seed=6, sharpen=4)
+    slow = {b: {n: 40 * t for n, t in row.items()} for b, row in QUIET.items()}  # seconds: far slower than live
+    save_profile(target, slow)
+    measured = []
+    monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: measured.append(1) or QUIET)
+    drafter = tiny_drafter(target, block_size=8)
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+        for _ in range(2):
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False)
+            assert torch.equal(out, target.generate(ids, max_new_tokens=40, do_sample=False))
+    assert len(measured) == 1 and caplog.text.count("live steps disagree") == 1
+    assert VerifyCost.for_target(target).costs == QUIET
+    assert cost_model.read_profile(cost_model.profile_path(target)) == (QUIET, None)
+
+
+def test_a_profile_measured_under_load_is_not_cached(tmp_path, monkeypatch, caplog):
+    """Two processes spinning on the cores while the first call measures: the profile is used by this process but
+    not written, so the next process measures on a quieter machine."""
+    from hf_diffspec.runtime import cost_model
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+            cost = VerifyCost.for_target(target)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+    assert cost is not None and "busy machine" in caplog.text
+    assert not cost_model.profile_path(target).exists()
+    assert VerifyCost.for_target(target) is cost  # this process measures once
+
+
+def test_other_processes_load_counts_other_processes_only(monkeypatch):
+    """Machine-wide busy time minus this process's own CPU time, per second of wall time."""
+    from hf_diffspec.runtime import cost_model
+
+    readings = {"busy": iter([100.0, 103.0]), "own": iter([10.0, 11.8]), "clock": iter([50.0, 52.0])}
+    monkeypatch.setattr(cost_model, "_machine_busy_seconds", lambda: next(readings["busy"]))
+    monkeypatch.setattr(cost_model, "_own_cpu_seconds", lambda: next(readings["own"]))
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: next(readings["clock"]))
+    with cost_model.OtherProcessesLoad() as load:
+        pass
+    assert load.cores == pytest.approx((3.0 - 1.8) / 2.0)
+    assert cost_model._machine_busy_seconds is not None  # and the real readers work on this machine:
+    monkeypatch.undo()
+    assert cost_model._machine_busy_seconds() > 0 and cost_model._own_cpu_seconds() > 0
+
+
+def test_profile_show_and_clear(tmp_path, monkeypatch, capsys):
+    from hf_diffspec.cli import main
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    path = save_profile(target, QUIET, others_load=0.02)
+    main(["profile", "--show"])
+    shown = capsys.readouterr().out
+    assert path.name in shown and "llama" in shown and "T(1 row, 1 token) = 50.0 ms" in shown and "0.02 cores" in shown
+    main(["profile", "--clear"])
+    assert not path.exists() and "removed" in capsys.readouterr().out
+    main(["profile", "--show"])
+    assert "no verify-cost profiles" in capsys.readouterr().out

@@ -136,7 +136,6 @@ def _step(kind, rows, lookup_ngram, committed, seconds, slots=1):
     return StepRecord(kind, rows, lookup_ngram, committed, seconds, slots, verify_seconds=seconds)
 
 
-@pytest.mark.speculation_gate
 def test_lookup_drafts_alone_are_verified_only_while_they_beat_plain_steps():
     """The cost model sizes lookup drafts from estimates; whether verifying them alone beats a plain step is
     measured, per match length and batch size, with rare probes once it loses."""
@@ -194,7 +193,6 @@ def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_the
     assert policy.lookup_lengths([reach, reach[:1]], rows=1) == [3, 1]
 
 
-@pytest.mark.speculation_gate
 def test_a_first_step_with_lookup_drafts_starts_from_what_steps_without_them_measured():
     """At a batch size where the drafter was measured to lose, the first steps with lookup drafts do not probe the
     drafter again: they verify the lookup drafts alone; each match length then refines its own measurements."""
@@ -210,7 +208,6 @@ def test_a_first_step_with_lookup_drafts_starts_from_what_steps_without_them_mea
     assert fresh.decide(64, lookup_ngram=3) is StepKind.DRAFT
 
 
-@pytest.mark.speculation_gate
 def test_a_new_match_length_starts_from_another_ones_measurements_where_every_step_had_lookup_drafts():
     """At a large batch nearly every step has lookup drafts, so steps without them measure nothing there: a match
     length met for the first time starts from one already measured instead of probing the drafter again."""

@@ -27,7 +27,6 @@ def _speculation_loses(gates, rows: int = 1) -> None:
     gates.drafter.record(False, rows, committed=1, seconds=0.001)
 
 
-@pytest.mark.speculation_gate
 def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
     """A call starts from what earlier calls measured (here: speculation loses, so it decodes plainly); after
     `reset_speculation_state()` it measures afresh: its first step is a drafter step, and the verify-cost profile is re-read

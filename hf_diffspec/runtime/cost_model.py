@@ -15,19 +15,22 @@ HF_DIFFSPEC_AUTO_PROFILE=0 and no cached profile, drafts are verified at the dra
 warning says how to measure one.
 """
 
+import functools
 import hashlib
 import json
 import logging
 import os
+import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-
 from .files import atomic_write, cache_dir
-from .kv_cache import crop_attention
+from .kv_cache import LinearStates, crop_attention
+from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
 from .state import SPECULATION_STATE
+from .tree import CandidateTree, TreeLayout, tree_forward_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -57,44 +60,137 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _plain_token_ids(config, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` random token ids of the target's vocabulary, none of them a multimodal placeholder (an image token
+    would make a `...ForConditionalGeneration` target ask for pixels)."""
+    vocab = config.get_text_config().vocab_size
+    special = {value for key, value in vars(config).items()
+               if isinstance(value, int) and key.endswith(("_token_id", "_token_index")) and 0 <= value < vocab}
+    ids = torch.randint(0, vocab, (count,), generator=generator)
+    if special:
+        ordinary = min(set(range(len(special) + 1)) - special)
+        ids[torch.isin(ids, torch.tensor(sorted(special)))] = ordinary
+    return ids
+
+
 @torch.no_grad()
 def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, context_length: int = 256,
                         repeats: int = 5) -> dict[int, dict[int, float]]:
     """Median seconds of a target forward over `rows` x n new tokens on top of a cached context of `context_length`
-    per row: {rows: {n: seconds}}. With an explicit 4D mask, as the decoding loop verifies (trees, ragged rows):
-    without one the model takes its causal fast path, which at 16 rows made a 2-token forward look 1.03x a 1-token
-    one (1.43x with the mask, in the profile of the same machine)."""
-    device = target.device
-    vocab = target.config.get_text_config().vocab_size
+    per row: {rows: {n: seconds}}.
+
+    Each forward is the decoding loop's own verify forward: the loop's cache (`full_kv_cache`: sliding layers keep
+    every key), its inputs for chains of n tokens with an explicit 4D mask (`tree_forward_inputs`, as trees and
+    ragged rows verify: without a mask the model takes its causal fast path, which at 16 rows made a 2-token forward
+    look 1.03x a 1-token one, 1.43x with the mask), the window of sliding layers in that mask (`verify_masks`). After
+    each forward the cache is put back as it was: attention K/V cropped, linear-attention states restored. Sizes are
+    interleaved, in an order that turns every round, so that a drift in the machine's speed spreads over all of them;
+    the first round warms up."""
+    device, dtype = target.device, target.dtype
+    layout = AttentionLayout.of(target.config)
+    generator = torch.Generator().manual_seed(0)
     costs = {}
     for rows in batches:
-        cache = DynamicCache(config=target.config)
-        target(torch.randint(0, vocab, (rows, context_length), device=device), cache=cache)
+        cache = full_kv_cache(target.config)
+        context = _plain_token_ids(target.config, rows * context_length, generator).view(rows, context_length)
+        target(context.to(device), cache=cache, use_cache=True)
+        states = LinearStates(cache)  # a linear-attention layer's state after the context, put back after each forward
+        past_valid = torch.ones(rows, context_length, dtype=torch.bool, device=device)
+        roots = torch.full((rows,), context_length, device=device)
         times = {n: [] for n in sizes}
-        for _ in range(repeats + 1):  # the first round warms up
-            for n in sizes:
-                new = torch.randint(0, vocab, (rows, n), device=device)
-                positions = torch.arange(context_length, context_length + n, device=device)[None].expand(rows, -1)
-                allowed = torch.ones(n, context_length + n, dtype=torch.bool, device=device)
-                allowed[:, context_length:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-                mask = torch.zeros(allowed.shape, dtype=target.dtype, device=device)
-                mask = mask.masked_fill_(~allowed, torch.finfo(target.dtype).min).expand(rows, 1, -1, -1)
+        for round_ in range(repeats + 1):  # the first round warms up
+            turn = round_ % len(sizes)
+            order = list(sizes[turn:] + sizes[:turn])
+            for n in (order if round_ % 2 else order[::-1]):
+                trees = [CandidateTree(_plain_token_ids(target.config, n, generator).to(device), list(range(-1, n - 1)))
+                         for _ in range(rows)]
+                tree_layout = TreeLayout.of(trees, device)
+                tokens, mask, positions = tree_forward_inputs(trees, past_valid, roots, dtype, tree_layout,
+                                                              past_all_valid=False)
+                mask = verify_masks(layout, mask, tree_layout.depths, past_valid, context_length)
                 _sync(device)
                 start = time.perf_counter()
-                target(new, attention_mask=mask, cache=cache, position_ids=positions)
+                target(tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
                 _sync(device)
                 times[n].append(time.perf_counter() - start)
-                crop_attention(cache, n)  # a linear-attention layer's state keeps its size: its timing is unchanged
+                crop_attention(cache, n)
+                states.restore()
         costs[rows] = {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
     return costs
 
 
-def save_profile(target, costs: dict[int, dict[int, float]]) -> Path:
-    path = profile_dir() / f"{profile_key(target)}.json"
+class OtherProcessesLoad:
+    """How many cores other processes kept busy while the block ran: (busy CPU time of the whole machine - this
+    process's CPU time) / wall time, from /proc/stat (Linux); `cores` is None where the machine does not say, or the
+    block took under 0.1 s (too short for the kernel's 10 ms accounting)."""
+
+    def __enter__(self):
+        self.cores = None
+        self._start = (_machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc):
+        busy, own, wall = _machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
+        if busy is not None and self._start[0] is not None and wall - self._start[2] > 0.1:  # clock ticks: 10 ms
+            others = (busy - self._start[0]) - (own - self._start[1])
+            self.cores = max(others, 0.0) / (wall - self._start[2])
+
+
+def _machine_busy_seconds() -> float | None:
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class ProfileMeasurement:
+    """A verify-cost profile as `measure_profile` took it: `costs` ({rows: {n: seconds}}), `others_load` (cores other
+    processes kept busy meanwhile, the most of any attempt kept; None: unknown), `attempts`, and `problem`: why it
+    should not be cached (None: it may)."""
+
+    costs: dict[int, dict[int, float]]
+    others_load: float | None
+    attempts: int
+    problem: str | None
+
+
+def measure_profile(target, attempts: int = 3, **grid) -> ProfileMeasurement:
+    """`measure_verify_cost` until a measurement is plausible (`implausible_costs`) and taken on a quiet machine (other
+    processes kept under `MAX_OTHERS_LOAD` cores busy), at most `attempts` times; the last one is returned, with
+    the problem that remains."""
+    for attempt in range(1, attempts + 1):
+        with OtherProcessesLoad() as load:
+            costs = measure_verify_cost(target, **grid)
+        problem = implausible_costs(costs)
+        if problem is None and load.cores is not None and load.cores > MAX_OTHERS_LOAD:
+            problem = (f"other processes kept {load.cores:.2f} cores busy while it was measured (at most "
+                       f"{MAX_OTHERS_LOAD} allowed)")
+        if problem is None:
+            break
+        if attempt < attempts:
+            logger.warning("the verify-cost measurement is disturbed (%s): measuring again", problem)
+    return ProfileMeasurement(costs, load.cores, attempt, problem)
+
+
+def profile_path(target) -> Path:
+    return profile_dir() / f"{profile_key(target)}.json"
+
+
+def save_profile(target, costs: dict[int, dict[int, float]], others_load: float | None = None) -> Path:
+    path = profile_path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": PROFILE_FORMAT, "key": profile_key(target),
                "model_type": target.config.get_text_config().model_type, "device": str(target.device),
                "dtype": str(target.dtype), "threads": torch.get_num_threads(),
+               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "others_load_cores": others_load,
                "verify_seconds": {str(b): {str(n): t for n, t in row.items()} for b, row in costs.items()}}
     return atomic_write(path, json.dumps(payload, indent=2))
 
@@ -125,53 +221,69 @@ class VerifyCost:
     batch-size bucket and slot count, the smoothed ratio of observed to profiled seconds, and the cost at n is the
     profile times that ratio interpolated between the slot counts observed (flat beyond them). `for_target` hands
     every call the same object for a profile file (held in `state.py`): what one call observed, the next starts
-    from."""
+    from.
 
-    def __init__(self, costs: dict[int, dict[int, float]], smoothing: float = 0.1):
+    A step observed is never cheaper than the bare forward the profile timed (it also commits, on a longer context).
+    So when steps run over `STALE_FACTOR` times faster than profiled, the profile was measured on a busy machine: the
+    cost model of `for_target` then measures it again, once per process (`remeasure`)."""
+
+    def __init__(self, costs: dict[int, dict[int, float]], smoothing: float = 0.1, remeasure=None):
         self.costs = costs
         self.smoothing = smoothing
         self.corrections: dict[int, dict[int, float]] = {}  # rows bucket -> {n: observed / profiled}
+        self.observations: dict[tuple[int, int], int] = {}  # (rows bucket, n) -> steps observed
+        self.remeasure = remeasure  # called once when live steps disagree with the profile; None: never
 
     def profiled(self, n: int, rows: int = 1) -> float:
         return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
 
     def observe(self, n: int, rows: int, seconds: float) -> None:
         """A decoding step verified `rows` x `n` slots in `seconds` (forward and commit)."""
-        ratios = self.corrections.setdefault(rows_bucket(rows), {})
+        bucket = rows_bucket(rows)
+        ratios = self.corrections.setdefault(bucket, {})
         ratio = seconds / self.profiled(n, rows)
         ratios[n] = ratio if n not in ratios else (1 - self.smoothing) * ratios[n] + self.smoothing * ratio
+        seen = self.observations[bucket, n] = self.observations.get((bucket, n), 0) + 1
+        if self.remeasure is not None and seen >= STALE_AFTER_STEPS and ratios[n] * STALE_FACTOR < 1:
+            remeasure, self.remeasure = self.remeasure, None
+            costs = remeasure(f"steps of {rows} rows x {n} slots take {ratios[n]:.2f}x the profiled time")
+            if costs is not None:
+                self.costs, self.corrections, self.observations = costs, {}, {}
 
     @classmethod
     def for_target(cls, target) -> "VerifyCost | None":
         """The profile for this target/device/dtype/threads: loaded from the cache, measured once (a few seconds)
-        when missing, or None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0) and none is cached."""
-        path = profile_dir() / f"{profile_key(target)}.json"
+        when missing or implausible, or None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0) and none
+        is cached. A measurement taken while other processes kept the machine busy is used by this process but not
+        cached: the next process measures again."""
+        path = profile_path(target)
         in_use = SPECULATION_STATE.verify_costs  # one per profile file and mtime: its corrections carry over calls
-        if path.is_file() and in_use.get(str(path), (None,))[0] == path.stat().st_mtime_ns:
+        mtime = path.stat().st_mtime_ns if path.is_file() else None
+        if str(path) in in_use and in_use[str(path)][0] == mtime:
             return in_use[str(path)][1]
-        data = json.loads(path.read_text()) if path.is_file() else None
-        if data is not None and data.get("format") != PROFILE_FORMAT:
-            _warn_once(f"the verify-cost profile {path} comes from an older measurement; it is re-measured.")
-            data = None
-        if data is None:
-            if os.environ.get("HF_DIFFSPEC_AUTO_PROFILE", "1") == "0":
+        automatic = os.environ.get("HF_DIFFSPEC_AUTO_PROFILE", "1") != "0"
+        costs, problem = read_profile(path)
+        if costs is None or (problem is not None and automatic):
+            if not automatic:
                 _warn_once(f"no verify-cost profile for this target on {target.device} in {target.dtype} "
                            f"({torch.get_num_threads()} threads) and HF_DIFFSPEC_AUTO_PROFILE=0: drafts are verified "
                            "at a fixed length. Run `hf-diffspec profile --target ... --dtype ...` once to measure one.")
                 return None
-            logger.warning("measuring this target's verify cost on %s in %s (%d threads), once; cached in %s",
-                           target.device, target.dtype, torch.get_num_threads(), profile_dir())
-            costs = measure_verify_cost(target, **QUICK_PROFILE)
-            if not plausible_costs(costs):  # another process took the cores for part of it: once more
-                logger.warning("the verify-cost measurement looks disturbed (a forward over more tokens cost far "
-                               "more than proportionally more): measuring again")
-                costs = measure_verify_cost(target, **QUICK_PROFILE)
-                if not plausible_costs(costs):
-                    logger.warning("still disturbed; kept. Re-measure on a quiet machine: hf-diffspec profile")
-            save_profile(target, costs)
-            data = json.loads(path.read_text())
-        cost = cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()})
-        in_use[str(path)] = (path.stat().st_mtime_ns, cost)
+            if problem is not None:
+                logger.warning("the cached verify-cost profile %s %s: measuring it again", path, problem)
+            else:
+                logger.warning("measuring this target's verify cost on %s in %s (%d threads), once; cached in %s",
+                               target.device, target.dtype, torch.get_num_threads(), profile_dir())
+            costs = _measure_and_keep(target)
+            mtime = path.stat().st_mtime_ns if path.is_file() else None
+        elif problem is not None:
+            _warn_once(f"the cached verify-cost profile {path} {problem}; HF_DIFFSPEC_AUTO_PROFILE=0 keeps it. "
+                       "Re-measure it on a quiet machine: hf-diffspec profile --target ... --dtype ...")
+        remeasure = None
+        if automatic and str(path) not in SPECULATION_STATE.remeasured:
+            remeasure = functools.partial(_remeasure_stale, target, path)
+        cost = cls(costs, remeasure=remeasure)
+        in_use[str(path)] = (mtime, cost)
         return cost
 
     def __call__(self, n: int, rows: int = 1) -> float:
@@ -181,19 +293,66 @@ class VerifyCost:
         return self.profiled(n, rows) * _interpolate(ratios, min(max(n, min(ratios)), max(ratios)))
 
 
-def plausible_costs(costs: dict[int, dict[int, float]], slack: float = 1.5) -> bool:
-    """False when a forward over n2 > n1 tokens cost more than `slack` x n2/n1 times one over n1 tokens: a forward's
-    cost grows at most in proportion to its tokens, so such a curve was disturbed by another process."""
-    for row in costs.values():
+def read_profile(path: Path) -> tuple[dict[int, dict[int, float]] | None, str | None]:
+    """The costs of the profile file at `path` (None when there is none, or it is of an older format) and what is
+    wrong with them (None: nothing)."""
+    if not path.is_file():
+        return None, None
+    data = json.loads(path.read_text())
+    if data.get("format") != PROFILE_FORMAT:
+        return None, "comes from an older measurement"
+    costs = {int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()}
+    return costs, implausible_costs(costs)
+
+
+def _measure_and_keep(target) -> dict[int, dict[int, float]]:
+    """Measure the quick profile; cache it unless it is disturbed (then this process alone uses it)."""
+    measured = measure_profile(target, **QUICK_PROFILE)
+    if measured.problem is None:
+        save_profile(target, measured.costs, measured.others_load)
+    else:
+        logger.warning("the verify-cost profile was measured on a busy machine (%s); used by this process, not "
+                       "cached. `hf-diffspec profile` measures one on a quiet machine.", measured.problem)
+    return measured.costs
+
+
+def _remeasure_stale(target, path: Path, why: str) -> dict[int, dict[int, float]] | None:
+    """Live steps disagree with the profile in use (`why`): measure it again, once per process and profile."""
+    SPECULATION_STATE.remeasured.add(str(path))
+    logger.warning("live steps disagree with the verify-cost profile %s (%s): measuring it again, once", path, why)
+    costs = _measure_and_keep(target)
+    if path.is_file():  # the object in use stays the one the policy holds; it takes the new costs
+        SPECULATION_STATE.verify_costs[str(path)] = (path.stat().st_mtime_ns,
+                                                      SPECULATION_STATE.verify_costs[str(path)][1])
+    return costs
+
+
+def implausible_costs(costs: dict[int, dict[int, float]], slack: float = 1.5, dip: float = 0.25) -> str | None:
+    """What makes a measured profile impossible on a quiet machine, or None. A forward over more tokens (or more
+    rows) costs at least about as much as one over fewer (within `dip`), and at most in proportion to the tokens
+    (`slack` x n2/n1): another process that took the cores for part of the measurement breaks one or the other."""
+    for rows, row in costs.items():
         sizes = sorted(row)
         for n1, n2 in zip(sizes, sizes[1:]):
             if row[n2] > slack * (n2 / n1) * row[n1]:
-                return False
-    return True
+                return (f"has a {n2}-token forward at {row[n2] / row[n1]:.2f}x a {n1}-token one ({rows} rows): more "
+                        "than proportionally more")
+            if row[n2] < (1 - dip) * row[n1]:
+                return (f"has a {n2}-token forward at {row[n2] / row[n1]:.2f}x a {n1}-token one ({rows} rows): "
+                        "cheaper than fewer tokens")
+    batches = sorted(costs)
+    for b1, b2 in zip(batches, batches[1:]):
+        for n in set(costs[b1]) & set(costs[b2]):
+            if costs[b2][n] < (1 - dip) * costs[b1][n]:
+                return f"has {b2} rows x {n} tokens at {costs[b2][n] / costs[b1][n]:.2f}x {b1} rows: cheaper"
+    return None
 
 
 # what a first run measures before speculating (seconds); `hf-diffspec profile` measures the full grid
 QUICK_PROFILE = dict(sizes=(1, 2, 4, 8, 16), batches=(1, 4, 16), context_length=128, repeats=3)
+MAX_OTHERS_LOAD = 0.25  # cores other processes may keep busy while a profile that gets cached is measured
+STALE_FACTOR = 2.0  # live steps this many times faster than profiled: the profile is re-measured
+STALE_AFTER_STEPS = 4  # steps observed at one batch size and width before they are compared with the profile
 
 
 def _warn_once(message: str) -> None:

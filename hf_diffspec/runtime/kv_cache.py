@@ -36,3 +36,22 @@ def crop_attention(cache, tokens: int) -> None:
     `recurrent_state.py` (`Cache.crop` refuses them)."""
     for layer in attention_layers(cache):
         layer.crop(-tokens)
+
+
+class LinearStates:
+    """The convolution and recurrent states (and token counts) of a cache's linear-attention layers as they are now;
+    `restore` writes them back into the cache's own tensors (their addresses stay). A cache without such layers
+    keeps nothing."""
+
+    def __init__(self, cache):
+        self.saved = []  # (layer, kind, state index, copy)
+        for layer in cache.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                for kind in ("conv_states", "recurrent_states"):
+                    self.saved += [(layer, kind, k, s.clone()) for k, s in getattr(layer, kind).items() if s is not None]
+                if getattr(layer, "cumulative_length_linear", None) is not None:  # transformers >= 5.25 counts tokens
+                    self.saved.append((layer, None, None, layer.cumulative_length_linear.clone()))
+
+    def restore(self) -> None:
+        for layer, kind, index, saved in self.saved:
+            (layer.cumulative_length_linear if kind is None else getattr(layer, kind)[index]).copy_(saved)

@@ -71,11 +71,19 @@ class RecurrentStates:
         self.inputs: dict[int, object] = {}
         self.replays = 0
 
-    def recording(self, num_slots: int):
-        """Around the verify forward of `num_slots` tokens: save every linear layer's states and record the input it
-        is given. A step of one token (a plain step) cannot be cut, so it saves nothing."""
+    def recording(self, layout):
+        """Around the verify forward of the trees laid out in `layout` (a `TreeLayout`): save every linear layer's
+        states and record the input it is given. A step of one token (a plain step) cannot be cut, so it saves
+        nothing. Raises RuntimeError for several rows or a tree, which these layers would decode wrongly without a
+        word (the candidate generator and `refuse_unsupported_recurrent` keep them from getting here)."""
+        rows, num_slots = layout.tokens.shape
         if not self.layers or num_slots == 1:
             return nullcontext()
+        if rows > 1 or not layout.chains:
+            raise RuntimeError(
+                f"a linear-attention target was handed {rows} rows of {'chains' if layout.chains else 'trees'} to "
+                "verify; its recurrent states roll back one chain of one row only. This is a bug in the candidate "
+                "generator or the refusals: please report it.")
         return self._recording()
 
     @contextmanager

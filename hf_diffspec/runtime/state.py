@@ -8,6 +8,7 @@
   Every step refines the one in use (`VerifyCost.observe`), so these corrections carry over to later calls on the
   same target architecture, device, dtype and thread count.
 - `warned`: warnings already given (each is given once per process).
+- `remeasured`: profiles already measured again because live steps disagreed with them (once per process).
 
 `reset_speculation_state()` forgets all of it: the next call measures its gates afresh and re-reads the profiles
 from disk (it does not re-measure them; `hf-diffspec profile` does). A saved drafter's `custom_generate/` folder is
@@ -28,6 +29,7 @@ class SpeculationState:
         self.gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.verify_costs: dict[str, tuple[int, object]] = {}  # profile path -> (mtime_ns, VerifyCost)
         self.warned: set[str] = set()
+        self.remeasured: set[str] = set()  # profile paths re-measured after live steps disagreed (once per process)
 
 
 SPECULATION_STATE = SpeculationState()

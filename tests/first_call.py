@@ -1,0 +1,78 @@
+"""A user's first and second speculative calls on one target family, in this process, with nothing switched off.
+
+Run in a fresh process on an empty cache directory (`tests/test_first_call.py` does, one process per case):
+    HF_DIFFSPEC_CACHE=$(mktemp -d) python tests/first_call.py gemma4_conditional
+
+It builds a tiny random fp32 target of the case's class and a tiny random drafter with the runtime's defaults (best-
+first trees, prompt lookup), then checks, greedily:
+1. the first speculative call measures the verify-cost profile (none is cached yet) and returns plain `generate`'s
+   output;
+2. a second call, after `reset_speculation_state()` (what a new process starts from: the cached profile, no gates),
+   reads the cached profile without measuring again and returns plain `generate`'s output.
+It prints one JSON line: the case, the class, whether each call was identical, the profile's state, the steps.
+"""
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `helpers` when run as a script
+
+import torch  # noqa: E402
+
+import hf_diffspec  # noqa: E402
+from hf_diffspec.runtime import cost_model  # noqa: E402
+from hf_diffspec.runtime.state import reset_speculation_state  # noqa: E402
+from helpers import (FAMILIES, MULTIMODAL, random_ids, tiny_family_target, tiny_hybrid_target,  # noqa: E402
+                     tiny_multimodal_target, tiny_target)
+
+WINDOW = 8  # shorter than the first-use profile's context and than prompt + generation
+
+CASES = {
+    "llama": lambda: tiny_target("llama", seed=1, sharpen=3),
+    "qwen3": lambda: tiny_target("qwen3", seed=1, sharpen=3),
+    **{family: (lambda f=family: tiny_family_target(f, seed=1, window=WINDOW, sharpen=3)) for family in FAMILIES},
+    "qwen3_5": lambda: tiny_hybrid_target("qwen3_5", seed=1, sharpen=3),
+    "qwen3_5_moe": lambda: tiny_hybrid_target("qwen3_5_moe", seed=1, sharpen=3),
+    **{f"{kind}_conditional": (lambda k=kind: tiny_multimodal_target(k, seed=1, window=WINDOW, sharpen=3))
+       for kind in MULTIMODAL},
+}
+
+
+def run(case: str) -> dict:
+    if os.environ.get("HF_DIFFSPEC_AUTO_PROFILE") is not None:
+        raise SystemExit("HF_DIFFSPEC_AUTO_PROFILE is set: this check runs with nothing switched off")
+    measured = []
+    original = cost_model.measure_verify_cost
+    cost_model.measure_verify_cost = lambda *a, **kw: measured.append(1) or original(*a, **kw)
+    target = CASES[case]()
+    torch.manual_seed(0)
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8,
+                                                       **hf_diffspec.DiffusionDrafterConfig.RUNTIME_DEFAULTS)
+    # a phrase repeated: prompt lookup finds drafts the target accepts
+    phrase = random_ids(7, 6, vocab=100)
+    ids = torch.cat([random_ids(1, 10, vocab=100), phrase, random_ids(2, 4, vocab=100), phrase], dim=1)
+    settings = dict(max_new_tokens=40, do_sample=False)
+    plain = target.generate(ids, **settings)
+    result = {"case": case, "class": type(target).__name__}
+    path = cost_model.profile_path(target)
+    for call in ("first", "second"):
+        if call == "second":
+            reset_speculation_state()
+            measured.clear()
+            mtime = path.stat().st_mtime_ns if path.is_file() else None
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **settings)
+        stats = out.speculation_stats
+        result[call] = {"identical": torch.equal(out.sequences, plain), "profile_measurements": len(measured),
+                        "steps": len(stats.committed_per_step), "tau": round(stats.tau, 3),
+                        "plain_steps": stats.plain_steps}
+    result["profile_cached"] = path.is_file()
+    result["profile_rewritten_by_second_call"] = path.is_file() and path.stat().st_mtime_ns != mtime
+    return result
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    print(json.dumps(run(sys.argv[1])))

@@ -1,0 +1,75 @@
+"""The first call a user makes, on every family, in the configuration users run: a fresh process, an empty cache
+directory, nothing switched off (the first-use verify-cost profile is measured, the live gates choose each step, the
+drafter runs the runtime's default trees and prompt lookup). Greedy fp32 output must equal plain `generate`'s on the
+first call and on a second one that reads the cached profile (`tests/first_call.py`). And each published target of
+the README, rehearsed end to end from folders laid out like the real checkpoints (`tests/published_rehearsal.py`)
+through the README's own command, `examples/published_drafter.py`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_diffspec.runtime.recurrent_state import RecurrentStates
+from hf_diffspec.runtime.sliding_window import full_kv_cache
+from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
+from first_call import CASES
+from helpers import tiny_hybrid_target
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def users_environment(cache: Path) -> dict:
+    """This environment as a user's shell has it: no hf_diffspec switch set, an empty cache of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_DIFFSPEC_")}
+    return {**env, "HF_DIFFSPEC_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_and_second_call_identical_to_plain_generate(case, tmp_path):
+    run = subprocess.run([sys.executable, str(TESTS / "first_call.py"), case], env=users_environment(tmp_path),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["first"]["identical"] and result["second"]["identical"], result
+    assert result["first"]["profile_measurements"] >= 1, "the first call measures the verify-cost profile"
+    if result["profile_cached"]:  # not cached only when the machine was busy (the log says so)
+        assert result["second"]["profile_measurements"] == 0 and not result["profile_rewritten_by_second_call"]
+    else:
+        assert "busy machine" in run.stderr, run.stderr[-3000:]
+    assert result["first"]["steps"] > 0
+
+
+@pytest.mark.parametrize("name", ["Qwen3.6-35B-A3B", "Qwen3-8B", "gemma-4-31B-it", "gpt-oss-20b"])
+def test_published_target_rehearsed_end_to_end(name, tmp_path):
+    pytest.importorskip("dflash.model", reason="z-lab's package: pip install --no-deps dflash==0.1.0")
+    from published_rehearsal import write
+
+    target_dir, drafter_dir, template_kwargs = write(name, tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "published_drafter.py"), "--target", str(target_dir), "--drafter",
+         str(drafter_dir), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "40",
+         "--chat-template-kwargs", json.dumps(template_kwargs)],
+        env=users_environment(tmp_path / "cache"), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "identical to plain generate: True" in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.parametrize("what", ["rows", "tree"])
+def test_a_linear_attention_target_refuses_rows_or_trees_it_would_decode_wrongly(what):
+    """The loop's invariant: whatever hands a linear-attention target several rows or a tree to verify, its
+    recurrent-state rollback raises before the forward instead of decoding wrongly without a word."""
+    target = tiny_hybrid_target("qwen3_5")
+    states = RecurrentStates(target, full_kv_cache(target.config))
+    if what == "rows":
+        trees = [CandidateTree([5, 6, 7], [-1, 0, 1])] * 2
+    else:
+        trees = [CandidateTree([5, 6, 7], [-1, 0, 0])]
+    with pytest.raises(RuntimeError, match="linear-attention target was handed"):
+        states.recording(TreeLayout.of(trees, torch.device("cpu")))
+    states.recording(TreeLayout.of([CandidateTree([5, 6, 7], [-1, 0, 1])], torch.device("cpu")))  # one chain: fine
