@@ -17,7 +17,9 @@ A seeded generator draws cases (`make_case(seed, number)`, the same case on ever
 - batches of 1-4 rows: equal prompt lengths (with or without an all-ones attention mask; transformers drops it) and
   left-padded prompts with an attention mask (ragged, or equal lengths with extra padding columns);
 - runtime: the speculation gate speculates at every step, alternately, or at seeded random steps (plain steps in
-  between); draft lengths fixed, or chosen by the cost model from a synthetic verify-cost profile;
+  between); draft lengths fixed, or chosen by the cost model from a synthetic verify-cost profile; or, in 15% of
+  cases (a stream of their own), a user's first call: the profile measured on first use into an empty cache and the
+  live gates (these cases do not rerun step for step: the gates follow the clock);
 - options: max_new_tokens or max_length, min_new_tokens or min_length, repetition_penalty, no_repeat_ngram_size,
   bad_words_ids, suppress_tokens, begin_suppress_tokens, sequence_bias, exponential_decay_length_penalty,
   forced_eos_token_id, renormalize_logits, eos_token_id (one or two tokens, picked from the plain continuation so
@@ -100,6 +102,7 @@ from helpers import (  # noqa: E402
 )
 
 SAMPLES = 400  # draws per sampling case
+FIRST_USE_SHARE = 0.15  # cases that run as a user's first call (first-use profile, live gates)
 MIN_EXPECTED = 10  # chi-square bins: expected count at least this
 P_VALUE_FLOOR = 1e-5  # a sampling case fails below this p-value
 SCORE_TOLERANCE = 1e-4
@@ -202,12 +205,22 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
     - verify-cost profiles come from an empty cache of their own (no profile measured, none found from other runs),
       holding the case's synthetic profile if it has one, so the cost model chooses draft lengths;
     - the speculation gate (speculative or plain step, chosen from wall-clock timings) follows the case's fixed
-      pattern instead, as tests/conftest.py does, so that a case reruns identically."""
+      pattern instead, so that a case reruns identically;
+    - except in first-use cases (gate "live"): then nothing is switched off, as in a user's first call: the profile
+      is measured into the empty cache and the live gates choose each step."""
     import pytest
     from hf_diffspec.runtime.cost_model import save_profile
+    from hf_diffspec.runtime.state import reset_speculation_state
 
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as cache:
         patch.setenv("HF_DIFFSPEC_CACHE", cache)
+        if case.runtime["gate"] == "live":  # nothing switched off: as a user's first call runs
+            patch.delenv("HF_DIFFSPEC_AUTO_PROFILE", raising=False)
+            reset_speculation_state()  # no profile or gates from earlier cases in this process
+            if oracle is not None:
+                install_oracle(patch, oracle)
+            yield
+            return
         patch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
         profile = case.runtime["profile"]
         if profile is not None:
@@ -306,6 +319,9 @@ def make_case(seed: int, number: int) -> Case:
                            noise=hybrid.choice([0.0, 0.1, 0.3, 0.6]))
         if drafter["kind"] == "oracle":
             drafter["branches"] = 0
+    # a user's first call: the profile measured on first use into an empty cache, the live gates (a stream of its own)
+    if random.Random(f"hf-diffspec differential first use {seed} {number}").random() < FIRST_USE_SHARE:
+        runtime = dict(gate="live", profile="first use")
     return Case(seed, number, sampling, target, drafter, lengths, pass_mask, extra_padding, runtime, options)
 
 
@@ -843,6 +859,8 @@ def summarize(outcomes: list[Outcome], seed: int) -> str:
         f"unexpected errors: {by_status['error']}",
         "targets: " + ", ".join(f"{kind} {n}" for kind, n in sorted(Counter(o.case.target["kind"]
                                                                               for o in outcomes).items())),
+        "first calls (profile measured on first use, live gates): "
+        f"{sum(o.case.runtime['gate'] == 'live' for o in outcomes)}",
     ]
     if by_status["plain_error"]:
         lines.append(f"plain generate refused the options (not counted): {by_status['plain_error']}")

@@ -133,6 +133,7 @@ def test_b_stop_string_with_an_eos_criterion_pads_the_stopped_row_like_plain(mod
     assert ours.tolist() == plain.tolist()
 
 
+@pytest.mark.every_step_speculates("counts committed and verified tokens per speculative step")
 def test_b_rows_cut_back_to_the_last_stop_leave_the_speculation_stats_adding_up(models, monkeypatch):
     """Without an EOS criterion, rows that stopped generate on until the last one stops, and are then cut back to
     its length: the tokens cut were committed by some steps, and leave those steps' counts."""

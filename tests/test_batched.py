@@ -64,6 +64,7 @@ def test_each_row_equals_plain_greedy_alone_with_a_random_drafter(kind, attn, se
 @pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
 @pytest.mark.parametrize("branches", [0, 2])
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.every_step_speculates("asserts tau and verified slots of oracle drafts")
 def test_ragged_acceptance_and_rows_finishing_early(monkeypatch, kind, attn, branches, seed):
     """An oracle that is right most of the time makes rows accept different numbers of tokens per step (chains and
     trees); an EOS that some rows emit makes them finish at different times."""
@@ -92,6 +93,7 @@ def test_ragged_acceptance_and_rows_finishing_early(monkeypatch, kind, attn, bra
         assert any(not t.is_chain for t in oracle.trees)
 
 
+@pytest.mark.every_step_speculates("asserts which steps were plain (a fixed pattern, not the clock)")
 def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
     """Steps without drafts run the logits processors once per group of rows in step (as plain `generate` runs them
     once per batch), not once per row, and still give each row what it gets alone. The oracle's drafts on every
@@ -122,6 +124,7 @@ def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["vp", "resample"])
+@pytest.mark.every_step_speculates("asserts the D2SD trees each step verified")
 def test_d2sd_trees_in_a_batch(monkeypatch, variant):
     target = tiny_target("qwen3", seed=4, sharpen=4)
     dual = tiny_dual_drafter(target, block_size=8, seed=1, vp_seed=2 if variant == "vp" else None, num_branches=3,

@@ -174,6 +174,7 @@ def test_by_default_every_method_gets_three_timed_calls_per_batch_size_and_its_f
 
 def test_oracle_reaches_the_requested_tau_and_reports_an_efficiency(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # keep the synthetic profile as saved: never re-measured
     target = target_for_bench()
     save_profile(target, {1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0}})
     methods = oracle_methods(target, [2, 4, 8])
@@ -213,6 +214,7 @@ def test_oracle_corruption_rate_gives_the_expected_tau():
 
 def test_machine_record_names_isa_features_and_the_verify_cost_curve(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # keep the synthetic profile as saved: never re-measured
     target = target_for_bench()
     save_profile(target, {1: {1: 0.010, 2: 0.0127, 4: 0.0214, 8: 0.0362, 16: 0.0513}})
     machine = machine_description(target)
@@ -234,7 +236,8 @@ def test_machine_record_names_isa_features_and_the_verify_cost_curve(tmp_path, m
 
 
 def test_machine_record_says_when_no_profile_was_measured(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))  # empty cache, automatic profiling off (conftest)
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # what this test is about: automatic profiling off
     machine = machine_description(target_for_bench())
     assert machine["verify_cost_curve"] is None
     assert "not measured" in machine_markdown(machine)
@@ -247,6 +250,7 @@ def tiny_cli(monkeypatch, tmp_path):
     import hf_diffspec.prompts
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # the tests save synthetic profiles: kept as saved
     target = target_for_bench()
     monkeypatch.setattr(hf_diffspec, "load_target", lambda name, dtype=None, **kwargs: (target, CharTokenizer()))
     monkeypatch.setattr(hf_diffspec.prompts, "load_prompts", lambda *args, **kwargs: PROMPTS[:2])

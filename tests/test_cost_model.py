@@ -64,6 +64,7 @@ def test_a_compute_bound_batch_verifies_shorter_drafts():
 
 def test_profile_is_keyed_by_device_dtype_and_threads(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # nothing measured on the fly: the keys decide what is found
     target = tiny_target("llama")
     assert VerifyCost.for_target(target) is None
     costs = measure_verify_cost(target, sizes=(1, 2, 4), batches=(1, 3), context_length=16, repeats=2)
@@ -81,6 +82,7 @@ def test_profile_is_keyed_by_device_dtype_and_threads(tmp_path, monkeypatch, cap
 
 
 @pytest.mark.parametrize("dual", [False, True])
+@pytest.mark.every_step_speculates("asserts the lengths a saved synthetic profile chooses")
 def test_cost_model_lengths_stay_lossless(tmp_path, monkeypatch, dual):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     target = tiny_target("qwen3", seed=6, sharpen=4)
@@ -275,6 +277,7 @@ def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.every_step_speculates("counts the plain and drafter steps of a fixed gate pattern")
 def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, seed):
     """Whatever the gate chooses, each step (plain or speculative) commits the target's own tokens; the drafter's
     context catches up on the tokens committed by plain steps."""

@@ -28,6 +28,7 @@ def dual_for(target, variant="vp", seed=0, **tree):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("variant", ["vp", "reuse", "resample"])
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.every_step_speculates("asserts the prefix trees each step verified and accepted")
 def test_d2sd_greedy_is_identical_to_plain_generate(monkeypatch, kind, variant, seed):
     # a sharpened target: some drafts get accepted and trees get walked below the root
     target = tiny_target(kind, seed=seed, sharpen=4)
@@ -83,6 +84,7 @@ def test_dual_drafter_saves_and_loads_as_one_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["chain", "vp"])
+@pytest.mark.every_step_speculates("asserts drafts were drawn and accepted at every step")
 def test_rejection_sampling_with_drawn_drafts_is_exactly_the_targets_distribution(monkeypatch, variant):
     """Drafts drawn from the drafters' distributions, verified by recursive rejection sampling: the marginals of
     the 2nd and last tokens match plain sampling (two-sample chi-square, df <= 15 each)."""
@@ -130,6 +132,7 @@ def test_bad_d2sd_configurations_are_refused():
 
 
 @pytest.mark.parametrize("max_new_tokens", [2, 3, 5, 12])
+@pytest.mark.every_step_speculates("asserts the size of every verified tree")
 def test_trees_never_exceed_the_token_budget(monkeypatch, max_new_tokens):
     """A row's tree is cut at the tokens the row may still commit (and at the node budget). The first drafter is an
     oracle, so every main draft is right and trees are as deep as they may be: without the cut they would verify

@@ -43,6 +43,7 @@ def test_greedy_identical_with_random_drafter(kind, block_size, seed):
 @pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"), ("qwen3", "eager")])
 @pytest.mark.parametrize("branches", [0, 2])
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.every_step_speculates("asserts tau and forwards of oracle drafts")
 def test_greedy_identical_with_oracle_chains_and_trees(monkeypatch, kind, attn, branches, seed):
     target = tiny_target(kind, seed=seed, attn=attn)
     drafter = tiny_drafter(target, block_size=8)
@@ -181,6 +182,7 @@ def test_other_assistants_keep_transformers_behaviour(monkeypatch):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.every_step_speculates("asserts drafts were accepted at every step")
 def test_sampling_is_exactly_the_targets_distribution(monkeypatch):
     """Same seed -> same samples as plain sampling (the loop consumes randomness like `_sample`), and the marginal
     of a later token matches plain sampling across many seeds."""

@@ -99,6 +99,7 @@ def test_logits_are_the_targets_on_the_subset_and_minus_inf_elsewhere():
 
 
 @pytest.mark.parametrize("kind,seed", [("llama", 0), ("qwen3", 1)])
+@pytest.mark.every_step_speculates("asserts tau and every drafted token")
 def test_greedy_generation_is_identical_and_drafts_stay_in_the_subset(monkeypatch, kind, seed):
     target = tiny_target(kind, seed=seed)
     ids = prompt(seed)
@@ -116,6 +117,7 @@ def test_greedy_generation_is_identical_and_drafts_stay_in_the_subset(monkeypatc
     assert out.speculation_stats.tau > 1.1, "drafts inside the subset are accepted"
 
 
+@pytest.mark.every_step_speculates("asserts every drafted token")
 def test_sampled_drafts_stay_in_the_subset(monkeypatch):
     target = tiny_target(seed=2)
     subset = torch.arange(0, VOCAB, 2)

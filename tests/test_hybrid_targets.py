@@ -45,6 +45,7 @@ def chains_verified(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.every_step_speculates("counts partial accepts and state replays")
 def test_greedy_chains_are_identical_to_plain_generate(monkeypatch, kind):
     target = tiny_hybrid_target(kind, seed=1, layers=4, sharpen=4)
     drafter = tiny_drafter(target, block_size=6)
@@ -65,6 +66,7 @@ def test_greedy_chains_are_identical_to_plain_generate(monkeypatch, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.every_step_speculates("needs cut chains at known steps")
 def test_returned_cache_holds_the_states_of_the_committed_tokens(monkeypatch, kind):
     """The cache a call returns continues exactly like plain generate's: the last step stopped inside a chain."""
     target = tiny_hybrid_target(kind, seed=2, layers=4, sharpen=4)
@@ -80,6 +82,7 @@ def test_returned_cache_holds_the_states_of_the_committed_tokens(monkeypatch, ki
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.every_step_speculates("asserts the shape of every verified draft")
 def test_tree_drafters_and_prompt_lookup_verify_chains(monkeypatch, kind):
     """A drafter configured for best-first trees, and prompt-lookup drafts, still verify chains only: the lookup
     drafts go alone (a step without the drafter), never as a branch beside the drafter's chain. Every kind of step
@@ -111,6 +114,7 @@ def test_tree_drafters_and_prompt_lookup_verify_chains(monkeypatch, kind):
     assert out.speculation_stats.lookup_tokens > 0
 
 
+@pytest.mark.every_step_speculates("asserts drafts were accepted and states replayed")
 def test_sampling_follows_the_targets_distribution(monkeypatch):
     """Drafts drawn from the drafter, verified by rejection sampling along chains: the marginals of the 2nd and
     last tokens match plain sampling (two-sample chi-square, df <= 15 each). The dense target only: the rollback is
@@ -137,6 +141,7 @@ def test_sampling_follows_the_targets_distribution(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.every_step_speculates("asserts drafts were accepted and states replayed")
 def test_sampling_with_fixed_drafts_draws_what_plain_sampling_draws(monkeypatch, kind):
     """Drafts without a distribution (the oracle's) are accepted when the target's own draw equals them, so the loop
     consumes randomness exactly as plain sampling does: the same seed gives the same tokens, as long as every state

@@ -64,6 +64,7 @@ def decode(target, drafter, prompt, monkeypatch):
 
 
 @pytest.mark.parametrize("selector", [False, True])
+@pytest.mark.every_step_speculates("compares decoded tau with offline tau step for step")
 def test_offline_acceptance_equals_the_decoded_dflash_block_tau(trained, monkeypatch, tmp_path, selector):
     target, drafter, trainer, prompts, records = trained
     if selector:  # drafts chosen left to right by a selector that disagrees with the drafter's argmax
@@ -92,6 +93,7 @@ def test_offline_acceptance_equals_the_decoded_dflash_block_tau(trained, monkeyp
     json.dumps(report)  # what the log and the CLI write
 
 
+@pytest.mark.every_step_speculates("compares decoded steps with offline ones")
 def test_a_decode_that_stops_at_eos_is_measured_step_by_step_to_its_end(trained):
     """A decode stops at EOS in the middle of an accepted block; the offline walk cuts that block where the sequence
     ends, so its last step commits what the decode's did (the fixture's decodes end at max_new_tokens instead)."""

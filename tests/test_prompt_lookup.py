@@ -84,6 +84,7 @@ def _repetitive_prompts(vocab, rows, seed):
 
 @pytest.mark.parametrize("tree_budget", [None, 6])
 @pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("qwen3", "eager")])
+@pytest.mark.every_step_speculates("asserts lookup drafts were verified")
 def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tree_budget):
     vocab = 24
     target = tiny_target(kind, seed=1, vocab_size=vocab, attn=attn)
@@ -101,6 +102,7 @@ def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tr
     assert torch.equal(off.sequences, ref) and off.speculation_stats.lookup_tokens == 0
 
 
+@pytest.mark.every_step_speculates("counts drafter forwards and lookup tokens")
 def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkeypatch):
     """Where the gate finds lookup drafts alone faster, those steps verify them without a drafter forward."""
     monkeypatch.setattr(SpeculationGates, "decide",

@@ -222,6 +222,7 @@ def test_transformers_dflash_drafter_loads_as_it_is(layer_types, target, tmp_pat
     assert torch.equal(target.generate(ids, assistant_model=ours, max_new_tokens=16, do_sample=False), ref)
 
 
+@pytest.mark.every_step_speculates("asserts a best-first tree was drafted")
 def test_a_published_drafter_gets_the_runtime_defaults_unless_asked_otherwise(target, tmp_path):
     randomize(dflash.DFlashDraftModel(zlab_config())).save_pretrained(tmp_path / "zlab")
     drafter = hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "zlab", target=target)

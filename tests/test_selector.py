@@ -52,6 +52,7 @@ def test_a_trained_selector_changes_the_path_and_greedy_stays_identical():
     assert changed > 0
 
 
+@pytest.mark.every_step_speculates("asserts drafts were made at every step")
 def test_selector_sampling_is_the_targets_distribution():
     """The draft distribution is the selector's over its top-k candidates (sparse); rejection sampling uses it."""
     vocab = 12
@@ -80,6 +81,7 @@ def test_a_selector_is_added_to_a_dflash_checkpoint_as_a_no_op(tmp_path):
         hf_diffspec.DiffusionDrafter.from_pretrained(tmp_path / "dflash2", target=target)
 
 
+@pytest.mark.every_step_speculates("asserts the trees the selector drafted")
 def test_selector_trees_branch_coherently_and_greedy_stays_identical():
     """With a tree budget, the selector gives the branches: each node's children are its slot's candidates ranked
     by the selector given that node's own token."""

@@ -32,6 +32,7 @@ def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
     `reset_speculation_state()` it measures afresh: its first step is a drafter step, and the verify-cost profile is re-read
     without the corrections observed before."""
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # the synthetic profile below is kept as saved
     target = tiny_target("llama", seed=4)
     drafter = tiny_drafter(target, block_size=4, seed=4)
     save_profile(target, {1: {n: 0.01 + 0.001 * n for n in (1, 2, 4, 8)}})

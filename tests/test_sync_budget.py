@@ -83,6 +83,7 @@ def test_host_time_bench_reports_host_time_and_torch_calls_per_step():
     assert "torch calls / step" in host_time_markdown(results)
 
 
+@pytest.mark.every_step_speculates("counts torch calls per speculative step")
 def test_torch_calls_per_step_grow_with_the_targets_depth_only_by_the_caches_crop():
     """Accepted tree paths stay in the slots the verify forward wrote them to (the nodes off them are hidden, and
     dropped every few dozen slots): per step the loop touches each K/V layer only to crop it (two views), where moving

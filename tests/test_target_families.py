@@ -51,6 +51,7 @@ BATCHES = {"one_row": [9], "ragged_batch": [9, 3, 6]}
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.every_step_speculates("asserts tau and partial accepts of oracle chains")
 def test_chains_greedy_identical_to_plain_generate(monkeypatch, one_torch_thread, family, batch):
     """Chains accepted in part, rows accepting different numbers of tokens."""
     target = tiny_family_target(family, seed=1, window=WINDOW, sharpen=3)
@@ -67,6 +68,7 @@ def test_chains_greedy_identical_to_plain_generate(monkeypatch, one_torch_thread
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.every_step_speculates("asserts the trees verified")
 def test_best_first_trees_with_prompt_lookup_greedy_identical_to_plain_generate(monkeypatch, one_torch_thread,
                                                                                   family, batch):
     """The drafter's own best-first trees (its outputs pointed at the target's continuation, with a margin small
@@ -99,6 +101,7 @@ def test_masked_prompt_slots_count_in_the_window_as_in_plain_generate(one_torch_
     assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), target.generate(ids, **kwargs))
 
 
+@pytest.mark.every_step_speculates("asserts drafts were made")
 def test_sampling_is_exactly_the_targets_distribution(monkeypatch, one_torch_thread):
     """Rejection sampling over sampled best-first trees (verified with our masks), the prompt longer than the window
     (gpt-oss: sliding layers, attention sinks, MoE)."""
@@ -164,6 +167,7 @@ def test_sliding_layers_see_only_the_window_counted_in_each_rows_own_slots():
     assert verify_masks(layout, None, depths, past_valid, 4) is None
 
 
+@pytest.mark.every_step_speculates("needs oracle drafts verified at every step to show the break")
 def test_a_window_off_by_one_breaks_identity(monkeypatch, one_torch_thread):
     """The identity tests see the window: masking one key more than the target's window changes the output."""
     target = tiny_family_target("gemma3", seed=1, window=WINDOW, sharpen=3)

@@ -158,6 +158,7 @@ def test_target_consistent_labels_stop_at_the_first_disagreement():
     assert consistent[0, 1].tolist() == [True, True, True, True]
 
 
+@pytest.mark.every_step_speculates("compares tau before and after training")
 def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer, tmp_path):
     target, data = target_and_data
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -352,6 +353,7 @@ def test_length_head_trains_alone_on_the_drafters_own_acceptance(target_and_data
     calls = []
     after.length_head.register_forward_hook(lambda *a: calls.append(1))
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # the synthetic profile is kept as saved
     save_profile(target, {1: {1: 1.0, 2: 1.0, 3: 1.1}})
     prompt = DrafterDataset(data)[0]["input_ids"][:5][None]
     assert torch.equal(target.generate(prompt, assistant_model=after, max_new_tokens=12, do_sample=False),

@@ -101,6 +101,7 @@ def _oracle_marginals(monkeypatch, references, vocab, seed=0):
 
 @pytest.mark.parametrize("kind,attn", [("llama", "sdpa"), ("qwen3", "eager")])
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.every_step_speculates("asserts tau of best-first trees")
 def test_best_first_trees_greedy_identical_to_plain_generate(monkeypatch, kind, attn, seed):
     target = tiny_target(kind, seed=seed, vocab_size=24, attn=attn)
     drafter = _tree_drafter(target, seed=seed)
@@ -121,6 +122,7 @@ def test_best_first_trees_greedy_identical_to_plain_generate(monkeypatch, kind, 
     assert tree_tau > chain.speculation_stats.tau  # the second-ranked branches are accepted too
 
 
+@pytest.mark.every_step_speculates("asserts drafts were made")
 def test_best_first_tree_sampling_is_the_targets_distribution(monkeypatch):
     vocab = 12
     target = tiny_target("llama", seed=3, vocab_size=vocab, sharpen=5)
@@ -216,6 +218,7 @@ def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(m
 
 
 @pytest.mark.parametrize("compact_after", [4, 10_000])
+@pytest.mark.every_step_speculates("asserts accepted paths of oracle trees")
 def test_accepted_paths_stay_in_place_and_hidden_nodes_are_dropped_in_batches(monkeypatch, compact_after):
     """Every accepted path sits behind wrong siblings (never its tree's first slots), so the cache holds tree nodes
     that no row accepted: hidden per row, then dropped by a compaction every `compact_after` hidden slots (4: many
