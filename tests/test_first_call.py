@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_diffspec.cli import main
 from hf_diffspec.runtime.recurrent_state import RecurrentStates
 from hf_diffspec.runtime.sliding_window import full_kv_cache
 from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
@@ -46,7 +47,7 @@ def test_first_and_second_call_identical_to_plain_generate(case, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["Qwen3.6-35B-A3B", "Qwen3-8B", "gemma-4-31B-it", "gpt-oss-20b"])
-def test_published_target_rehearsed_end_to_end(name, tmp_path):
+def test_published_target_rehearsed_end_to_end(name, tmp_path, monkeypatch, capsys):
     pytest.importorskip("dflash.model", reason="z-lab's package: pip install --no-deps dflash==0.1.0")
     from published_rehearsal import write
 
@@ -58,6 +59,14 @@ def test_published_target_rehearsed_end_to_end(name, tmp_path):
         env=users_environment(tmp_path / "cache"), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "identical to plain generate: True" in run.stdout, run.stdout[-2000:]
+    # `hf-diffspec profile` measures the full grid on a context longer than gpt-oss's window (128)
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path / "cache"))
+    try:
+        main(["profile", "--target", str(target_dir), "--dtype", "float32", "--repeats", "1", "--batch-sizes", "1,2"])
+    except SystemExit as refused:  # a busy machine: measured, not saved
+        assert "not saved" in str(refused)
+    else:
+        assert "saved" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("what", ["rows", "tree"])

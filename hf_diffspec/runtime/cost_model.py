@@ -10,9 +10,15 @@ per second. At batch 1 with a flat cost curve it verifies long drafts; when veri
 rows, or a slow target) it verifies only the confident heads of the drafts. No hand-set concurrency gate.
 
 A quick profile (a few points, seconds) is measured automatically the first time a target speculates on a machine,
-dtype and thread count, and cached as JSON; `hf-diffspec profile` measures the full grid. With
-HF_DIFFSPEC_AUTO_PROFILE=0 and no cached profile, drafts are verified at the drafter's configured length and a
-warning says how to measure one.
+dtype and thread count, and cached as JSON; `hf-diffspec profile` measures the full grid (`--show` lists the cached
+profiles, `--clear` removes them). It is measured with the decoding loop's own cache and masks, so it times what the
+loop will pay. A profile measured while other processes took the cores would steer every later call on the machine,
+so it is guarded three ways: a measurement whose curve is impossible on a quiet machine (a forward over more tokens
+cheaper than one over fewer, or far more than proportionally dearer) is taken again; one taken while other processes
+kept the machine busy is used by this process but never cached; and when the loop's steps run `STALE_FACTOR` times
+faster than the profile says a bare forward takes, the profile is measured again, once per process, with one log
+line. With HF_DIFFSPEC_AUTO_PROFILE=0 nothing is measured automatically: a cached profile is used as it is, and
+without one drafts are verified at the drafter's configured length and a warning says how to measure one.
 """
 
 import functools
