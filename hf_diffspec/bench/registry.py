@@ -1,44 +1,13 @@
-"""What a benchmarked method runs (`Method`), and our methods: one drafter run several ways through our loop, plus
-D²SD (`build_method_drafters`, which also builds the peers of `peers.py`)."""
+"""Method name -> `Method` for every method the benchmark knows (`build_method_drafters`): ours, one drafter run
+several ways through our loop plus D²SD, and the peers of `peers.py`. The one module that knows both."""
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..drafters import load_drafter, shipped_drafter
 from ..modeling import DiffusionDrafter, DualDiffusionDrafter
 from ..runtime.cost_model import VerifyCost
-
-SPECULATIVE_METHODS = ("dflash", "dflash-fixed", "dflash-block", "adaflash", "tree", "tree-lookup", "d2sd",
-                       "d2sd-reuse", "d2sd-resample")
-#: candidate tokens per prompt-lookup step: the value transformers' documentation uses
-PROMPT_LOOKUP_TOKENS = 10
-
-
-@dataclass
-class Method:
-    """What one benchmarked method runs.
-
-    - `drafter`: our drafter, run through our loop (None and no `runner`: `target.generate` with `generate_kwargs`);
-    - `generate_kwargs`: extra `generate` arguments (a peer's `assistant_model`, `prompt_lookup_num_tokens`, ...);
-    - `runner`: a loop that is not `target.generate`: `runner(target, inputs, max_new_tokens)` returns
-      (sequences, `StepCounts` or None); a `runner.prepare(target, batches, max_new_tokens)`, when present, is called
-      once before the warm-up, untimed;
-    - `skip_reason`: the method cannot run here, and why (reported instead of results);
-    - `single_row`: why the method cannot decode several rows at once (None: it can); skipped at batch size > 1;
-    - `peer`: someone else's loop: its tau is counted from target forwards, and an error in its warm-up is reported
-      as a skip (with the error) instead of stopping the benchmark;
-    - `target_patch`: a context manager factory, `target_patch(target)`, entered around each of the method's calls
-      (`MaskVectorRow.applied`).
-    """
-
-    drafter: object | None = None
-    generate_kwargs: dict = field(default_factory=dict)
-    runner: Callable | None = None
-    skip_reason: str | None = None
-    single_row: str | None = None
-    peer: bool = False
-    target_patch: Callable | None = None
+from .method import PEER_METHODS, PROMPT_LOOKUP_TOKENS, SPECULATIVE_METHODS, Method
+from .peers import peer_methods
 
 
 def build_method_drafters(methods: list[str], target, target_name: str, drafter: str | None = None,
@@ -74,8 +43,6 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
             it). Peers that cannot run are returned with a `skip_reason` instead.
         FileNotFoundError: a drafter that cannot be found.
     """
-    from .peers import PEER_METHODS, peer_methods  # peers.py imports `Method` from here: not at the top (circular)
-
     unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS, *PEER_METHODS)]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)} and the peers "
