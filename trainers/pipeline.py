@@ -125,45 +125,13 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
     it and all return once the main process has written the drafter."""
     set_seed(args.seed)
     out = Path(args.output_dir)
-    resume_from = None
-    if args.resume:
-        resume_from = last_complete_checkpoint(out / "checkpoints")
-        if resume_from is None:
-            raise FileNotFoundError(
-                f"--resume: no checkpoint under {out / 'checkpoints'} to resume from (only a checkpoint-N folder "
-                "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
-            )
-        # a run that continued another machine's (--schedule-start) keeps its place on the curve: the logged steps
-        # count from there (its cosine is in the scheduler state that the checkpoint restores)
-        saved = torch.load(resume_from / "training_args.bin", weights_only=False)  # written by the Trainer, above
-        args.schedule_start = getattr(saved, "schedule_start", 0)
+    resume_from = resume_point(args, out)
     vocab_size = target.get_input_embeddings().num_embeddings
     mask_token_id = resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size)
     drafter = build_drafter(target, args, mask_token_id)
     dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length,
                              cached_features=(target, drafter.target_feature_layers) if args.cached_features else None)
-    if drafter.length_head is not None and not isinstance(args, LengthHeadConfig):
-        # only `train length-head` trains it (no other loss reaches it; DDP then needs no unused-parameter search)
-        drafter.length_head.requires_grad_(False)
-    model = drafter
-    added = added_modules(drafter, args)
-    if args.train_only_added:
-        if not args.init or not added:
-            raise ValueError("--train-only-added trains what --selector-rank / --block-conv add to an --init drafter: "
-                             "pass --init DRAFTER and at least one of them")
-        drafter.requires_grad_(False)
-        for name in added:
-            drafter.get_submodule(name).requires_grad_(True)
-    if args.lora:
-        from peft import LoraConfig, get_peft_model
-
-        if not args.init:
-            raise ValueError("--lora fine-tunes an existing drafter: pass --init DRAFTER")
-        if isinstance(args, LengthHeadConfig):
-            raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
-        model = get_peft_model(drafter, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                   target_modules=LORA_TARGETS, lora_dropout=0.0,
-                                                   modules_to_save=added or None))
+    model = trainable_model(drafter, args)
     pad = pad_token_id(tokenizer)
     if pad is None:
         raise ValueError("the tokenizer has neither a pad nor an EOS token to pad batches with: set its pad_token")
@@ -174,20 +142,7 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         data_collator=collator,
     )
     base = (lambda: build_drafter(target, args, mask_token_id)) if args.lora else None  # what LoRA merges into
-    if args.tokens_seen_start:  # before the measuring callbacks: they log the tokens seen
-        trainer.add_callback(ContinuedRun(args.tokens_seen_start))
-    if args.ema_decay:  # before the measuring callbacks: they measure the average
-        if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
-            raise ValueError("--ema-decay averages whole weights on every process; under FSDP or DeepSpeed they are "
-                             "sharded: train without --ema-decay there, or with DDP")
-        trainer.add_callback(EMACallback(args.ema_decay))
-    if args.heldout_tau_steps > 0:
-        trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
-                                                args.heldout_tau_prompts, args.heldout_tau_max_new_tokens, base))
-    if args.offline_acceptance_steps > 0:
-        trainer.add_callback(OfflineAcceptanceCallback(
-            trainer, out / OFFLINE_ACCEPTANCE_LOG, args.offline_acceptance_data, args.offline_acceptance_steps,
-            args.offline_acceptance_sequences, tokenizer, base))
+    add_callbacks(trainer, args, out, tokenizer, base)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
@@ -200,23 +155,95 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
             shutil.rmtree(saved)
         drafter = drafter.to(target.dtype).eval()
         drafter.bind_target(target)
-        info = {
-            "target": target_name, "data": [{"dir": d, **m} for d, m in zip(data, dataset.meta)],
-            "sequences": len(dataset), "tokens": dataset.num_tokens, "steps": trainer.state.global_step,
-            "train_seconds": round(seconds, 1),
-            "device": torch.cuda.get_device_name(0) if trainer.args.device.type == "cuda" else "cpu",
-            "processes": trainer.accelerator.num_processes,
-            "loss_curve": loss_curve_summary(trainer.state.log_history),
-            "config": {"kind": args.kind, **args.to_dict()}, "command": command or " ".join(sys.argv),
-        }
-        if isinstance(args, LengthHeadConfig):
-            info["length_head"] = length_head_summary(trainer.state.log_history)
+        info = training_info(trainer, args, target_name, data, dataset, seconds, command)
         if args.eval_prompts > 0:
             info["evaluation"] = evaluate_drafter(target, tokenizer, drafter, args.eval_prompts,
                                                   args.eval_max_new_tokens)
         save_drafter(drafter, out, training_info=info)
     trainer.accelerator.wait_for_everyone()
     return out
+
+
+def resume_point(args: DrafterTrainingArguments, out: Path) -> Path | None:
+    """With `args.resume`, the checkpoint to continue from (refused when there is none), and `args.schedule_start`
+    as that run had it; else None."""
+    if not args.resume:
+        return None
+    resume_from = last_complete_checkpoint(out / "checkpoints")
+    if resume_from is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint under {out / 'checkpoints'} to resume from (only a checkpoint-N folder "
+            "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
+        )
+    # a run that continued another machine's (--schedule-start) keeps its place on the curve: the logged steps
+    # count from there (its cosine is in the scheduler state that the checkpoint restores)
+    saved = torch.load(resume_from / "training_args.bin", weights_only=False)  # written by the Trainer, above
+    args.schedule_start = getattr(saved, "schedule_start", 0)
+    return resume_from
+
+
+def trainable_model(drafter: DiffusionDrafter, args: DrafterTrainingArguments):
+    """What the Trainer trains: `drafter` with only the parts the command trains left trainable, or wrapped in a
+    LoRA adapter (peft)."""
+    if drafter.length_head is not None and not isinstance(args, LengthHeadConfig):
+        # only `train length-head` trains it (no other loss reaches it; DDP then needs no unused-parameter search)
+        drafter.length_head.requires_grad_(False)
+    added = added_modules(drafter, args)
+    if args.train_only_added:
+        if not args.init or not added:
+            raise ValueError("--train-only-added trains what --selector-rank / --block-conv add to an --init drafter: "
+                             "pass --init DRAFTER and at least one of them")
+        drafter.requires_grad_(False)
+        for name in added:
+            drafter.get_submodule(name).requires_grad_(True)
+    if not args.lora:
+        return drafter
+    from peft import LoraConfig, get_peft_model
+
+    if not args.init:
+        raise ValueError("--lora fine-tunes an existing drafter: pass --init DRAFTER")
+    if isinstance(args, LengthHeadConfig):
+        raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
+    return get_peft_model(drafter, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                              target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                              modules_to_save=added or None))
+
+
+def add_callbacks(trainer, args: DrafterTrainingArguments, out: Path, tokenizer, base) -> None:
+    """The callbacks the configuration asks for, in the order they must run: the tokens seen and the weight average
+    before the measuring callbacks (which log the one and measure the other)."""
+    if args.tokens_seen_start:
+        trainer.add_callback(ContinuedRun(args.tokens_seen_start))
+    if args.ema_decay:
+        if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+            raise ValueError("--ema-decay averages whole weights on every process; under FSDP or DeepSpeed they are "
+                             "sharded: train without --ema-decay there, or with DDP")
+        trainer.add_callback(EMACallback(args.ema_decay))
+    if args.heldout_tau_steps > 0:
+        trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
+                                                args.heldout_tau_prompts, args.heldout_tau_max_new_tokens, base))
+    if args.offline_acceptance_steps > 0:
+        trainer.add_callback(OfflineAcceptanceCallback(
+            trainer, out / OFFLINE_ACCEPTANCE_LOG, args.offline_acceptance_data, args.offline_acceptance_steps,
+            args.offline_acceptance_sequences, tokenizer, base))
+
+
+def training_info(trainer, args: DrafterTrainingArguments, target_name: str, data: list[str], dataset,
+                  seconds: float, command: str | None) -> dict:
+    """The training record saved with the drafter (`training_info.json`): data, steps, time, device, loss curve,
+    configuration and command."""
+    info = {
+        "target": target_name, "data": [{"dir": d, **m} for d, m in zip(data, dataset.meta)],
+        "sequences": len(dataset), "tokens": dataset.num_tokens, "steps": trainer.state.global_step,
+        "train_seconds": round(seconds, 1),
+        "device": torch.cuda.get_device_name(0) if trainer.args.device.type == "cuda" else "cpu",
+        "processes": trainer.accelerator.num_processes,
+        "loss_curve": loss_curve_summary(trainer.state.log_history),
+        "config": {"kind": args.kind, **args.to_dict()}, "command": command or " ".join(sys.argv),
+    }
+    if isinstance(args, LengthHeadConfig):
+        info["length_head"] = length_head_summary(trainer.state.log_history)
+    return info
 
 
 def evaluate_drafter(target, tokenizer, drafter, prompts_per_domain: int, max_new_tokens: int) -> dict:

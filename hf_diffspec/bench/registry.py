@@ -43,20 +43,13 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
             it). Peers that cannot run are returned with a `skip_reason` instead.
         FileNotFoundError: a drafter that cannot be found.
     """
-    unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS, *PEER_METHODS)]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)} and the peers "
-                         f"{', '.join(PEER_METHODS)}")
+    _check_methods(methods)
     needs_drafter = set(methods) & {*SPECULATIVE_METHODS, "hf-dflash", "zlab"}
     # chains for the chain methods, whatever the checkpoint's default (the shipped drafter drafts trees)
     # pure drafter methods: no prompt lookup, whatever the checkpoint's default
     first = (load_drafter(drafter, target, target_name, draft_tree_budget=None, prompt_lookup_num_tokens=None)
              if needs_drafter else None)
-    if {"dflash", "adaflash", "tree", "tree-lookup"} & set(methods) and VerifyCost.for_target(target) is None:
-        dtype = str(target.dtype).replace("torch.", "")
-        raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
-                         f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first (or leave "
-                         "HF_DIFFSPEC_AUTO_PROFILE unset so that it is measured on first use)")
+    _check_profile(methods, target, target_name)
     tree = dict(num_branches=num_branches, tree_budget=tree_budget, max_depth=max_depth, branch_length=branch_length)
     peers = peer_methods([m for m in methods if m in PEER_METHODS], target, target_name, first,
                          assistant_model=assistant_model, prompt_lookup_tokens=prompt_lookup_tokens,
@@ -97,3 +90,19 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
             vp = DiffusionDrafter.from_pretrained(vp_path, target=target)
             drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, vp, **tree))
     return drafters
+
+
+def _check_methods(methods: list[str]) -> None:
+    unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS, *PEER_METHODS)]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)} and the peers "
+                         f"{', '.join(PEER_METHODS)}")
+
+
+def _check_profile(methods: list[str], target, target_name: str) -> None:
+    """The methods that size drafts with the cost model need this target's verify-cost profile."""
+    if {"dflash", "adaflash", "tree", "tree-lookup"} & set(methods) and VerifyCost.for_target(target) is None:
+        dtype = str(target.dtype).replace("torch.", "")
+        raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
+                         f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first (or leave "
+                         "HF_DIFFSPEC_AUTO_PROFILE unset so that it is measured on first use)")
