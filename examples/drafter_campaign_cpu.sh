@@ -33,7 +33,7 @@
 #          draft vocabulary first gets one of VOCAB tokens (default 16384; 0: the full vocabulary), the most frequent
 #          response tokens of the data and of 20,000 ShareGPT answers, same weights (`hf-diffspec convert
 #          --reduce-vocab`), kept in $RUN/init: the LM head over 16,384 rows instead of 49,152 makes a step ~2.2x
-#          faster (examples/benchmarks/train_step.py) and costs ~0.2% of tau (docs/training.md).
+#          faster (examples/benchmarks/train_step.py) and costs ~0.2% of tau (docs/training-log.md).
 # export:  the latest checkpoint of $RUN as the committed campaign state: its weight average in bf16 (~25 MB, a
 #          drafter folder that loads like any other), campaign.json (step, training tokens) and the whole curve
 #          (offline_acceptance.jsonl: the earlier runs' lines and this run's); written aside, then swapped in.

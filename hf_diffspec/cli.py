@@ -53,6 +53,18 @@ def comma_separated(text: str, kind=str, error: str | None = None) -> list:
     return values
 
 
+def add_demo_parser(sub) -> None:
+    """`hf-diffspec demo`."""
+    demo = sub.add_parser("demo", parents=[target_options()],
+                          help="plain vs speculative generate on one prompt, default target and drafter")
+    demo.add_argument("--drafter", default=None, help=DRAFTER_HELP)
+    demo.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--runs", type=int, default=3,
+                      help="timed runs of each (after a warm-up), interleaved; the medians are reported")
+    demo.set_defaults(func=cmd_demo)
+
+
 def cmd_demo(args) -> None:
     from . import load_target
     from .demo import run_demo
@@ -72,6 +84,42 @@ def cmd_demo(args) -> None:
     print(result.report())
     if not result.check.identical:
         raise SystemExit(1)
+
+
+def add_bench_parser(sub) -> None:
+    """`hf-diffspec bench`."""
+    bench = sub.add_parser("bench", parents=[target_options()], help="tau, tokens/s and speedup per method and domain")
+    bench.add_argument("--drafter", default=None, help=DRAFTER_HELP)
+    bench.add_argument("--methods", default="ar,dflash",
+                       help=f"ar and any of {', '.join(SPECULATIVE_METHODS)}; peers: {', '.join(PEER_METHODS)}")
+    bench.add_argument("--assistant-model", default=None,
+                       help="ar-assistant: the smaller model (name or path; default: the target's built-in sibling)")
+    bench.add_argument("--pld-tokens", type=int, default=PROMPT_LOOKUP_TOKENS,
+                       help="pld and tree-lookup: prompt-lookup drafts per step (prompt_lookup_num_tokens)")
+    bench.add_argument("--oracle-taus", default=None,
+                       help="loop efficiency instead of --methods: an oracle drafter at these tau, e.g. 2,4,8")
+    bench.add_argument("--oracle-drafts", type=int, default=None,
+                       help="oracle: drafts verified per step (default 2 x tau - 1)")
+    bench.add_argument("--vp-drafter", default=None, help="VP drafter for d2sd (default: the shipped one)")
+    bench.add_argument("--branches", type=int, default=4, help="D²SD: K prefix lengths re-drafted")
+    bench.add_argument("--tree-budget", type=int, default=16, help="D²SD: most tree nodes verified per step")
+    bench.add_argument("--tree-depth", type=int, default=8, help="D²SD: deepest level of the tree")
+    bench.add_argument("--branch-length", type=int, default=4, help="D²SD: tokens per branch from its branch point")
+    bench.add_argument("--domains", default="code,math,chat")
+    bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
+    bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16,64")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="decode every batch this many times per method, interleaved (default: enough rounds for "
+                            "3 timed calls per method and batch size; at 16-64 rows a few prompts make one batch)")
+    bench.add_argument("--dflash-length", type=int, default=None,
+                       help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", default=None, help="write results as JSON here")
+    bench.add_argument("--plot", default=None,
+                       help="write a PNG here: throughput vs batch size, or speedup per domain at one batch size")
+    bench.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args) -> None:
@@ -137,6 +185,39 @@ def cmd_bench(args) -> None:
         print(f"wrote {args.plot}")
 
 
+def add_data_parser(sub) -> None:
+    """`hf-diffspec data relabel | generate | features`."""
+    loads_target = target_options()
+    data = sub.add_parser("data", help="build drafter training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    for name, helptext in [("relabel", "real ShareGPT exchanges; the target labels them at training time"),
+                           ("generate", "the target's own greedy answers to ShareGPT prompts")]:
+        p = data_sub.add_parser(name, parents=[target_options()], help=helptext)
+        p.add_argument("--source", default="sharegpt", help="'sharegpt', or (generate) a JSONL prompts file")
+        p.add_argument("--out", required=True)
+        p.add_argument("--num-samples", type=int, required=True)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the seeded order")
+        p.set_defaults(func=cmd_data)
+        if name == "relabel":
+            p.add_argument("--max-length", type=int, default=1024)
+        else:
+            p.add_argument("--max-new-tokens", type=int, default=256)
+            p.add_argument("--batch-size", type=int, default=16)
+
+    features = data_sub.add_parser(
+        "features", parents=[target_options()],
+        help="cache the target's features and argmax for data directories, for `train ... --cached-features`")
+    features.add_argument("data", nargs="+", metavar="DIR", help="data directories written by `hf-diffspec data`")
+    features.add_argument("--drafter", default=None,
+                          help="the --init drafter training will start from (its feature layers; default: a new "
+                               "drafter's for this target)")
+    features.add_argument("--features-dtype", default="bf16", choices=["bf16", "fp32"],
+                          help="stored precision (bf16: half the disk; fp32: exactly the live step's features)")
+    features.add_argument("--batch-size", type=int, default=8)
+    features.set_defaults(func=cmd_data)
+
+
 def cmd_data(args) -> None:
     from . import load_target
     from .trainers.data import write_generated_data, write_relabel_data
@@ -183,6 +264,33 @@ def cmd_data_features(args) -> None:
             print(f"{data_dir}/{FEATURES_DIR}: {written} shards written by this run")
 
 
+def add_train_parser(sub) -> None:
+    """`hf-diffspec train kd | vp | opd | length-head`: each one's options are its configuration's fields
+    (`HfArgumentParser`)."""
+    from transformers import HfArgumentParser
+
+    from .trainers.configs import (
+        DrafterTrainingArguments,
+        LengthHeadConfig,
+        OnPolicyDistillationConfig,
+        VariablePrefixConfig,
+    )
+
+    train_commands = {
+        "kd": (DrafterTrainingArguments, "block-diffusion distillation of a first drafter (DFlash recipe)"),
+        "vp": (VariablePrefixConfig, "a D²SD variable-prefix drafter (prefix prior beta^l), usually --init FIRST"),
+        "opd": (OnPolicyDistillationConfig, "AdaFlash on-policy rounds with the reverse-KL loss, from --init DRAFTER"),
+        "length-head": (LengthHeadConfig, "the acceptance (length) head of --init DRAFTER, the drafter frozen"),
+    }
+    train = sub.add_parser("train", help="train a drafter")
+    train_sub = train.add_subparsers(dest="train_command", required=True, parser_class=HfArgumentParser)
+    for kind, (config_class, helptext) in train_commands.items():
+        inputs = OnPolicyPromptArguments if kind == "opd" else TrainDataArguments
+        trainp = train_sub.add_parser(kind, parents=[target_options(dtype="auto")], help=helptext,
+                                      description=config_class.__doc__, dataclass_types=[inputs, config_class])
+        trainp.set_defaults(func=cmd_train, config_class=config_class)
+
+
 @dataclass
 class TrainDataArguments:
     """The data `hf-diffspec train kd | vp | length-head` trains on."""
@@ -217,8 +325,25 @@ def cmd_train(args) -> None:
         print(f"drafter saved to {train_drafter(target, tok, args.target, args.data, config, command=command)}")
 
 
+def add_eval_parser(sub) -> None:
+    """`hf-diffspec eval acceptance`."""
+    evaluate = sub.add_parser("eval", help="drafter quality without decoding")
+    eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
+    acceptance = eval_sub.add_parser(
+        "acceptance", parents=[target_options()],
+        help="offline acceptance length: the drafter at every anchor of the target's own sequences")
+    acceptance.add_argument("--drafter", default=None, help=DRAFTER_HELP)
+    acceptance.add_argument("--data", nargs="+", required=True, metavar="DIR",
+                            help="held-out data directories of sequences the target wrote itself (greedy)")
+    acceptance.add_argument("--max-sequences", type=int, default=None, help="read only the first N sequences")
+    acceptance.add_argument("--json", default=None, help="write the report (per domain, per slot, per step) here")
+    acceptance.add_argument("--against", default=None, metavar="REPORT.json",
+                            help="another drafter's --json report on the same data: print the difference in tau with "
+                                 "its paired standard error")
+    acceptance.set_defaults(func=cmd_eval)
+
+
 def cmd_eval(args) -> None:
-    from . import load_target
     from .drafters import load_drafter
     from .runtime.files import atomic_write
     from .trainers.data import DrafterDataset
@@ -234,7 +359,7 @@ def cmd_eval(args) -> None:
         if "sequence_tau_sums" not in base:
             raise SystemExit(f"--against {args.against}: a report without per-sequence sums (written before paired "
                              "comparisons existed): measure that drafter again with --json")
-    target, tok = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+    target, tok = load_target_of(args)
     try:
         drafter = load_drafter(args.drafter, target, args.target, length_head=False)
         dataset = DrafterDataset(args.data, tokenizer=tok)
@@ -262,6 +387,18 @@ def cmd_eval(args) -> None:
         print(f"wrote {args.json}")
 
 
+def add_push_parser(sub) -> None:
+    """`hf-diffspec push`."""
+    push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")
+    push.add_argument("folder")
+    push.add_argument("--repo-id", required=True)
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--token", default=None, help="default: the token huggingface_hub finds (HF_TOKEN, login)")
+    push.add_argument("--revision", default=None)
+    push.add_argument("--dry-run", action="store_true", help="check the folder and list the files, upload nothing")
+    push.set_defaults(func=cmd_push)
+
+
 def cmd_push(args) -> None:
     import tempfile
 
@@ -274,6 +411,26 @@ def cmd_push(args) -> None:
         print("\n".join(f"  {name}" for name in files))
         return
     print(push(args.folder, args.repo_id, private=args.private, token=args.token, revision=args.revision))
+
+
+def add_convert_parser(sub) -> None:
+    """`hf-diffspec convert`."""
+    convert = sub.add_parser("convert", help="z-lab or transformers-native DFlash checkpoint -> DiffusionDrafter; "
+                                             "or a DiffusionDrafter -> one drafting over a reduced vocabulary")
+    convert.add_argument("folder", help="a checkpoint folder; with --from, also a Hub repository id (owner/name)")
+    convert.add_argument("--from", dest="source", default=None, choices=["zlab", "hf-native"],
+                         help="layout of a published DFlash checkpoint to save as ours (DiffusionDrafter."
+                              "from_pretrained also reads it directly)")
+    convert.add_argument("--out", required=True)
+    convert.add_argument("--reduce-vocab", type=int, default=None, metavar="N",
+                         help="draft over only the N most frequent response tokens (special tokens always kept)")
+    convert.add_argument("--data", nargs="+", default=[], metavar="DIR",
+                         help="--reduce-vocab: drafter data directories whose response tokens are counted")
+    convert.add_argument("--sharegpt-responses", type=int, default=0, metavar="N",
+                         help="--reduce-vocab: also count the answers of N ShareGPT exchanges (eval prompts excluded)")
+    convert.add_argument("--target", default=DEFAULT_TARGET,
+                         help="--reduce-vocab: the drafter's target (tokenizer, special tokens, vocabulary)")
+    convert.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args) -> None:
@@ -307,6 +464,15 @@ def cmd_convert(args) -> None:
           f"{covered:.1%} of the {int(counts.sum())} response tokens counted; saved to {out}")
 
 
+def add_export_parser(sub) -> None:
+    """`hf-diffspec export`."""
+    export = sub.add_parser("export", help="DiffusionDrafter -> the layout vLLM / SGLang DFlash loaders read")
+    export.add_argument("folder")
+    export.add_argument("--format", required=True, choices=["vllm", "sglang"])
+    export.add_argument("--out", required=True)
+    export.set_defaults(func=cmd_export)
+
+
 def cmd_export(args) -> None:
     from .formats import export_for_engine
 
@@ -314,6 +480,18 @@ def cmd_export(args) -> None:
     for note in notes:
         print(f"note: {note}")
     print(f"exported for {args.format} to {out}")
+
+
+def add_profile_parser(sub) -> None:
+    """`hf-diffspec profile`."""
+    profile = sub.add_parser("profile", parents=[target_options()],
+                             help="measure the target's verify cost T(rows, n) once; used to size drafts and trees")
+    profile.add_argument("--context-length", type=int, default=256)
+    profile.add_argument("--repeats", type=int, default=5)
+    profile.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows per forward to measure")
+    profile.add_argument("--show", action="store_true", help="list the cached profiles and stop")
+    profile.add_argument("--clear", action="store_true", help="remove the cached profiles and stop")
+    profile.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args) -> None:
@@ -362,161 +540,11 @@ def show_or_clear_profiles(clear: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from transformers import HfArgumentParser
-
-    from .trainers.configs import (
-        DrafterTrainingArguments,
-        LengthHeadConfig,
-        OnPolicyDistillationConfig,
-        VariablePrefixConfig,
-    )
-
-    train_commands = {
-        "kd": (DrafterTrainingArguments, "block-diffusion distillation of a first drafter (DFlash recipe)"),
-        "vp": (VariablePrefixConfig, "a D²SD variable-prefix drafter (prefix prior beta^l), usually --init FIRST"),
-        "opd": (OnPolicyDistillationConfig, "AdaFlash on-policy rounds with the reverse-KL loss, from --init DRAFTER"),
-        "length-head": (LengthHeadConfig, "the acceptance (length) head of --init DRAFTER, the drafter frozen"),
-    }
     parser = argparse.ArgumentParser(prog="hf-diffspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    loads_target, trains_on_target = target_options(), target_options(dtype="auto")
-
-    demo = sub.add_parser("demo", parents=[loads_target],
-                          help="plain vs speculative generate on one prompt, default target and drafter")
-    demo.add_argument("--drafter", default=None, help=DRAFTER_HELP)
-    demo.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
-    demo.add_argument("--max-new-tokens", type=int, default=96)
-    demo.add_argument("--runs", type=int, default=3,
-                      help="timed runs of each (after a warm-up), interleaved; the medians are reported")
-    demo.set_defaults(func=cmd_demo)
-
-    bench = sub.add_parser("bench", parents=[loads_target], help="tau, tokens/s and speedup per method and domain")
-    bench.add_argument("--drafter", default=None, help=DRAFTER_HELP)
-    bench.add_argument("--methods", default="ar,dflash",
-                       help=f"ar and any of {', '.join(SPECULATIVE_METHODS)}; peers: {', '.join(PEER_METHODS)}")
-    bench.add_argument("--assistant-model", default=None,
-                       help="ar-assistant: the smaller model (name or path; default: the target's built-in sibling)")
-    bench.add_argument("--pld-tokens", type=int, default=PROMPT_LOOKUP_TOKENS,
-                       help="pld and tree-lookup: prompt-lookup drafts per step (prompt_lookup_num_tokens)")
-    bench.add_argument("--oracle-taus", default=None,
-                       help="loop efficiency instead of --methods: an oracle drafter at these tau, e.g. 2,4,8")
-    bench.add_argument("--oracle-drafts", type=int, default=None,
-                       help="oracle: drafts verified per step (default 2 x tau - 1)")
-    bench.add_argument("--vp-drafter", default=None, help="VP drafter for d2sd (default: the shipped one)")
-    bench.add_argument("--branches", type=int, default=4, help="D²SD: K prefix lengths re-drafted")
-    bench.add_argument("--tree-budget", type=int, default=16, help="D²SD: most tree nodes verified per step")
-    bench.add_argument("--tree-depth", type=int, default=8, help="D²SD: deepest level of the tree")
-    bench.add_argument("--branch-length", type=int, default=4, help="D²SD: tokens per branch from its branch point")
-    bench.add_argument("--domains", default="code,math,chat")
-    bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
-    bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16,64")
-    bench.add_argument("--rounds", type=int, default=None,
-                       help="decode every batch this many times per method, interleaved (default: enough rounds for "
-                            "3 timed calls per method and batch size; at 16-64 rows a few prompts make one batch)")
-    bench.add_argument("--dflash-length", type=int, default=None,
-                       help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--json", default=None, help="write results as JSON here")
-    bench.add_argument("--plot", default=None,
-                       help="write a PNG here: throughput vs batch size, or speedup per domain at one batch size")
-    bench.set_defaults(func=cmd_bench)
-
-    data = sub.add_parser("data", help="build drafter training data")
-    data_sub = data.add_subparsers(dest="data_command", required=True)
-    for name, helptext in [("relabel", "real ShareGPT exchanges; the target labels them at training time"),
-                           ("generate", "the target's own greedy answers to ShareGPT prompts")]:
-        p = data_sub.add_parser(name, parents=[loads_target], help=helptext)
-        p.add_argument("--source", default="sharegpt", help="'sharegpt', or (generate) a JSONL prompts file")
-        p.add_argument("--out", required=True)
-        p.add_argument("--num-samples", type=int, required=True)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the seeded order")
-        p.set_defaults(func=cmd_data)
-        if name == "relabel":
-            p.add_argument("--max-length", type=int, default=1024)
-        else:
-            p.add_argument("--max-new-tokens", type=int, default=256)
-            p.add_argument("--batch-size", type=int, default=16)
-
-    features = data_sub.add_parser(
-        "features", parents=[loads_target],
-        help="cache the target's features and argmax for data directories, for `train ... --cached-features`")
-    features.add_argument("data", nargs="+", metavar="DIR", help="data directories written by `hf-diffspec data`")
-    features.add_argument("--drafter", default=None,
-                          help="the --init drafter training will start from (its feature layers; default: a new "
-                               "drafter's for this target)")
-    features.add_argument("--features-dtype", default="bf16", choices=["bf16", "fp32"],
-                          help="stored precision (bf16: half the disk; fp32: exactly the live step's features)")
-    features.add_argument("--batch-size", type=int, default=8)
-    features.set_defaults(func=cmd_data)
-
-    train = sub.add_parser("train", help="train a drafter")
-    train_sub = train.add_subparsers(dest="train_command", required=True, parser_class=HfArgumentParser)
-    for kind, (config_class, helptext) in train_commands.items():
-        inputs = OnPolicyPromptArguments if kind == "opd" else TrainDataArguments
-        trainp = train_sub.add_parser(kind, parents=[trains_on_target], help=helptext,
-                                      description=config_class.__doc__, dataclass_types=[inputs, config_class])
-        trainp.set_defaults(func=cmd_train, config_class=config_class)
-
-    profile = sub.add_parser("profile", parents=[loads_target],
-                             help="measure the target's verify cost T(rows, n) once; used to size drafts and trees")
-    profile.add_argument("--show", action="store_true", help="list the cached profiles and stop")
-    profile.add_argument("--clear", action="store_true", help="remove the cached profiles and stop")
-    profile.add_argument("--context-length", type=int, default=256)
-    profile.add_argument("--repeats", type=int, default=5)
-    profile.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows per forward to measure")
-    profile.set_defaults(func=cmd_profile)
-
-    evaluate = sub.add_parser("eval", help="drafter quality without decoding")
-    eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
-    acceptance = eval_sub.add_parser(
-        "acceptance", help="offline acceptance length: the drafter at every anchor of the target's own sequences")
-    acceptance.add_argument("--drafter", default=None, help="checkpoint dir, or 'random' (default: the shipped drafter)")
-    acceptance.add_argument("--data", nargs="+", required=True, metavar="DIR",
-                            help="held-out data directories of sequences the target wrote itself (greedy)")
-    acceptance.add_argument("--max-sequences", type=int, default=None, help="read only the first N sequences")
-    acceptance.add_argument("--target", default=DEFAULT_TARGET)
-    acceptance.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    acceptance.add_argument("--device", default=None)
-    acceptance.add_argument("--json", default=None, help="write the report (per domain, per slot, per step) here")
-    acceptance.add_argument("--against", default=None, metavar="REPORT.json",
-                            help="another drafter's --json report on the same data: print the difference in tau with "
-                                 "its paired standard error")
-    acceptance.set_defaults(func=cmd_eval)
-
-    push = sub.add_parser("push", help="upload a drafter folder to the Hugging Face Hub")
-    push.add_argument("folder")
-    push.add_argument("--repo-id", required=True)
-    push.add_argument("--private", action="store_true")
-    push.add_argument("--token", default=None, help="default: the token huggingface_hub finds (HF_TOKEN, login)")
-    push.add_argument("--revision", default=None)
-    push.add_argument("--dry-run", action="store_true", help="check the folder and list the files, upload nothing")
-    push.set_defaults(func=cmd_push)
-
-    convert = sub.add_parser("convert", help="z-lab or transformers-native DFlash checkpoint -> DiffusionDrafter; "
-                                             "or a DiffusionDrafter -> one drafting over a reduced vocabulary")
-    convert.add_argument("folder", help="a checkpoint folder; with --from, also a Hub repository id (owner/name)")
-    convert.add_argument("--from", dest="source", default=None, choices=["zlab", "hf-native"],
-                         help="layout of a published DFlash checkpoint to save as ours (DiffusionDrafter."
-                              "from_pretrained also reads it directly)")
-    convert.add_argument("--out", required=True)
-    convert.add_argument("--reduce-vocab", type=int, default=None, metavar="N",
-                         help="draft over only the N most frequent response tokens (special tokens always kept)")
-    convert.add_argument("--data", nargs="+", default=[], metavar="DIR",
-                         help="--reduce-vocab: drafter data directories whose response tokens are counted")
-    convert.add_argument("--sharegpt-responses", type=int, default=0, metavar="N",
-                         help="--reduce-vocab: also count the answers of N ShareGPT exchanges (eval prompts excluded)")
-    convert.add_argument("--target", default=DEFAULT_TARGET,
-                         help="--reduce-vocab: the drafter's target (tokenizer, special tokens, vocabulary)")
-    convert.set_defaults(func=cmd_convert)
-
-    export = sub.add_parser("export", help="DiffusionDrafter -> the layout vLLM / SGLang DFlash loaders read")
-    export.add_argument("folder")
-    export.add_argument("--format", required=True, choices=["vllm", "sglang"])
-    export.add_argument("--out", required=True)
-    export.set_defaults(func=cmd_export)
+    for add_parser in (add_demo_parser, add_bench_parser, add_data_parser, add_train_parser, add_profile_parser,
+                       add_eval_parser, add_push_parser, add_convert_parser, add_export_parser):
+        add_parser(sub)
     return parser
 
 

@@ -178,8 +178,9 @@ def test_training_logs_the_offline_acceptance_on_a_schedule_across_a_resume(real
     from safetensors.torch import load_file
 
     from hf_diffspec.trainers.data import write_generated_data
+    from hf_diffspec.trainers.measuring import read_heldout_tau
     from hf_diffspec.trainers.offline_acceptance import OFFLINE_ACCEPTANCE_LOG
-    from hf_diffspec.trainers.pipeline import read_heldout_tau, train_drafter
+    from hf_diffspec.trainers.pipeline import train_drafter
 
     tokenizer = real_target[1]
     target = tiny_target("llama", seed=3, vocab_size=len(tokenizer))

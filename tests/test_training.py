@@ -198,7 +198,7 @@ def test_kd_training_learns_the_targets_continuations(target_and_data, tokenizer
 
 def test_heldout_tau_is_logged_on_a_schedule_and_the_curve_continues_after_a_resume(target_and_data, tokenizer,
                                                                                      tmp_path):
-    from hf_diffspec.trainers.pipeline import HELDOUT_TAU_LOG, read_heldout_tau
+    from hf_diffspec.trainers.measuring import HELDOUT_TAU_LOG, read_heldout_tau
 
     target, data = target_and_data
     cfg = DrafterTrainingArguments(output_dir=str(tmp_path / "curve"), num_layers=1, block_size=4, num_anchors=8,

@@ -20,11 +20,8 @@ from the measuring forward), the target's continuation is unknown and the block 
   slots 1..k-1 (`reach[k] / reach[k-1]`); per domain as well.
 """
 
-import json
 import math
 import tempfile
-import time
-from pathlib import Path
 
 import torch
 
@@ -33,7 +30,6 @@ from hf_diffspec.prompts import DOMAINS, load_prompts
 from .block_diffusion import BlockDiffusionTrainer
 from .configs import DrafterTrainingArguments
 from .data import DrafterDataset, ShardWriter
-from .pipeline import HeldOutTauCallback
 
 OFFLINE_ACCEPTANCE_LOG = "offline_acceptance.jsonl"
 ANCHORS_PER_FORWARD = 256
@@ -193,29 +189,6 @@ def paired_tau_difference(report: dict, base: dict) -> tuple[float, float]:
     mean = sum(deltas) / total
     clustered = sum((d - n * mean) ** 2 for d, n in zip(deltas, blocks))  # as `summarize`'s, on the differences
     return mean, math.sqrt(clustered) / total
-
-
-class OfflineAcceptanceCallback(HeldOutTauCallback):
-    """The offline acceptance length on `HeldOutTauCallback`'s schedule (at the start of training, every `every`
-    optimizer steps and at the end) on the same held-out sequences (`data`: data directories, their first
-    `max_sequences`): one JSON line per measurement appended to `path` (step, training tokens seen, tau and its
-    standard error, decode tau, reach and acceptance per slot, per domain, seconds). A resumed run appends to the
-    same file; a step measured twice keeps its last line (`read_heldout_tau` reads it)."""
-
-    def __init__(self, trainer: BlockDiffusionTrainer, path, data: list[str], every: int,
-                 max_sequences: int | None = None, tokenizer=None, base=None):
-        self.trainer, self.path, self.every, self.max_sequences = trainer, Path(path), every, max_sequences
-        self.base = base  # what a LoRA adapter merges into
-        self.dataset = DrafterDataset(data, tokenizer=tokenizer)
-
-    def write(self, drafter, state, start: float) -> None:
-        report = offline_acceptance(self.trainer, drafter, self.dataset, self.max_sequences)
-        report.pop("committed_per_step")
-        line = {"step": self.curve_step(state), "training_tokens": state.num_input_tokens_seen, **report,
-                "seconds": round(time.perf_counter() - start, 1)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as log:  # one whole line per write: a kill leaves earlier lines intact
-            log.write(json.dumps(line) + "\n")
 
 
 def measuring_trainer(drafter, target) -> BlockDiffusionTrainer:

@@ -10,7 +10,6 @@ trained drafter is gathered with `Trainer.save_model` by all of them, and the ma
 and writes it while the others wait; OPD rounds decode their prompts shared out, one shard set per process.
 """
 
-import copy
 import json
 import shutil
 import sys
@@ -21,9 +20,9 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
-from transformers import TrainerCallback, set_seed
+from transformers import set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -42,8 +41,10 @@ from .block_diffusion import (
     loss_curve_summary,
 )
 from .configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig, VariablePrefixConfig
-from .continuation import ContinuedRun, EMACallback, ema_callback
+from .continuation import ContinuedRun, EMACallback
 from .data import DrafterDataset, classify_domain, process_shard_writer, sharegpt_exchanges
+from .measuring import HELDOUT_TAU_LOG, HeldOutTauCallback, OfflineAcceptanceCallback, trained_drafter
+from .offline_acceptance import OFFLINE_ACCEPTANCE_LOG
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"]
 # most specific configuration first: each Trainer declares the configuration class it reads
@@ -115,22 +116,6 @@ def copy_target_layers(drafter: DiffusionDrafter, target) -> None:
                                for k, v in own.items()})
 
 
-def trained_drafter(trainer, folder, base=None) -> DiffusionDrafter | None:
-    """The drafter as trained so far, whole and in float32, on the main process (None on the others, which must all
-    call this too): written to `folder` by `Trainer.save_model`, which gathers FSDP or DeepSpeed shards, and read back;
-    a LoRA adapter is merged into `base()`, the drafter it was trained on, built afresh."""
-    if trainer.is_fsdp_enabled:  # one file with the whole drafter, not one shard per process
-        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(str(folder))
-    if not trainer.is_world_process_zero():
-        return None
-    if base is None:
-        return DiffusionDrafter.from_pretrained(folder, dtype=torch.float32)
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(base(), folder).merge_and_unload()
-
-
 def train_drafter(target, tokenizer, target_name: str, data: list[str], args: DrafterTrainingArguments,
                   command: str | None = None) -> Path:
     """Train a drafter on the data directories `data` and save it to `args.output_dir` (Trainer checkpoints under
@@ -140,45 +125,13 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
     it and all return once the main process has written the drafter."""
     set_seed(args.seed)
     out = Path(args.output_dir)
-    resume_from = None
-    if args.resume:
-        resume_from = last_complete_checkpoint(out / "checkpoints")
-        if resume_from is None:
-            raise FileNotFoundError(
-                f"--resume: no checkpoint under {out / 'checkpoints'} to resume from (only a checkpoint-N folder "
-                "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
-            )
-        # a run that continued another machine's (--schedule-start) keeps its place on the curve: the logged steps
-        # count from there (its cosine is in the scheduler state that the checkpoint restores)
-        saved = torch.load(resume_from / "training_args.bin", weights_only=False)  # written by the Trainer, above
-        args.schedule_start = getattr(saved, "schedule_start", 0)
+    resume_from = resume_point(args, out)
     vocab_size = target.get_input_embeddings().num_embeddings
     mask_token_id = resolve_mask_token_id(args.mask_token_id, tokenizer, vocab_size)
     drafter = build_drafter(target, args, mask_token_id)
     dataset = DrafterDataset(data, tokenizer=tokenizer, max_length=args.max_length,
                              cached_features=(target, drafter.target_feature_layers) if args.cached_features else None)
-    if drafter.length_head is not None and not isinstance(args, LengthHeadConfig):
-        # only `train length-head` trains it (no other loss reaches it; DDP then needs no unused-parameter search)
-        drafter.length_head.requires_grad_(False)
-    model = drafter
-    added = added_modules(drafter, args)
-    if args.train_only_added:
-        if not args.init or not added:
-            raise ValueError("--train-only-added trains what --selector-rank / --block-conv add to an --init drafter: "
-                             "pass --init DRAFTER and at least one of them")
-        drafter.requires_grad_(False)
-        for name in added:
-            drafter.get_submodule(name).requires_grad_(True)
-    if args.lora:
-        from peft import LoraConfig, get_peft_model
-
-        if not args.init:
-            raise ValueError("--lora fine-tunes an existing drafter: pass --init DRAFTER")
-        if isinstance(args, LengthHeadConfig):
-            raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
-        model = get_peft_model(drafter, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                   target_modules=LORA_TARGETS, lora_dropout=0.0,
-                                                   modules_to_save=added or None))
+    model = trainable_model(drafter, args)
     pad = pad_token_id(tokenizer)
     if pad is None:
         raise ValueError("the tokenizer has neither a pad nor an EOS token to pad batches with: set its pad_token")
@@ -189,22 +142,7 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
         data_collator=collator,
     )
     base = (lambda: build_drafter(target, args, mask_token_id)) if args.lora else None  # what LoRA merges into
-    if args.tokens_seen_start:  # before the measuring callbacks: they log the tokens seen
-        trainer.add_callback(ContinuedRun(args.tokens_seen_start))
-    if args.ema_decay:  # before the measuring callbacks: they measure the average
-        if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
-            raise ValueError("--ema-decay averages whole weights on every process; under FSDP or DeepSpeed they are "
-                             "sharded: train without --ema-decay there, or with DDP")
-        trainer.add_callback(EMACallback(args.ema_decay))
-    if args.heldout_tau_steps > 0:
-        trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
-                                                args.heldout_tau_prompts, args.heldout_tau_max_new_tokens, base))
-    if args.offline_acceptance_steps > 0:
-        from .offline_acceptance import OFFLINE_ACCEPTANCE_LOG, OfflineAcceptanceCallback  # it builds on this module
-
-        trainer.add_callback(OfflineAcceptanceCallback(
-            trainer, out / OFFLINE_ACCEPTANCE_LOG, args.offline_acceptance_data, args.offline_acceptance_steps,
-            args.offline_acceptance_sequences, tokenizer, base))
+    add_callbacks(trainer, args, out, tokenizer, base)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
@@ -217,17 +155,7 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
             shutil.rmtree(saved)
         drafter = drafter.to(target.dtype).eval()
         drafter.bind_target(target)
-        info = {
-            "target": target_name, "data": [{"dir": d, **m} for d, m in zip(data, dataset.meta)],
-            "sequences": len(dataset), "tokens": dataset.num_tokens, "steps": trainer.state.global_step,
-            "train_seconds": round(seconds, 1),
-            "device": torch.cuda.get_device_name(0) if trainer.args.device.type == "cuda" else "cpu",
-            "processes": trainer.accelerator.num_processes,
-            "loss_curve": loss_curve_summary(trainer.state.log_history),
-            "config": {"kind": args.kind, **args.to_dict()}, "command": command or " ".join(sys.argv),
-        }
-        if isinstance(args, LengthHeadConfig):
-            info["length_head"] = length_head_summary(trainer.state.log_history)
+        info = training_info(trainer, args, target_name, data, dataset, seconds, command)
         if args.eval_prompts > 0:
             info["evaluation"] = evaluate_drafter(target, tokenizer, drafter, args.eval_prompts,
                                                   args.eval_max_new_tokens)
@@ -236,115 +164,86 @@ def train_drafter(target, tokenizer, target_name: str, data: list[str], args: Dr
     return out
 
 
-HELDOUT_TAU_LOG = "heldout_tau.jsonl"
-
-
-def heldout_tau(target, tokenizer, drafter, prompts: list[dict], max_new_tokens: int) -> dict:
-    """Tau with the drafter's whole block verified every step (DFlash's acceptance length, what `hf-diffspec bench
-    --methods dflash-block` reports: committed tokens per target forward, over all of a domain's prompts), greedy,
-    per domain and over all `prompts` (records with `text` and `domain`)."""
-    committed, steps = {}, {}
-    for prompt in prompts:
-        inputs = tokenizer(prompt["text"], return_tensors="pt", add_special_tokens=False).to(target.device)
-        out = target.generate(**inputs, assistant_model=drafter, num_assistant_tokens=drafter.config.block_size - 1,
-                              max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
-        per_step = out.speculation_stats.committed_per_step
-        for key in (prompt["domain"], "all"):
-            committed[key] = committed.get(key, 0) + sum(per_step)
-            steps[key] = steps.get(key, 0) + len(per_step)
-    return {key: round(committed[key] / steps[key], 4) for key in committed if steps[key]}
-
-
-class HeldOutTauCallback(TrainerCallback):
-    """Held-out tau on a fixed schedule: at the start of training, every `every` optimizer steps and at the end, a
-    copy of the drafter (merged, in the target's dtype) is measured by `heldout_tau` on the same held-out prompts,
-    and one JSON line is appended to `path`: step, training tokens seen, tau per domain and over all, seconds taken.
-    A resumed run appends to the same file, so the curve outlives the machine that started it (a step measured
-    twice, before and after an interruption, keeps its last line; `read_heldout_tau`). Under several processes the
-    main one measures and writes; the others wait. `base` builds the drafter a LoRA adapter merges into."""
-
-    def __init__(self, trainer, path, tokenizer, every: int, prompts_per_domain: int, max_new_tokens: int,
-                 base=None):
-        self.trainer, self.path, self.every, self.max_new_tokens = trainer, Path(path), every, max_new_tokens
-        self.tokenizer, self.base = tokenizer, base
-        self.prompts = load_prompts(n_per_domain=prompts_per_domain, tokenizer=tokenizer)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # the main process's reading of the log decides for all (it may be writing to it while another reads)
-        measured = broadcast_object_list([self.curve_step(state) in read_heldout_tau(self.path)])[0]
-        if not measured:
-            self.measure(state)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:
-            self.measure(state)
-
-    def curve_step(self, state) -> int:
-        """The step on the run's curve: this run's optimizer steps after those of the runs it continues."""
-        return state.global_step + self.trainer.args.schedule_start
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every:
-            self.measure(state)
-
-    @torch.no_grad()
-    def measure(self, state) -> None:
-        start = time.perf_counter()
-        drafter = deployed_drafter(self.trainer, self.base)
-        if drafter is not None:
-            self.write(drafter, state, start)
-        self.trainer.accelerator.wait_for_everyone()
-
-    def write(self, drafter, state, start: float) -> None:
-        """Measure `drafter` (on the main process) and append its line."""
-        drafter.config.draft_tree_budget = None  # chains of the whole block, whatever the checkpoint's defaults
-        drafter.config.prompt_lookup_num_tokens = None
-        tau = heldout_tau(self.trainer.target, self.tokenizer, drafter, self.prompts, self.max_new_tokens)
-        line = {"step": self.curve_step(state), "training_tokens": state.num_input_tokens_seen, "tau": tau.pop("all"),
-                "tau_per_domain": tau, "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
-                "seconds": round(time.perf_counter() - start, 1)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as log:  # one whole line per write: a kill leaves earlier lines intact
-            log.write(json.dumps(line) + "\n")
-
-
-def deployed_drafter(trainer, base=None):
-    """A copy of the trainer's drafter as it is deployed, on the main process (None on the others, which must all
-    call this too): its weight average if it keeps one, merged (peft), in the target's dtype and device, eval mode,
-    bound to the target; the trained one is left untouched. Sharded weights (FSDP, DeepSpeed) are gathered by
-    `trained_drafter`; whole ones are copied in memory."""
-    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
-        folder = Path(trainer.args.output_dir) / "measured-drafter"
-        drafter = trained_drafter(trainer, folder, base)
-        if drafter is None:
-            return None
-        shutil.rmtree(folder)
-    elif not trainer.is_world_process_zero():
+def resume_point(args: DrafterTrainingArguments, out: Path) -> Path | None:
+    """With `args.resume`, the checkpoint to continue from (refused when there is none), and `args.schedule_start`
+    as that run had it; else None."""
+    if not args.resume:
         return None
-    else:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        borrowed = {id(m): m for m in trainer.drafter._borrowed.values()}  # the target's, shared, not copied
-        drafter = copy.deepcopy(model, memo=borrowed)
-        if (ema := ema_callback(trainer)) is not None and ema.average is not None:
-            ema.copy_to(drafter)
-        if hasattr(drafter, "merge_and_unload"):  # peft: the adapter merged into the copy, the trained one untouched
-            drafter = drafter.merge_and_unload()
-    target = trainer.target
-    return drafter.to(device=target.device, dtype=target.dtype).eval().bind_target(target)
+    resume_from = last_complete_checkpoint(out / "checkpoints")
+    if resume_from is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint under {out / 'checkpoints'} to resume from (only a checkpoint-N folder "
+            "whose trainer_state.json exists and parses is complete); drop --resume to train from the start"
+        )
+    # a run that continued another machine's (--schedule-start) keeps its place on the curve: the logged steps
+    # count from there (its cosine is in the scheduler state that the checkpoint restores)
+    saved = torch.load(resume_from / "training_args.bin", weights_only=False)  # written by the Trainer, above
+    args.schedule_start = getattr(saved, "schedule_start", 0)
+    return resume_from
 
 
-def read_heldout_tau(path) -> dict[int, dict]:
-    """The lines of a held-out tau log by step (the last line of a step measured twice); a line cut short by a kill
-    is skipped. {} when the file does not exist."""
-    lines = {}
-    if Path(path).is_file():
-        for text in Path(path).read_text().splitlines():
-            try:
-                line = json.loads(text)
-            except ValueError:
-                continue
-            lines[line["step"]] = line
-    return lines
+def trainable_model(drafter: DiffusionDrafter, args: DrafterTrainingArguments):
+    """What the Trainer trains: `drafter` with only the parts the command trains left trainable, or wrapped in a
+    LoRA adapter (peft)."""
+    if drafter.length_head is not None and not isinstance(args, LengthHeadConfig):
+        # only `train length-head` trains it (no other loss reaches it; DDP then needs no unused-parameter search)
+        drafter.length_head.requires_grad_(False)
+    added = added_modules(drafter, args)
+    if args.train_only_added:
+        if not args.init or not added:
+            raise ValueError("--train-only-added trains what --selector-rank / --block-conv add to an --init drafter: "
+                             "pass --init DRAFTER and at least one of them")
+        drafter.requires_grad_(False)
+        for name in added:
+            drafter.get_submodule(name).requires_grad_(True)
+    if not args.lora:
+        return drafter
+    from peft import LoraConfig, get_peft_model
+
+    if not args.init:
+        raise ValueError("--lora fine-tunes an existing drafter: pass --init DRAFTER")
+    if isinstance(args, LengthHeadConfig):
+        raise ValueError("the length head is small and trained whole with the drafter frozen: drop --lora")
+    return get_peft_model(drafter, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                              target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                              modules_to_save=added or None))
+
+
+def add_callbacks(trainer, args: DrafterTrainingArguments, out: Path, tokenizer, base) -> None:
+    """The callbacks the configuration asks for, in the order they must run: the tokens seen and the weight average
+    before the measuring callbacks (which log the one and measure the other)."""
+    if args.tokens_seen_start:
+        trainer.add_callback(ContinuedRun(args.tokens_seen_start))
+    if args.ema_decay:
+        if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+            raise ValueError("--ema-decay averages whole weights on every process; under FSDP or DeepSpeed they are "
+                             "sharded: train without --ema-decay there, or with DDP")
+        trainer.add_callback(EMACallback(args.ema_decay))
+    if args.heldout_tau_steps > 0:
+        trainer.add_callback(HeldOutTauCallback(trainer, out / HELDOUT_TAU_LOG, tokenizer, args.heldout_tau_steps,
+                                                args.heldout_tau_prompts, args.heldout_tau_max_new_tokens, base))
+    if args.offline_acceptance_steps > 0:
+        trainer.add_callback(OfflineAcceptanceCallback(
+            trainer, out / OFFLINE_ACCEPTANCE_LOG, args.offline_acceptance_data, args.offline_acceptance_steps,
+            args.offline_acceptance_sequences, tokenizer, base))
+
+
+def training_info(trainer, args: DrafterTrainingArguments, target_name: str, data: list[str], dataset,
+                  seconds: float, command: str | None) -> dict:
+    """The training record saved with the drafter (`training_info.json`): data, steps, time, device, loss curve,
+    configuration and command."""
+    info = {
+        "target": target_name, "data": [{"dir": d, **m} for d, m in zip(data, dataset.meta)],
+        "sequences": len(dataset), "tokens": dataset.num_tokens, "steps": trainer.state.global_step,
+        "train_seconds": round(seconds, 1),
+        "device": torch.cuda.get_device_name(0) if trainer.args.device.type == "cuda" else "cpu",
+        "processes": trainer.accelerator.num_processes,
+        "loss_curve": loss_curve_summary(trainer.state.log_history),
+        "config": {"kind": args.kind, **args.to_dict()}, "command": command or " ".join(sys.argv),
+    }
+    if isinstance(args, LengthHeadConfig):
+        info["length_head"] = length_head_summary(trainer.state.log_history)
+    return info
 
 
 def evaluate_drafter(target, tokenizer, drafter, prompts_per_domain: int, max_new_tokens: int) -> dict:

@@ -20,7 +20,7 @@ import time
 import torch
 
 from hf_diffspec import load_target
-from hf_diffspec.bench import _encode_batches
+from hf_diffspec.bench import encode_batches
 from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
 from hf_diffspec.runtime.gates import SpeculationGates, StepKind
@@ -38,7 +38,7 @@ def main() -> None:
     drafter = load_drafter(None, target, "smollm2-135m-instruct", length_head=False, draft_tree_budget=None,
                            prompt_lookup_num_tokens=None)  # the shipped drafter; it never drafts here
     SpeculationGates.decide = lambda self, rows, lookup_ngram=0: StepKind.PLAIN  # plain steps only
-    inputs = _encode_batches(tok, load_prompts(n_per_domain=5, tokenizer=tok), args.rows, target.device)[0][1]
+    inputs = encode_batches(tok, load_prompts(n_per_domain=5, tokenizer=tok), args.rows, target.device)[0][1]
     common = dict(**inputs, max_new_tokens=args.tokens, do_sample=False)
     if args.hold == "eos":
         common.update(eos_token_id=tok.convert_tokens_to_ids("<empty_output>"), pad_token_id=tok.pad_token_id)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_diffspec.trainers.pipeline import HELDOUT_TAU_LOG, read_heldout_tau
+from hf_diffspec.trainers.measuring import HELDOUT_TAU_LOG, read_heldout_tau
 
 
 def main() -> None:

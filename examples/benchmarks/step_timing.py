@@ -15,7 +15,7 @@ import time
 import torch
 
 from hf_diffspec import load_target
-from hf_diffspec.bench import Method, _encode_batches, _generate, build_method_drafters
+from hf_diffspec.bench import Method, build_method_drafters, encode_batches, run_method
 from hf_diffspec.prompts import load_prompts, load_prompts_file
 from hf_diffspec.runtime.gates import SpeculationGates, StepKind
 
@@ -36,7 +36,7 @@ def main() -> None:
         prompts = load_prompts_file(args.prompts_file, tokenizer=tokenizer)
     else:
         prompts = load_prompts(n_per_domain=args.prompts, tokenizer=tokenizer)
-    inputs = _encode_batches(tokenizer, prompts, args.rows, target.device)[0][1]
+    inputs = encode_batches(tokenizer, prompts, args.rows, target.device)[0][1]
 
     steps = []  # the StepRecord of every loop step of the method's call
     record = SpeculationGates.record
@@ -47,13 +47,13 @@ def main() -> None:
 
     SpeculationGates.record = recording
     for runner in (Method(), method):
-        _generate(target, runner, inputs, 8)
+        run_method(target, runner, inputs, 8)
     totals = {"ar": 0.0, args.method: 0.0}
     for rep in range(args.reps):
         for name, runner in (("ar", Method()), (args.method, method)):
             steps.clear()
             start = time.perf_counter()
-            _generate(target, runner, inputs, args.max_new_tokens)
+            run_method(target, runner, inputs, args.max_new_tokens)
             totals[name] += time.perf_counter() - start
         print(f"repetition {rep}: {args.method} against ar over the repetitions so far: "
               f"{totals['ar'] / totals[args.method]:.3f}x")

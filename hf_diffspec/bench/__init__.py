@@ -1,10 +1,13 @@
 """`hf-diffspec bench`: speed of speculative decoding against plain `generate` and against what a user would use
 instead, measured as ratios within one run.
 
-- `methods`: what a benchmarked method runs (`Method`) and ours (`build_method_drafters`): one drafter run several
-  ways through our loop, plus D²SD;
+- `method`: what a benchmarked method runs (`Method`) and the methods' names (data only);
+- `counting`: what a call did (`StepCounts`), counted from the target's forwards where a loop reports nothing
+  (`TargetForwardCounter`);
 - `peers`: what a user would run instead (prompt lookup, transformers' DFlash path, z-lab's loop, a smaller sibling
   as assistant model), skipped with the reason where they cannot run;
+- `registry`: every method by name (`build_method_drafters`): ours, one drafter run several ways through our loop
+  plus D²SD, and the peers;
 - `oracle`: loop efficiency, an oracle drafter at a chosen tau through our loop;
 - `runner`: `run_benchmark`, every method on the same batches, interleaved, into `MethodRun` totals;
 - `report`: the rows (`summarize`), markdown tables, JSON and plot.
@@ -13,15 +16,16 @@ Every report starts with the machine record (`hf_diffspec.machine.machine_descri
 """
 
 from ..machine import machine_description, machine_markdown
-from .methods import PROMPT_LOOKUP_TOKENS, SPECULATIVE_METHODS, Method, build_method_drafters
+from .counting import StepCounts, TargetForwardCounter, eos_token_ids
+from .method import PEER_METHODS, PROMPT_LOOKUP_TOKENS, SPECULATIVE_METHODS, Method
 from .oracle import (
     OracleCandidateGenerator, OracleRunner, oracle_acceptance, oracle_drafts_for, oracle_efficiency,
     oracle_markdown_table, oracle_methods,
 )
-from .peers import ASSISTANT_SIBLINGS, PEER_METHODS, MaskVectorRow, ZLabRunner, peer_methods
+from .peers import ASSISTANT_SIBLINGS, MaskVectorRow, ZLabRunner, peer_methods
+from .registry import build_method_drafters
 from .report import markdown_table, plot, summarize, write_json
-from .runner import MIN_TIMED_CALLS, MethodRun, StepCounts, TargetForwardCounter, run_benchmark
-from .runner import _encode_batches, _generate  # noqa: F401  (the step-timing scripts in examples/ call them)
+from .runner import MIN_TIMED_CALLS, MethodRun, encode_batches, run_benchmark, run_method
 
 __all__ = [
     "ASSISTANT_SIBLINGS",
@@ -38,6 +42,8 @@ __all__ = [
     "TargetForwardCounter",
     "ZLabRunner",
     "build_method_drafters",
+    "encode_batches",
+    "eos_token_ids",
     "machine_description",
     "machine_markdown",
     "markdown_table",
@@ -49,6 +55,7 @@ __all__ = [
     "peer_methods",
     "plot",
     "run_benchmark",
+    "run_method",
     "summarize",
     "write_json",
 ]

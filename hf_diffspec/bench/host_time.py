@@ -15,6 +15,7 @@ import time
 import torch
 
 from .host_syncs import HostSyncCounter
+from .peers import zlab_method
 
 
 class ForwardClock:
@@ -89,8 +90,6 @@ def compare_host_time(target, drafter, prompts: torch.Tensor, max_new_tokens: in
     """Host time per step of our loop (chains, trees, trees + prompt lookup), z-lab's `dflash_generate` (batch 1;
     needs PyPI `dflash` and a drafter whose MASK is a target token) and transformers' assisted decoding with
     `assistant` (batch 1), greedy, on rows of `prompts` (rows, length; no padding). Rows of dicts."""
-    from .peers import _zlab_method
-
     results = []
     kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     budget = drafter.config.draft_tree_budget
@@ -109,7 +108,7 @@ def compare_host_time(target, drafter, prompts: torch.Tensor, max_new_tokens: in
                     drafter.config.draft_tree_budget = budget
             results.append({"method": name, "rows": rows, **host_time_per_step(run, target, [drafter], repeats)})
         if rows == 1:
-            zlab = _zlab_method(drafter, target)
+            zlab = zlab_method(drafter, target)
             if zlab.skip_reason:
                 results.append({"method": "z-lab dflash_generate", "rows": rows, "skipped": zlab.skip_reason})
             else:

@@ -12,8 +12,8 @@ import torch
 from ..modeling import DiffusionDrafter
 from ..runtime.drafting import DiffusionCandidateGenerator, default_policy
 from ..runtime.tree import CandidateTree
-from .methods import Method
-from .runner import StepCounts
+from .counting import StepCounts
+from .method import Method
 
 
 def oracle_acceptance(tau: float, drafts: int) -> float:

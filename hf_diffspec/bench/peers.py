@@ -15,10 +15,9 @@ import torch
 
 from ..formats import export_for_engine, native_dflash_drafter, target_token_mask_reason
 from ..targets import load_target, unused_target_token
-from .methods import PROMPT_LOOKUP_TOKENS, Method
-from .runner import TargetForwardCounter, eos_token_ids
+from .counting import TargetForwardCounter, eos_token_ids
+from .method import PEER_METHODS, PROMPT_LOOKUP_TOKENS, Method
 
-PEER_METHODS = ("pld", "hf-dflash", "zlab", "ar-assistant")
 #: built-in target -> the smaller model of its family that `ar-assistant` drafts with (same tokenizer)
 ASSISTANT_SIBLINGS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 ASSISTED_ONE_ROW = "transformers' assisted generation decodes batch size 1 only"
@@ -51,7 +50,7 @@ def peer_methods(methods: list[str], target, target_name: str, drafter=None, ass
         elif method == "hf-dflash":
             built[method] = _hf_dflash_method(drafter)
         elif method == "zlab":
-            built[method] = _zlab_method(drafter, target)
+            built[method] = zlab_method(drafter, target)
         elif method == "ar-assistant":
             built[method] = _assistant_method(target, target_name, assistant_model)
         else:
@@ -119,7 +118,7 @@ class ZLabRunner:
         return out, counter.counts(out.shape[1] - ids.shape[1])
 
 
-def _zlab_method(drafter, target) -> Method:
+def zlab_method(drafter, target) -> Method:
     """`drafter` exported to the z-lab layout (`formats.export_for_engine`, the layout z-lab, vLLM and SGLang load)
     and loaded by z-lab's `DFlashDraftModel.from_pretrained`, as a user of z-lab's package would."""
     try:

@@ -15,66 +15,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..runtime.files import pad_token_id
-from .methods import Method
+from .counting import StepCounts, TargetForwardCounter, eos_token_ids
+from .method import Method
 
 MIN_TIMED_CALLS = 3  # per method and batch size, by default: one timed call drifts by ±10% on this kind of machine
-
-
-@dataclass
-class StepCounts:
-    """What decoding did, per row and step: tokens committed after the prefill's, loop steps (row-steps at batch > 1),
-    tokens verified (real candidates, anchors included), slots the target computed (padding included), target
-    forwards after the prefill, and the prefill's seconds (our loop only: 0 where unknown). Calls add up with `+`."""
-
-    committed: int = 0
-    steps: int = 0
-    verified: int = 0
-    slots: int = 0
-    forwards: int = 0
-    prefill_seconds: float = 0.0
-
-    @classmethod
-    def of(cls, stats) -> "StepCounts":
-        """From our loop's `SpeculationStats`."""
-        return cls(committed=sum(stats.committed_per_step), steps=len(stats.committed_per_step),
-                   verified=stats.verified_tokens, slots=stats.verified_slots, forwards=stats.target_forwards - 1,
-                   prefill_seconds=stats.prefill_time_s)
-
-    def __add__(self, other: "StepCounts") -> "StepCounts":
-        return StepCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-    @property
-    def tau(self) -> float:
-        """Tokens committed per row per step (1.0 for plain decoding, which reports no steps)."""
-        return self.committed / self.steps if self.steps else 1.0
-
-
-class TargetForwardCounter:
-    """Counts the target's forwards and the tokens each one reads, for loops that report no statistics of their own
-    (transformers' assisted generation, z-lab's loop). Batch size 1: the first forward is the prefill."""
-
-    def __init__(self, target):
-        self.target = target
-        self.lengths: list[int] = []
-
-    def __enter__(self) -> "TargetForwardCounter":
-        def count(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None:
-                ids = kwargs.get("inputs_embeds")
-            self.lengths.append(ids.shape[1])
-
-        self.handle = self.target.register_forward_pre_hook(count, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
-
-    def counts(self, new_tokens: int) -> StepCounts:
-        """`new_tokens`: what the call generated; the prefill forward picks the first of them."""
-        steps = self.lengths[1:]
-        return StepCounts(committed=max(new_tokens - 1, 0), steps=len(steps), verified=sum(steps), slots=sum(steps),
-                          forwards=len(steps))
 
 
 @dataclass
@@ -111,11 +55,11 @@ class MethodRun:
         return self.counts.tau
 
 
-def _generate(target, method: Method, inputs, max_new_tokens) -> tuple[torch.Tensor, StepCounts | None]:
+def run_method(target, method: Method, inputs, max_new_tokens) -> tuple[torch.Tensor, StepCounts | None]:
     """Greedy decoding by `method`; returns (sequences, `StepCounts`, None for plain `generate`)."""
     if method.target_patch is not None:
         with method.target_patch(target):
-            return _generate(target, replace(method, target_patch=None), inputs, max_new_tokens)
+            return run_method(target, replace(method, target_patch=None), inputs, max_new_tokens)
     if method.runner is not None:
         return method.runner(target, inputs, max_new_tokens)
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **method.generate_kwargs)
@@ -138,12 +82,7 @@ def _rows_up_to_eos(out: torch.Tensor, prompt_length: int, eos_ids: set[int]) ->
     return rows
 
 
-def eos_token_ids(target) -> set[int]:
-    eos = target.generation_config.eos_token_id
-    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-
-
-def _encode_batches(tokenizer, prompts: list[dict], batch_size: int, device) -> list[tuple[str, dict]]:
+def encode_batches(tokenizer, prompts: list[dict], batch_size: int, device) -> list[tuple[str, dict]]:
     """(domain, left-padded inputs) per batch; domain is "mixed" when a batch spans several."""
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -180,7 +119,7 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
     methods = {"ar": Method(), **{k: m if isinstance(m, Method) else Method(m) for k, m in methods.items()}}
     skipped = {name: m.skip_reason or (m.single_row if batch_size > 1 else None) for name, m in methods.items()}
     skipped = {name: reason for name, reason in skipped.items() if reason}
-    batches = _encode_batches(tokenizer, prompts, batch_size, target.device)
+    batches = encode_batches(tokenizer, prompts, batch_size, target.device)
     if rounds is None:
         rounds = math.ceil(MIN_TIMED_CALLS / len(batches))
     eos = eos_token_ids(target)
@@ -192,7 +131,7 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
         if name in skipped:
             continue
         try:
-            _generate(target, method, batches[0][1], min(8, max_new_tokens))
+            run_method(target, method, batches[0][1], min(8, max_new_tokens))
         except Exception as error:
             if not method.peer:
                 raise
@@ -208,7 +147,7 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
         prompt_length = inputs["input_ids"].shape[1]
         for name in order:
             start = time.perf_counter()
-            out, counts = _generate(target, methods[name], inputs, max_new_tokens)
+            out, counts = run_method(target, methods[name], inputs, max_new_tokens)
             elapsed = time.perf_counter() - start
             outputs[name] = _rows_up_to_eos(out, prompt_length, eos)
             tokens = sum(len(r) for r in outputs[name])

@@ -173,23 +173,10 @@ def _check_batch(input_ids, attention_mask, generation_config, streamer, logits_
     return valid  # masked slots anywhere (right padding too) stay invisible to their row, as in plain generate
 
 
-def speculative_generate(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    drafter=None,
-    streamer=None,
-    num_draft_tokens: int | None = None,
-    prompt_lookup_tokens: int | None = None,
-    **model_kwargs,
-):
-    """Speculative decoding with a diffusion drafter; called by `generate()` as a `custom_generate` callable.
-    `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide.
-    `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
-    decoding only); None or 0: none."""
-    start_time = time.perf_counter()
+def _start(model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer,
+           num_draft_tokens, model_kwargs):
+    """Everything before the loop: check the request, set up the cache, the drafting and the rows, and prefill the
+    prompts. Returns (cache, its attention layout, batch, drafting, recurrent states, stats, committers)."""
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_positions is not None and input_ids.shape[1] >= max_positions:
         raise ValueError(
@@ -208,7 +195,6 @@ def speculative_generate(
 
     stats = SpeculationStats()
     drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))
-    layers = drafter.target_feature_layers  # the target hidden states the drafter reads
     store = TokenStore(input_ids, generation_config.max_length)
     committers = [RowCommitter(store, r, row_processors(logits_processor, [r], rows), stopping_criteria,
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
@@ -222,13 +208,37 @@ def speculative_generate(
     # generate's do: both matter for a prompt that ends in a masked token (right padding).
     positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 0)
     out = model(input_ids, attention_mask=attention_mask, position_ids=positions,
-                cache=cache, use_cache=True, output_hidden_states=layers, logits_to_keep=1)
+                cache=cache, use_cache=True, output_hidden_states=drafter.target_feature_layers, logits_to_keep=1)
     batch.start(positions[:, -1] + 1 - valid.sum(-1), input_ids.shape[1])
     stats.target_forwards += 1
     drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=batch.cache_all_valid)
     batch.anchors = [0] * rows
     batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
+    return cache, attention_layout, batch, drafting, recurrent, stats, committers
+
+
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    drafter=None,
+    streamer=None,
+    num_draft_tokens: int | None = None,
+    prompt_lookup_tokens: int | None = None,
+    **model_kwargs,
+):
+    """Speculative decoding with a diffusion drafter; called by `generate()` as a `custom_generate` callable.
+    `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide.
+    `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
+    decoding only); None or 0: none."""
+    start_time = time.perf_counter()
+    cache, attention_layout, batch, drafting, recurrent, stats, committers = _start(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer, num_draft_tokens,
+        model_kwargs)
     stats.prefill_time_s = time.perf_counter() - start_time
+    layers = drafter.target_feature_layers  # the target hidden states the drafter reads
 
     policy, gates = drafting.policy, drafting.policy.gates
     # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
@@ -270,6 +280,12 @@ def speculative_generate(
         policy.record_step(step)
         stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
 
+    return _finish(batch, committers, stats, recurrent, cache, input_ids, generation_config, streamer, start_time)
+
+
+def _finish(batch, committers, stats, recurrent, cache, input_ids, generation_config, streamer, start_time):
+    """After the loop: the sequences (padded as plain generate pads them), the statistics, and what
+    `return_dict_in_generate` asks for."""
     if streamer is not None:
         streamer.end()
     batch.compact()  # the returned cache holds no hidden tree nodes

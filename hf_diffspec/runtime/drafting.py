@@ -1,6 +1,7 @@
 """The drafting side of speculative decoding: one `CandidateGenerator` subclass per drafting method.
 
 - `DiffusionCandidateGenerator`: a DFlash drafter drafts one block per row in one forward; each row gets a chain.
+- `SelectorCandidateGenerator`: the same chains from a DFlash 2 drafter, whose candidate selector picks the path.
 - `BestFirstTreeCandidateGenerator`: a DFlash drafter with `draft_tree_budget` set: a best-first tree per row from the
   same single pass (DDTree-style).
 - `PrefixTreeCandidateGenerator`: a D²SD dual drafter; the first drafter's block, then K branches re-drafted where
@@ -190,50 +191,63 @@ class DiffusionCandidateGenerator(CandidateGenerator):
 
     @torch.no_grad()
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
-        """Draft after each row's anchor (at `root_positions`) a chain of at most `remaining` tokens per row."""
+        """Draft after each row's anchor (at `root_positions`) a chain of at most `remaining` tokens per row: the
+        limits (the policy's, then the length head's), the slots' logits, the drafts picked, the chains."""
         limits = self.policy.depth_limits(root_positions, remaining)
         if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
             return [self._root_only(root) for root in root_tokens]
         start = time.perf_counter()
         roots, _, draft_hidden = self._draft_block(root_tokens, root_positions)
-        if self.policy.uses_cost_model and self.length_head is not None:
-            # the head sizes the drafts from hidden states: only the slots to verify go through the LM head
-            self.policy.record_draft_time(time.perf_counter() - start)
-            reach = torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1).tolist()
-            limits = self.policy.chain_lengths(reach, limits)
-            if max(limits) == 0:
-                return [self._root_only(root) for root in root_tokens]
-        drafter, span = self.first.drafter, max(limits)
-        if self.policy.uses_cost_model and getattr(drafter, "selector", None) is None:
-            # the cost model sizes the chains from these slots' confidences: more slots only while it wants them all
-            # (approximately: the rate is rarely best again past a slot count it has already passed)
-            def needs_more(logits):
-                computed = logits.shape[1]
-                confidences = torch.cumprod(self._distributions(logits).max(-1).values, dim=-1).tolist()
-                lengths = self.policy.chain_lengths(confidences, [min(k, computed) for k in limits])
-                return any(n == computed < k for n, k in zip(lengths, limits))
-
-            logits = self._slot_logits(draft_hidden, span, needs_more)
-            limits = [min(k, logits.shape[1]) for k in limits]
-        else:
-            logits = drafter.compute_logits(draft_hidden[:, :span])
-        # when sampling, confidences are the drafter's own maxima: what is verified must not depend on draws
-        if getattr(drafter, "selector", None) is not None:  # DFlash 2: the path is chosen left to right
-            drafts, candidates, chosen = drafter.select_drafts(draft_hidden[:, :span], logits, roots,
-                                                               self.sample_temperature)
-            if self.sample_temperature is None:
-                confidences = chosen.max(-1).values
-            else:  # the draft distribution is the selector's, over its candidates
-                confidences = self._distributions(logits).max(-1).values
-                probs = logits.new_zeros(logits.shape, dtype=chosen.dtype).scatter_(-1, candidates, chosen)
-        else:
-            probs = self._distributions(logits)
-            confidences, drafts = probs.max(-1)
-            if self.sample_temperature is not None:
-                drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
+        limits = self._length_head_limits(draft_hidden, limits, start)
+        if max(limits) == 0:
+            return [self._root_only(root) for root in root_tokens]
+        logits, limits = self._logits(draft_hidden, limits)
+        drafts, confidences, probs = self._pick(draft_hidden, logits, roots)
         if self.policy.uses_cost_model and self.length_head is None:
             self.policy.record_draft_time(time.perf_counter() - start)
             limits = self.policy.chain_lengths(torch.cumprod(confidences, dim=-1).tolist(), limits)
+        return self._chains(roots, drafts, confidences, probs, limits)
+
+    def _length_head_limits(self, draft_hidden: torch.Tensor, limits: list[int], start: float) -> list[int]:
+        """With a length head and the cost model, the chain lengths that pay given the head's acceptance estimates:
+        the head sizes the drafts from hidden states, so only the slots to verify go through the LM head."""
+        if not (self.policy.uses_cost_model and self.length_head is not None):
+            return limits
+        self.policy.record_draft_time(time.perf_counter() - start)
+        reach = torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1).tolist()
+        return self.policy.chain_lengths(reach, limits)
+
+    def _logits(self, draft_hidden: torch.Tensor, limits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Draft logits of the first `max(limits)` slots, and the limits cut to the slots computed."""
+        span = max(limits)
+        if not self.policy.uses_cost_model:
+            return self.first.drafter.compute_logits(draft_hidden[:, :span]), limits
+
+        # the cost model sizes the chains from these slots' confidences: more slots only while it wants them all
+        # (approximately: the rate is rarely best again past a slot count it has already passed)
+        def needs_more(logits):
+            computed = logits.shape[1]
+            confidences = torch.cumprod(self._distributions(logits).max(-1).values, dim=-1).tolist()
+            lengths = self.policy.chain_lengths(confidences, [min(k, computed) for k in limits])
+            return any(n == computed < k for n, k in zip(lengths, limits))
+
+        logits = self._slot_logits(draft_hidden, span, needs_more)
+        return logits, [min(k, logits.shape[1]) for k in limits]
+
+    def _pick(self, draft_hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor):
+        """(drafts, their confidences, the draft distributions) per row and slot: the argmax, or a draw when
+        sampling. When sampling, confidences are the drafter's own maxima: what is verified must not depend on
+        draws."""
+        probs = self._distributions(logits)
+        confidences, drafts = probs.max(-1)
+        if self.sample_temperature is not None:
+            drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
+        return drafts, confidences, probs
+
+    def _chains(self, roots: torch.Tensor, drafts: torch.Tensor, confidences: torch.Tensor, probs,
+                limits: list[int]) -> list[CandidateTree]:
+        """One chain per row: its anchor and its first `limits[row]` drafts (with their distributions when
+        sampling)."""
         tokens = torch.cat([roots[:, None], drafts[:, : max(limits)].long()], dim=1)  # every row's chain at once
         trees = []
         for row, k in enumerate(limits):
@@ -296,6 +310,24 @@ class DiffusionCandidateGenerator(CandidateGenerator):
     def num_drafting_tokens(self) -> int:
         """The most drafts one step proposes (transformers >= 5.25 sizes a croppable cache's history by it)."""
         return self.block_size - 1
+
+
+class SelectorCandidateGenerator(DiffusionCandidateGenerator):
+    """Chains of a DFlash 2 drafter, whose candidate selector picks the path left to right (`select_drafts`): the
+    whole span's logits at once (the selector reads them all), the draft distribution the selector's over its
+    candidates."""
+
+    def _logits(self, draft_hidden: torch.Tensor, limits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]), limits
+
+    def _pick(self, draft_hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor):
+        drafts, candidates, chosen = self.first.drafter.select_drafts(draft_hidden[:, : logits.shape[1]], logits,
+                                                                      roots, self.sample_temperature)
+        if self.sample_temperature is None:
+            return drafts, chosen.max(-1).values, None
+        # confidences stay the drafter's own maxima (independent of draws); the draft distribution is sparse
+        probs = logits.new_zeros(logits.shape, dtype=chosen.dtype).scatter_(-1, candidates, chosen)
+        return drafts, self._distributions(logits).max(-1).values, probs
 
 
 class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
@@ -456,6 +488,8 @@ def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: 
         cls = PrefixTreeCandidateGenerator
     elif getattr(drafter.config, "draft_tree_budget", None) and not has_linear_attention(target.config):
         cls = BestFirstTreeCandidateGenerator  # a target with linear attention verifies chains (recurrent_state.py)
+    elif getattr(first_drafter(drafter), "selector", None) is not None:
+        cls = SelectorCandidateGenerator
     else:
         cls = DiffusionCandidateGenerator
     policy = default_policy(drafter, target, num_draft_tokens, method=cls.__name__)

@@ -23,13 +23,22 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
       Linear-attention layers are rolled back by `recurrent_state.py`, for the models it knows (Qwen3.5 / Qwen3.6,
       dense and MoE).
     """
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    for check in SUPPORT_CHECKS:
+        check(model, generation_config, kwargs)
+
+
+def _refuse_encoder_decoder(model, generation_config, kwargs) -> None:
+    if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(
             f"{type(model).__name__} is an encoder-decoder model; speculative decoding with a DiffusionDrafter runs "
             "decoder-only (causal LM) targets. Use transformers' assisted generation with a small assistant model "
             "(generate(..., assistant_model=<an encoder-decoder assistant>)) for this one."
         )
+
+
+def _refuse_other_layers(model, generation_config, kwargs) -> None:
+    """Layers whose state cropping KV does not roll back, and sliding windows of different sizes."""
+    config = model.config
     text_config = config.get_text_config(decoder=True)
     # as transformers' caches read them: sliding layers also where only `sliding_window` says so (Mistral), "dummy"
     # for layers without KV of their own (Gemma 4's KV-sharing layers reuse KV computed in the same forward)
@@ -57,6 +66,10 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
             f"{type(model).__name__} has sliding-attention layers with different windows {windows}; speculative "
             "decoding masks one window for all of them. Decode this target with plain generate (no assistant_model)."
         )
+
+
+def _refuse_bidirectional(model, generation_config, kwargs) -> None:
+    text_config = model.config.get_text_config(decoder=True)
     if not getattr(text_config, "is_causal", True) or getattr(text_config, "use_bidirectional_attention", None) in (
             True, "all"):
         raise ValueError(
@@ -64,13 +77,20 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
             "decoding verifies drafts with causal attention. Generate with a causal configuration of the model, or "
             "with plain generate."
         )
-    attention = str(config._attn_implementation or "")
+
+
+def _refuse_attention_backend(model, generation_config, kwargs) -> None:
+    attention = str(model.config._attn_implementation or "")
     if "flash" in attention or "paged" in attention:
         raise ValueError(
             f"attn_implementation={attention!r} cannot take the 4D float attention masks that draft trees and "
             "batches of different lengths are verified with; load the target with attn_implementation='sdpa' "
             "(or 'eager')."
         )
+
+
+def _refuse_cache(model, generation_config, kwargs) -> None:
+    """Caches the loop cannot crop and compact in place."""
     cache_implementation = kwargs.get("cache_implementation", generation_config.cache_implementation)
     if cache_implementation not in (None, "dynamic"):
         raise ValueError(
@@ -91,3 +111,8 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
             "window, so it cannot be rolled back to the accepted tokens. Pass DynamicCache() (no config: every layer "
             "keeps all its keys) or no cache."
         )
+
+
+# in this order: the first that applies names the problem
+SUPPORT_CHECKS = (_refuse_encoder_decoder, _refuse_other_layers, _refuse_bidirectional, _refuse_attention_backend,
+                  _refuse_cache)

@@ -1,44 +1,13 @@
-"""What a benchmarked method runs (`Method`), and our methods: one drafter run several ways through our loop, plus
-D²SD (`build_method_drafters`, which also builds the peers of `peers.py`)."""
+"""Method name -> `Method` for every method the benchmark knows (`build_method_drafters`): ours, one drafter run
+several ways through our loop plus D²SD, and the peers of `peers.py`. The one module that knows both."""
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..drafters import load_drafter, shipped_drafter
 from ..modeling import DiffusionDrafter, DualDiffusionDrafter
 from ..runtime.cost_model import VerifyCost
-
-SPECULATIVE_METHODS = ("dflash", "dflash-fixed", "dflash-block", "adaflash", "tree", "tree-lookup", "d2sd",
-                       "d2sd-reuse", "d2sd-resample")
-#: candidate tokens per prompt-lookup step: the value transformers' documentation uses
-PROMPT_LOOKUP_TOKENS = 10
-
-
-@dataclass
-class Method:
-    """What one benchmarked method runs.
-
-    - `drafter`: our drafter, run through our loop (None and no `runner`: `target.generate` with `generate_kwargs`);
-    - `generate_kwargs`: extra `generate` arguments (a peer's `assistant_model`, `prompt_lookup_num_tokens`, ...);
-    - `runner`: a loop that is not `target.generate`: `runner(target, inputs, max_new_tokens)` returns
-      (sequences, `StepCounts` or None); a `runner.prepare(target, batches, max_new_tokens)`, when present, is called
-      once before the warm-up, untimed;
-    - `skip_reason`: the method cannot run here, and why (reported instead of results);
-    - `single_row`: why the method cannot decode several rows at once (None: it can); skipped at batch size > 1;
-    - `peer`: someone else's loop: its tau is counted from target forwards, and an error in its warm-up is reported
-      as a skip (with the error) instead of stopping the benchmark;
-    - `target_patch`: a context manager factory, `target_patch(target)`, entered around each of the method's calls
-      (`MaskVectorRow.applied`).
-    """
-
-    drafter: object | None = None
-    generate_kwargs: dict = field(default_factory=dict)
-    runner: Callable | None = None
-    skip_reason: str | None = None
-    single_row: str | None = None
-    peer: bool = False
-    target_patch: Callable | None = None
+from .method import PEER_METHODS, PROMPT_LOOKUP_TOKENS, SPECULATIVE_METHODS, Method
+from .peers import peer_methods
 
 
 def build_method_drafters(methods: list[str], target, target_name: str, drafter: str | None = None,
@@ -74,22 +43,13 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
             it). Peers that cannot run are returned with a `skip_reason` instead.
         FileNotFoundError: a drafter that cannot be found.
     """
-    from .peers import PEER_METHODS, peer_methods  # peers.py imports `Method` from here: not at the top (circular)
-
-    unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS, *PEER_METHODS)]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)} and the peers "
-                         f"{', '.join(PEER_METHODS)}")
+    _check_methods(methods)
     needs_drafter = set(methods) & {*SPECULATIVE_METHODS, "hf-dflash", "zlab"}
     # chains for the chain methods, whatever the checkpoint's default (the shipped drafter drafts trees)
     # pure drafter methods: no prompt lookup, whatever the checkpoint's default
     first = (load_drafter(drafter, target, target_name, draft_tree_budget=None, prompt_lookup_num_tokens=None)
              if needs_drafter else None)
-    if {"dflash", "adaflash", "tree", "tree-lookup"} & set(methods) and VerifyCost.for_target(target) is None:
-        dtype = str(target.dtype).replace("torch.", "")
-        raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
-                         f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first (or leave "
-                         "HF_DIFFSPEC_AUTO_PROFILE unset so that it is measured on first use)")
+    _check_profile(methods, target, target_name)
     tree = dict(num_branches=num_branches, tree_budget=tree_budget, max_depth=max_depth, branch_length=branch_length)
     peers = peer_methods([m for m in methods if m in PEER_METHODS], target, target_name, first,
                          assistant_model=assistant_model, prompt_lookup_tokens=prompt_lookup_tokens,
@@ -130,3 +90,19 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
             vp = DiffusionDrafter.from_pretrained(vp_path, target=target)
             drafters[method] = Method(DualDiffusionDrafter.from_drafters(first, vp, **tree))
     return drafters
+
+
+def _check_methods(methods: list[str]) -> None:
+    unknown = [m for m in methods if m not in ("ar", *SPECULATIVE_METHODS, *PEER_METHODS)]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from ar, {', '.join(SPECULATIVE_METHODS)} and the peers "
+                         f"{', '.join(PEER_METHODS)}")
+
+
+def _check_profile(methods: list[str], target, target_name: str) -> None:
+    """The methods that size drafts with the cost model need this target's verify-cost profile."""
+    if {"dflash", "adaflash", "tree", "tree-lookup"} & set(methods) and VerifyCost.for_target(target) is None:
+        dtype = str(target.dtype).replace("torch.", "")
+        raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
+                         f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first (or leave "
+                         "HF_DIFFSPEC_AUTO_PROFILE unset so that it is measured on first use)")
