@@ -29,8 +29,9 @@ target itself picks.
 
 Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
 (`tests/test_sync_budget.py`): the committed tokens are copied to the host once per step (`TokenStore`), and prompt
-lookup, stopping and root positions work from that copy. Steps are timed on the host clock: each ends with that read,
-so it also measures an asynchronous device's work.
+lookup, stopping and root positions work from that copy. Steps are timed on the host clock once the device has run
+what they launched (`device_clock.py`): each step ends after `keep_accepted` and the replay have run on the device, so
+their time is the step's and not the next one's.
 
 The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them).
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
@@ -41,12 +42,12 @@ can check. Rows of a batch accept different numbers of tokens (ragged): the cach
 position of the longest row, and a per-row validity mask hides what a row did not accept (and its left padding).
 """
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import device_clock
 from .batch import BatchState, RowCommitter, TokenStore, row_processors
 from .drafting import candidate_generator_for
 from .files import pad_token_id
@@ -189,7 +190,7 @@ def speculative_generate(
     `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide.
     `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
     decoding only); None or 0: none."""
-    start_time = time.perf_counter()
+    start_time = device_clock.device_time(input_ids.device)
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_positions is not None and input_ids.shape[1] >= max_positions:
         raise ValueError(
@@ -228,7 +229,7 @@ def speculative_generate(
     drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=batch.cache_all_valid)
     batch.anchors = [0] * rows
     batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
-    stats.prefill_time_s = time.perf_counter() - start_time
+    stats.prefill_time_s = device_clock.device_time(input_ids.device) - start_time
 
     policy, gates = drafting.policy, drafting.policy.gates
     # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
@@ -236,10 +237,11 @@ def speculative_generate(
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     # a target with linear attention verifies chains: its lookup drafts go alone (LOOKUP steps), never as a branch
     grafts_lookup = not has_linear_attention(model.config)
-    dtype = model.dtype  # a property that walks the parameters: read once
+    dtype, device = model.dtype, input_ids.device  # dtype: a property that walks the parameters, read once
+    step_end = device_clock.device_time(device)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
-        step_start = time.perf_counter()
+        step_start = step_end  # the previous step's work has run on the device
         found = lookup.propose(batch, root_positions, policy)
         kind = gates.decide(rows, found.ngram)
         if kind is StepKind.DRAFT:
@@ -250,7 +252,7 @@ def speculative_generate(
         lookups = found if grafted else NO_LOOKUP_DRAFTS
         trees = lookups.graft(trees)
 
-        verify_start = time.perf_counter()
+        verify_start = device_clock.device_time(device)  # the drafter's forward is the draft's time
         layout = TreeLayout.of(trees, input_ids.device)
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
                                                                 dtype, layout, batch.cache_all_valid)
@@ -263,7 +265,7 @@ def speculative_generate(
         batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
         recurrent.keep_accepted(paths, tokens.shape[1])
 
-        step_end = time.perf_counter()
+        step_end = device_clock.device_time(device)  # after the device has run keep_accepted and the replay
         step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths),
                           seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
         gates.record(step)
@@ -278,7 +280,7 @@ def speculative_generate(
         stats.cut_back(row, tokens)
     stats.new_tokens = sum(c.length - input_ids.shape[1] for c in committers)
     stats.linear_state_replays = recurrent.replays
-    stats.total_time_s = time.perf_counter() - start_time
+    stats.total_time_s = device_clock.device_time(input_ids.device) - start_time
 
     if not generation_config.return_dict_in_generate:
         return sequences
