@@ -56,6 +56,7 @@ from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .recurrent_state import RecurrentStates, has_linear_attention, refuse_unsupported_recurrent
 from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
 from .tree import CandidateTree, TreeLayout, tree_forward_inputs
+from .verify_attention import verify_attention
 
 
 @dataclass
@@ -257,7 +258,7 @@ def speculative_generate(
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
                                                                 dtype, layout, batch.cache_all_valid)
         tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1])
-        with recurrent.recording(tokens.shape[1]):
+        with recurrent.recording(tokens.shape[1]), verify_attention(model):
             out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                         cache=cache, use_cache=True, output_hidden_states=layers)
         paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
