@@ -26,17 +26,18 @@ def _prefilled(model, rows: int, length: int):
     return cache
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "mistral"])
 def test_verify_outputs_equal_sdpa_for_chains_trees_and_ragged_rows(family):
     model = tiny_target("llama", seed=2) if family == "llama" else tiny_family_target(family, seed=2, window=5)
     rows, past = 3, 11
     cache = _prefilled(model, rows, past)
-    # a chain per row, every row seeing its whole cache: no mask, causal aligned bottom-right
-    chain = random_ids(2, 4, rows=rows)
-    positions = torch.arange(past, past + 4).expand(rows, -1)
-    reference = _verify_logits(model, False, chain, None, positions, cache)
-    torch.testing.assert_close(_verify_logits(model, True, chain, None, positions, cache), reference,
-                               rtol=1e-5, atol=1e-5)
+    # a chain per row, every row seeing its whole cache: no mask, causal aligned bottom-right (one token: a plain step)
+    for n in (1, 4):
+        chain = random_ids(2, n, rows=rows)
+        positions = torch.arange(past, past + n).expand(rows, -1)
+        reference = _verify_logits(model, False, chain, None, positions, cache)
+        torch.testing.assert_close(_verify_logits(model, True, chain, None, positions, cache), reference,
+                                   rtol=1e-5, atol=1e-5)
     # trees of different sizes per row, and cached slots some rows may not see (padding, other rows' drafts)
     trees = [CandidateTree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 2]), CandidateTree([3, 4], [-1, 0]),
              CandidateTree([10, 11, 12], [-1, 0, 1])]
@@ -110,3 +111,12 @@ def test_verify_never_copies_the_kv_cache_per_head_group(kind, monkeypatch):
     assert torch.equal(out, expected)
     assert sum(verifying) >= 3
     assert not any(copies)
+
+
+def test_long_context_bench_runs_at_tiny_scale(capsys):
+    from hf_diffspec.bench import long_context
+
+    rows = long_context.main(["--target", "tiny", "--contexts", "64,80", "--widths", "4", "--repeats", "1"])
+    assert [(r["context"], r["width"]) for r in rows] == [(64, 4), (80, 4)]
+    assert all(r[f"{kind}_{when}"] > 0 for r in rows for kind in ("chain", "tree") for when in ("before", "after"))
+    assert "| 80 | 4 | 1 |" in capsys.readouterr().out

@@ -52,8 +52,8 @@ def verify_masks(layout: AttentionLayout, mask: torch.Tensor | None, depths: tor
 
     Full attention only: `mask` itself. Sliding layers only: `mask` within the window. Both: a dict by layer type (the
     form Gemma 3 / 4 and gpt-oss take). `None` (every row sees its whole cache and verifies a chain of one length)
-    stays `None`: the model then builds its own masks over our full cache, slot by slot, which is plain generate's
-    window (no row has holes or padding then)."""
+    stays `None`: the verify attention then applies each sliding layer's window itself, counted bottom-right over the
+    cache's slots, which is plain generate's window (no row has holes or padding then; `verify_attention.py`)."""
     if mask is None or layout.sliding_window is None:
         return mask
     windowed = mask.masked_fill(~_within_window(layout.sliding_window, depths, past_valid, prompt_length)[:, None],

@@ -13,8 +13,10 @@ and SDPA serves it with the memory-efficient kernel: at long context a verify st
   mask, repeated for the groups, is built once per forward (shared by all layers) with rows padded to a multiple of 16,
   the alignment the memory-efficient kernel reads a mask with in place.
 
-The function is switched in for the verify forward only (`verify_attention`), on targets loaded with SDPA; anything
-else (eager, flex_attention, a single query, position biases) goes on as it was.
+The function is switched in for the verify forward only (`verify_attention`), on targets loaded with SDPA (eager and
+flex_attention targets verify as they are). transformers builds no mask for an implementation it does not know, so
+every mask the layers need comes from the loop or from here: the chain's causal mask, and a sliding layer's window
+(from the `sliding_window` the layer passes, as it does for FlashAttention).
 
 Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
 """
@@ -87,7 +89,9 @@ def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     rows, heads, q, dim = query.shape
     kv_heads, kv = key.shape[1], key.shape[2]
     others = ("position_bias", "softcap", "s_aux", "sinks")  # what SDPA's own path refuses or handles
-    if q == 1 or dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in others):
+    if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in others):
+        if attention_mask is None:  # transformers built none: the implementation is not one it makes masks for
+            attention_mask = _packed_mask(None, 1, q, kv, sliding_window, query.dtype, query.device)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = heads // kv_heads
