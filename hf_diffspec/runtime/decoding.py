@@ -54,7 +54,7 @@ from .files import pad_token_id
 from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .recurrent_state import RecurrentStates, has_linear_attention, refuse_unsupported_recurrent
-from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
+from .sliding_window import AttentionLayout, dropped_slots, drops_visible_keys, full_kv_cache, verify_masks
 from .tree import CandidateTree, TreeLayout, tree_forward_inputs
 from .verify_attention import verify_attention
 
@@ -200,7 +200,7 @@ def speculative_generate(
         )
     # verifying drafts needs the prefix cached; with use_cache=False the loop keeps a cache of its own and returns none
     cache = model_kwargs.get("cache") if generation_config.use_cache else None
-    if cache is None or any(cache.is_sliding):  # generate's own cache would drop keys of sliding layers
+    if cache is None or drops_visible_keys(cache):  # generate's own cache would drop keys the loop may need
         cache = full_kv_cache(model.config)
     attention_layout = AttentionLayout.of(model.config)
     attention_mask = model_kwargs.get("attention_mask")
@@ -216,7 +216,8 @@ def speculative_generate(
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor)
+    batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor,
+                       attention_layout.sliding_window)
     recurrent = RecurrentStates(model, cache)  # linear-attention layers: their states follow the accepted tokens
 
     # Prefill: the prompts, then the first token of every row (drafting needs an anchor). Positions as generate
@@ -257,7 +258,8 @@ def speculative_generate(
         layout = TreeLayout.of(trees, input_ids.device)
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
                                                                 dtype, layout, batch.cache_all_valid)
-        tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1])
+        tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1],
+                                 dropped_slots(cache))
         with recurrent.recording(tokens.shape[1]), verify_attention(model):
             out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                         cache=cache, use_cache=True, output_hidden_states=layers)
