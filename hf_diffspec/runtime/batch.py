@@ -311,10 +311,11 @@ class BatchState:
         limit. One copy to the host: per row, the tokens it commits, its accepted path and their count."""
         rows, nodes = layout.tokens.shape
         device = logits.device
-        scores = logits.float()
+        # the argmax of the logits' own dtype is that of their float32 copy (exact): no (rows, nodes, vocab) copy
+        scores = logits
         processors = [p for p in self.logits_processor if type(p) in PREFIX_FREE_PROCESSORS]
         if processors:  # they read no ids: any (rows x nodes, 1) stands in for the prefixes
-            flat = scores.reshape(rows * nodes, -1)
+            flat = scores.float().reshape(rows * nodes, -1)  # processed in float32, as plain generate does
             for processor in processors:
                 flat = processor(layout.tokens.reshape(-1, 1), flat)
             scores = flat.view(rows, nodes, -1)

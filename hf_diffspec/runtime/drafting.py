@@ -29,6 +29,9 @@ from .recurrent_state import has_linear_attention
 from .tree import CandidateTree, host_to_device, index_range
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
+# rows x slots up to which a step's drafter logits take one pass of the LM head (beyond: growing chunks, which also
+# bound the step's memory at rows x slots x vocabulary)
+ONE_PASS_SLOTS = 256
 
 
 def is_diffusion_drafter(model) -> bool:
@@ -252,8 +255,12 @@ class DiffusionCandidateGenerator(CandidateGenerator):
     def _slot_logits(self, draft_hidden: torch.Tensor, span: int, needs_more) -> torch.Tensor:
         """Draft logits of the block's first slots, computed in growing chunks (4, 8, 16 ... slots, at most `span`)
         until `needs_more(logits)` says the slots computed so far decide what is verified. The LM head is the
-        drafter's largest cost (49k rows per slot for SmolLM2), and steps usually verify only the first few slots."""
+        drafter's largest cost (49k rows per slot for SmolLM2), and steps usually verify only the first few slots.
+        Up to `ONE_PASS_SLOTS` rows x slots, every slot in one pass: there the head's weights, read once per pass,
+        cost more than its rows, and chunks would read them up to three times a step."""
         drafter, logits, end = self.first.drafter, None, 0
+        if draft_hidden.shape[0] * span <= ONE_PASS_SLOTS:
+            return drafter.compute_logits(draft_hidden[:, :span])
         while end < span:
             start, end = end, min(span, max(4, 2 * end))
             chunk = drafter.compute_logits(draft_hidden[:, start:end])
