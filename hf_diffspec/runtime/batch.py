@@ -442,9 +442,10 @@ class BatchState:
         """Sliding layers keep what plain generate keeps: the keys within some row's window (`sliding_window.py`).
         Every cached slot counts for every row before the tail, or everywhere when every row sees every slot."""
         if self.sliding_window is not None:
-            counted_up_to = self.cache_valid.shape[1] if self.cache_all_valid else self._tail_start
+            if self.cache_all_valid:  # the whole tail is every row's: compaction (if rows diverge) starts after it
+                self._tail_start, self._tail_counts = self.cache_valid.shape[1], [0] * len(self.active)
             drop_old_keys(self.cache, self.sliding_window, [self.committers[r].length - 1 for r in self.active],
-                          counted_up_to)
+                          self._tail_start)
 
     def compact(self) -> None:
         """Drop the slots of the cache's tail that no row sees: each row's visible tail slots move to the tail's
