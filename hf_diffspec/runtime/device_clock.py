@@ -18,7 +18,7 @@ def synchronize(device: torch.device) -> None:
     """Wait until `device` has run everything queued on it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elif device.type not in ("cpu", "meta"):
+    elif device.type not in ("cpu", "meta") and hasattr(torch, "accelerator"):  # torch >= 2.6
         torch.accelerator.synchronize(device)
 
 
