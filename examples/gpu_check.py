@@ -1,19 +1,36 @@
-"""One check of the decoding loop on a real-shaped target, with random weights built on the device from configs (no
-network, no checkpoint): an oracle drafter (`hf_diffspec/bench/oracle.py`) at tau 2, 4 and 8 through our loop at
-batch 1, 16 and 64, reporting the loop's efficiency (achieved / profile-predicted speedup over plain generate), host
-time per step apart from the forwards, host synchronisations per step, and fp32 identity with plain generate.
+"""What one call on a lent GPU can tell us about the decoding loop, in under 10 minutes, on real-shaped targets with
+random weights built on the device from configs (no network, no checkpoint).
 
-Targets: a Qwen3-8B-like dense model; a Qwen3.5-like hybrid (linear attention) and a Qwen3-MoE-like model, each
-skipped with the loop's refusal message where this version does not decode it losslessly.
+Targets: Qwen3-8B-like dense, Qwen3-MoE-like, a Qwen3.5-like hybrid (Gated DeltaNet), Gemma 4-like (sliding and full
+layers, per-layer inputs) and gpt-oss-20b-like (sliding layers, attention sinks, MoE; eager attention); each skipped
+with the loop's refusal where this version refuses it. Per target, in sections that each have a deadline:
 
-    bash examples/gpu_check.sh            # on a GPU (< 10 minutes on an H200)
-    TINY=1 bash examples/gpu_check.sh     # tiny configs on the CPU, under a minute (run in CI)
+- runs: an oracle drafter (`hf_diffspec/bench/oracle.py`) at tau 2, 4 and 8, batch 1, 16 and 64: bare timed calls
+  (speedup over bare plain `generate`, the loop's efficiency against the verify cost's prediction, peak device
+  memory of each), then separate instrumented calls (host ms per step apart from the forwards, host synchronisations
+  per step, and `torch.cuda.set_sync_debug_mode("warn")` warnings per call);
+- gates: the default path (a random drafter, measured verify-cost profile and live gates on): what the gates chose;
+- sampling: the same drafter with do_sample=True;
+- kernels: which kernels one verify step ran (profiler), and which Gated DeltaNet implementation the linear layers use;
+- identity: fp32 with TF32 off, our loop (oracle chains, best-first trees with prompt lookup) against plain `generate`
+  at 1 and 4 rows, which sets the exit status;
+- bf16: the first position where our loop and plain `generate` differ in bf16 (None: identical).
+
+Then the verify/plain step-cost ratio at 16k tokens of context (`hf_diffspec.bench.long_context`), before and after
+the runtime's verify attention. Every result is appended to the results file as it comes (JSON lines), so a call cut
+short still returns what it measured.
+
+    bash examples/gpu_check.sh --results $OUT/gpu_check.jsonl   # on a GPU (< 10 minutes on an H200)
+    TINY=1 bash examples/gpu_check.sh     # tiny configs on the CPU (CI): gates, sampling, kernels for the first only
 """
 
 import argparse
+import contextlib
+import copy
 import json
 import os
 import time
+import warnings
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -21,8 +38,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 import hf_diffspec
 from hf_diffspec.bench.host_syncs import HostSyncCounter
 from hf_diffspec.bench.host_time import ForwardClock
+from hf_diffspec.bench.long_context import verify_plain_ratios
 from hf_diffspec.bench.oracle import OracleRunner, oracle_drafts_for
+from hf_diffspec.runtime import device_clock
 from hf_diffspec.runtime.cost_model import measure_verify_cost
+
+# seconds each section may start new work in, per target (GPU); the whole call stops starting work at --budget-s
+SECTION_SECONDS = {"runs": 60, "gates": 25, "sampling": 15, "kernels": 10, "identity": 40, "bf16": 15,
+                   "long_context": 60}
 
 
 def dense_config(tiny: bool) -> Qwen3Config:
@@ -55,13 +78,90 @@ def hybrid_model(tiny: bool):
     return Qwen3_5ForCausalLM, config.get_text_config()
 
 
+def gemma4_model(tiny: bool):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    if tiny:
+        config = Gemma4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                                  sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                                  num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                                  vocab_size_per_layer_input=256, max_position_embeddings=1024)
+    else:  # transformers' defaults: 30 layers, 5 sliding (window 512) to 1 full, 262k vocabulary
+        config = Gemma4TextConfig()
+    return Gemma4ForCausalLM, config
+
+
+def gpt_oss_model(tiny: bool):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    size = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+                max_position_embeddings=1024) if tiny else \
+        dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4)  # gpt-oss-20b's shapes
+    config = GptOssConfig(**size)
+    config._attn_implementation = "eager"  # no SDPA (attention sinks)
+    return GptOssForCausalLM, config
+
+
+class Results:
+    """Appends each result to a JSON-lines file as it comes (flushed), and prints it."""
+
+    def __init__(self, path):
+        self.path = path
+        self.records = []
+        if path:
+            open(path, "w").close()
+
+    def add(self, record: dict) -> dict:
+        self.records.append(record)
+        line = json.dumps(record, default=str)
+        print(line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        return record
+
+
+class Deadlines:
+    """The call's budget and each section's: `open(name)` starts a section; `left()` says whether it may start more."""
+
+    def __init__(self, budget_s: float, scale: float):
+        self.end = time.monotonic() + budget_s
+        self.scale = scale
+        self.section_end = self.end
+
+    def open(self, name: str) -> bool:
+        self.section_end = min(self.end, time.monotonic() + SECTION_SECONDS[name] * self.scale)
+        return self.left()
+
+    def left(self) -> bool:
+        return time.monotonic() < self.section_end
+
+
 def build(cls, config, device, dtype):
     torch.manual_seed(0)
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
     with torch.device(device):
         model = cls(config).to(dtype).eval()
+    model.set_attn_implementation(attention)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def fewer_layers(config, layers: int):
+    """A copy of `config` with its first `layers` layers (the same shapes per layer: for fp32, which doubles memory)."""
+    config = copy.deepcopy(config)
+    if config.num_hidden_layers > layers:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
+        if getattr(config, "num_kv_shared_layers", 0):
+            config.num_kv_shared_layers = min(config.num_kv_shared_layers, layers // 2)
+    return config
 
 
 def refusal(target) -> str | None:
@@ -80,82 +180,175 @@ def prompts(rows: int, length: int, vocab: int, device) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def timed(fn):
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
+def timed(fn, device):
+    """(fn(), seconds until the device has run it, peak device memory in MiB or None), nothing else measured."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    start = device_clock.device_time(device)
     out = fn()
-    sync()
-    return out, time.perf_counter() - start
+    seconds = device_clock.device_time(device) - start
+    peak = round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if cuda else None
+    return out, seconds, peak
 
 
-def check(name, target, args, taus, batches) -> list[dict]:
+@contextlib.contextmanager
+def sync_warnings(device):
+    """Counts `torch.cuda.set_sync_debug_mode("warn")` warnings while entered (CUDA only: None elsewhere)."""
+    counted = {"count": None}
+    if device.type != "cuda":
+        yield counted
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counted
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counted["count"] = sum("synchroniz" in str(w.message) for w in caught)
+
+
+def runs(name, target, args, deadlines, results) -> list[dict]:
     vocab = target.config.get_text_config().vocab_size
-    rows_out = []
-    longest = max(oracle_drafts_for(t) for t in taus) + 1
-    costs = measure_verify_cost(target, sizes=tuple(sorted({1, *range(2, longest + 1)})), batches=tuple(batches),
-                                context_length=args.prompt_length, repeats=2)
-    for rows in batches:
-        inputs = prompts(rows, args.prompt_length, vocab, target.device)
+    device = target.device
+    out = []
+    longest = max(oracle_drafts_for(t) for t in args.taus) + 1
+    try:
+        costs = measure_verify_cost(target, sizes=tuple(sorted({1, *range(2, longest + 1)})),
+                                    batches=tuple(args.batches), context_length=args.prompt_length, repeats=2)
+    except RuntimeError as error:  # a sliding-window target before the profile measured in the loop's own cache
+        costs = None
+        results.add({"target": name, "section": "runs", "verify_cost": f"not measured: {error}"})
+    for rows in args.batches:
+        if not deadlines.left():
+            out.append(results.add({"target": name, "section": "runs", "rows": rows, "skipped": "deadline"}))
+            continue
+        inputs = prompts(rows, args.prompt_length, vocab, device)
         references: dict = {}
+
         def plain():
             return target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
 
         plain()  # warm-up
-        _, plain_seconds = timed(plain)
-        for tau in taus:
+        _, plain_seconds, plain_peak = timed(plain, device)
+        for tau in args.taus:
             runner = OracleRunner(target, tau, oracle_drafts_for(tau), references)
-            runner.carrier.to(target.device)
+            runner.carrier.to(device)
             runner.prepare(target, [inputs], args.max_new_tokens)
             try:
                 runner(target, inputs, args.max_new_tokens)  # warm-up
             except ValueError as refused:  # e.g. a hybrid target at several rows: refused before its first forward
-                rows_out.append({"target": name, "rows": rows, "skipped": str(refused)})
-                print(json.dumps(rows_out[-1]), flush=True)
+                out.append(results.add({"target": name, "rows": rows, "skipped": str(refused)}))
                 break
-            counter = HostSyncCounter(target)
-            with counter, ForwardClock(target) as clock:
-                (sequences, steps), seconds = timed(lambda: runner(target, inputs, args.max_new_tokens))
+            (_, steps), seconds, peak = timed(lambda: runner(target, inputs, args.max_new_tokens), device)  # bare
+            counter = HostSyncCounter(target)  # instrumented, apart: its hooks and counting cost host time
+            with sync_warnings(device) as sync_debug, counter, ForwardClock(target) as clock:
+                _, instrumented, _ = timed(lambda: runner(target, inputs, args.max_new_tokens), device)
             n = oracle_drafts_for(tau) + 1
             achieved = round(steps.committed / max(steps.steps, 1), 3)  # tokens per row and step
             speedup = plain_seconds / seconds
-            predicted = None
-            if achieved:
-                predicted = achieved * costs[rows][1] / costs[rows][n]
-            rows_out.append({
-                "target": name, "rows": rows, "oracle_tau": tau, "achieved_tau": achieved,
+            predicted = achieved * costs[rows][1] / costs[rows][n] if achieved and costs else None
+            out.append(results.add({
+                "target": name, "section": "runs", "rows": rows, "oracle_tau": tau, "achieved_tau": achieved,
                 "speedup_vs_plain": round(speedup, 3),
                 "efficiency": round(speedup / predicted, 3) if predicted else None,
-                "host_ms_per_step": round(1000 * (seconds - clock.seconds) / max(clock.target_forwards, 1), 3),
+                "peak_mib": peak, "plain_peak_mib": plain_peak,
+                "host_ms_per_step": round(1000 * (instrumented - clock.seconds) / max(clock.target_forwards, 1), 3),
                 "syncs_per_step_max": max(counter.per_step_syncs[1:] or [0]),
-            })
-            print(json.dumps(rows_out[-1]), flush=True)
-    return rows_out
+                "sync_debug_warnings": sync_debug["count"],
+            }))
+    return out
 
 
-def identity(name, cls, config, args, device) -> dict:
-    """fp32: our loop (oracle tau 4, and the best-first tree drafter with prompt lookup) against plain generate."""
-    target = build(cls, config, device, torch.float32)
-    vocab = config.vocab_size
-    results = {}
-    for rows in (1, 4):
-        inputs = prompts(rows, args.prompt_length, vocab, device)
-        plain = target.generate(**inputs, max_new_tokens=args.identity_tokens, do_sample=False)
-        runner = OracleRunner(target, 4, oracle_drafts_for(4), {})
-        runner.carrier.to(device)
-        runner.prepare(target, [inputs], args.identity_tokens)
-        try:
-            oracle, _ = runner(target, inputs, args.identity_tokens)
-        except ValueError as refused:  # refused before the first forward: nothing to compare at this batch size
-            results[rows] = f"skipped: {refused}"
-            continue
-        drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8,
-                                                           draft_tree_budget=8).to(device)
-        trees = target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.identity_tokens,
-                                do_sample=False, prompt_lookup_num_tokens=4)
-        results[rows] = bool(torch.equal(plain, oracle) and torch.equal(plain, trees))
+def default_path(name, target, args, sample: bool) -> dict:
+    """A random drafter through the default path (profile and gates on): what the gates chose, and its speed."""
+    device = target.device
+    vocab = target.config.get_text_config().vocab_size
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8).to(device)
+    inputs = prompts(1, args.prompt_length, vocab, device)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample)
+    target.generate(**inputs, assistant_model=drafter, **kwargs)  # the first call measures the profile
+    _, plain_seconds, _ = timed(lambda: target.generate(**inputs, **kwargs), device)
+    out, seconds, peak = timed(lambda: target.generate(**inputs, assistant_model=drafter,
+                                                       return_dict_in_generate=True, **kwargs), device)
+    stats = out.speculation_stats
+    return {"target": name, "section": "sampling" if sample else "gates", "speedup_vs_plain":
+            round(plain_seconds / seconds, 3), "peak_mib": peak, "target_forwards": stats.target_forwards,
+            "plain_steps": stats.plain_steps, "draft_forwards": stats.draft_forwards, "tau": round(stats.tau, 3)}
+
+
+def kernels(name, target, args) -> dict:
+    """Kernels one verify step ran (CUDA kernels, or the CPU's attention ops), and the Gated DeltaNet functions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = target.device
+    vocab = target.config.get_text_config().vocab_size
+    runner = OracleRunner(target, 4, oracle_drafts_for(4), {})
+    runner.carrier.to(device)
+    inputs = prompts(1, args.prompt_length, vocab, device)
+    runner.prepare(target, [inputs], 8)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            runner(target, inputs, 8)
+    except ValueError as refused:
+        return {"target": name, "section": "kernels", "skipped": str(refused)}
+    words = ("attention", "flash", "fmha", "attn", "delta", "chunk", "recurrent", "conv1d")
+    names = {}
+    for event in prof.key_averages():
+        if any(w in event.key.lower() for w in words):
+            names[event.key[:120]] = event.count
+    linear = sorted({f"{type(m).__name__}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', fn)}"
+                     for m in target.modules() for attr in ("chunk_gated_delta_rule", "causal_conv1d_fn")
+                     if (fn := getattr(m, attr, None)) is not None})
+    return {"target": name, "section": "kernels", "kernels": names, "gated_deltanet": linear or None}
+
+
+@contextlib.contextmanager
+def fp32_exact():
+    """TF32 off: float32 matmuls and convolutions exactly as on the CPU, for the identity check."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
+    """Our loop (oracle tau 4, and the best-first tree drafter with prompt lookup) against plain generate: per rows,
+    True / False in fp32; in bf16 the first position (new tokens) where they differ, None when they do not."""
+    with fp32_exact():
+        target = build(cls, fewer_layers(config, args.identity_layers), device, dtype)
+        vocab = config.vocab_size
+        results = {}
+        for rows in (1, 4):
+            inputs = prompts(rows, args.prompt_length, vocab, device)
+            plain = target.generate(**inputs, max_new_tokens=args.identity_tokens, do_sample=False)
+            runner = OracleRunner(target, 4, oracle_drafts_for(4), {})
+            runner.carrier.to(device)
+            runner.prepare(target, [inputs], args.identity_tokens)
+            try:
+                oracle, _ = runner(target, inputs, args.identity_tokens)
+            except ValueError as refused:  # refused before the first forward: nothing to compare at this batch size
+                results[rows] = f"skipped: {refused}"
+                continue
+            drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8,
+                                                               draft_tree_budget=8).to(device)
+            trees = target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.identity_tokens,
+                                    do_sample=False, prompt_lookup_num_tokens=4)
+            if dtype == torch.float32:
+                results[rows] = bool(torch.equal(plain, oracle) and torch.equal(plain, trees))
+            else:
+                start = inputs["input_ids"].shape[1]
+                differs = [(ours[:, start:] != plain[:, start:]).any(0).nonzero().flatten().tolist()
+                           for ours in (oracle, trees)]
+                results[rows] = min((d[0] for d in differs if d), default=None)
     del target
-    print(json.dumps({"target": name, "fp32_identical": results}), flush=True)
     return results
 
 
@@ -163,41 +356,69 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", default=os.environ.get("TINY") == "1")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="the whole report as one JSON file at the end")
+    parser.add_argument("--results", default=os.environ.get("GPU_CHECK_RESULTS"),
+                        help="JSON lines, one per result, written as they come")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="no new work starts after this many seconds")
     args = parser.parse_args()
     tiny = args.tiny
+    device = torch.device(args.device)
     args.prompt_length = 16 if tiny else 128
     args.max_new_tokens = 16 if tiny else 64
     args.identity_tokens = 12 if tiny else 32
-    taus = (2, 4, 8)
-    batches = (1, 4) if tiny else (1, 16, 64)
-    dtype = torch.float32 if tiny or args.device == "cpu" else torch.bfloat16
-    os.environ.setdefault("HF_DIFFSPEC_AUTO_PROFILE", "0")  # the oracle drafts a fixed length: no profile needed
+    args.identity_layers = 4 if tiny else 8
+    args.taus = (2, 4, 8)
+    args.batches = (1, 4) if tiny else (1, 16, 64)
+    dtype = torch.float32 if tiny or device.type == "cpu" else torch.bfloat16
+    results = Results(args.results)
+    deadlines = Deadlines(args.budget_s, scale=100.0 if tiny else 1.0)  # tiny: sections never cut short
     report = {"device": args.device, "tiny": tiny, "targets": {}}
     families = [("dense (Qwen3-8B-like)", Qwen3ForCausalLM, dense_config(tiny)),
                 ("moe (Qwen3-MoE-like)", Qwen3MoeForCausalLM, moe_config(tiny))]
-    try:
-        families.append(("hybrid (Qwen3.5-like)", *hybrid_model(tiny)))
-    except ImportError as error:
-        report["targets"]["hybrid (Qwen3.5-like)"] = {"skipped": f"transformers lacks Qwen3.5: {error}"}
+    for name, builder in (("hybrid (Qwen3.5-like)", hybrid_model), ("gemma4 (Gemma 4-like)", gemma4_model),
+                          ("gpt-oss (gpt-oss-20b-like)", gpt_oss_model)):
+        try:
+            families.append((name, *builder(tiny)))
+        except ImportError as error:
+            report["targets"][name] = results.add({"target": name, "skipped": f"transformers lacks it: {error}"})
     for name, cls, config in families:
-        target = build(cls, config, args.device, dtype)
+        entry = report["targets"][name] = {}
+        if not deadlines.open("runs"):
+            entry["skipped"] = results.add({"target": name, "skipped": "deadline"})["skipped"]
+            continue
+        target = build(cls, config, device, dtype)
         reason = refusal(target)
         if reason is not None:
-            print(json.dumps({"target": name, "skipped": reason}), flush=True)
-            report["targets"][name] = {"skipped": reason}
+            entry["skipped"] = results.add({"target": name, "skipped": reason})["skipped"]
             del target
             continue
-        runs = check(name, target, args, taus, batches)
+        entry["runs"] = runs(name, target, args, deadlines, results)
+        sections = (("gates", lambda: default_path(name, target, args, sample=False)),
+                    ("sampling", lambda: default_path(name, target, args, sample=True)),
+                    ("kernels", lambda: kernels(name, target, args)))
+        for section, measure in sections if not tiny or name == families[0][0] else ():  # tiny: CI's minutes
+            if deadlines.open(section):
+                entry[section] = results.add(measure())
         del target
-        if torch.cuda.is_available():
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-        same = identity(name, cls, config, args, args.device)
-        report["targets"][name] = {"runs": runs, "fp32_identical": same}
+        if deadlines.open("identity"):
+            entry["fp32_identical"] = identity(name, cls, config, args, device)
+            results.add({"target": name, "section": "identity", "fp32_identical": entry["fp32_identical"]})
+        if deadlines.open("bf16") and dtype == torch.bfloat16:
+            entry["bf16_first_divergence"] = identity(name, cls, config, args, device, torch.bfloat16)
+            results.add({"target": name, "section": "bf16", "first_divergence": entry["bf16_first_divergence"]})
+    if deadlines.open("long_context"):
+        target = build(Qwen3ForCausalLM, dense_config(tiny), device, dtype)
+        contexts = (64,) if tiny else (16384,)
+        report["long_context"] = [results.add({"section": "long_context", **row}) for row in
+                                  verify_plain_ratios(target, contexts, (4, 16), repeats=1 if tiny else 3)]
+        del target
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    failed = [n for n, r in report["targets"].items() if "fp32_identical" in r and not all(r["fp32_identical"].values())]
+            json.dump(report, f, indent=2, default=str)
+    failed = [n for n, r in report["targets"].items() if "fp32_identical" in r
+              and not all(v is True or str(v).startswith("skipped") for v in r["fp32_identical"].values())]
     print("fp32 identity with plain generate:", "FAILED for " + ", ".join(failed) if failed else "ok")
     raise SystemExit(1 if failed else 0)
 

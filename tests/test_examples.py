@@ -84,8 +84,8 @@ def test_export_vllm_exports_the_trained_drafter_and_prints_the_serve_command(tr
 def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
     """examples/gpu_check.sh --tiny: every target family checked or skipped with the loop's refusal, the oracle's
     rows reported with their host synchronisations per step, and fp32 identity with plain generate."""
-    report = tmp_path / "gpu_check.json"
-    out = run("bash", "examples/gpu_check.sh", "--tiny", "--json", report).stdout
+    report, results = tmp_path / "gpu_check.json", tmp_path / "gpu_check.jsonl"
+    out = run("bash", "examples/gpu_check.sh", "--tiny", "--json", report, "--results", results).stdout
     assert "fp32 identity with plain generate: ok" in out
     targets = json.loads(report.read_text())["targets"]
     assert targets["dense (Qwen3-8B-like)"]["fp32_identical"] == {"1": True, "4": True}
@@ -95,6 +95,29 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
     runs = targets["dense (Qwen3-8B-like)"]["runs"]
     assert {(r["rows"], r["oracle_tau"]) for r in runs} == {(rows, tau) for rows in (1, 4) for tau in (2, 4, 8)}
     assert all(r["syncs_per_step_max"] <= 3 for r in runs)
+    assert {r["section"] for r in map(json.loads, results.read_text().splitlines()) if "section" in r} >= {
+        "runs", "gates", "sampling", "kernels", "identity", "long_context"}  # written as they came
+    for family in ("gemma4 (Gemma 4-like)", "gpt-oss (gpt-oss-20b-like)"):
+        assert targets[family]["fp32_identical"] == {"1": True, "4": True}
+    assert all(r["chain_after"] > 0 for r in json.loads(report.read_text())["long_context"])
+
+
+# .device-wheels (transformers, gguf, peft: 14 MiB, `bash examples/device_slim.sh wheels`) travel with the checkout
+DEVICE_WHEELS_MIB = 16
+DEVICE_CALL_MIB = 64
+
+
+def test_what_a_gpu_check_call_carries_fits_the_device_limit():
+    """A device call carries the working tree (tracked, and untracked not ignored) and the carried paths, at most
+    64 MiB: after `examples/device_slim.sh slim` (its default paths taken out), with the wheels, it must fit."""
+    import re
+
+    slim = re.search(r"slim_paths=\$\{SLIM_PATHS:-([^}]*)\}", (ROOT / "examples" / "device_slim.sh").read_text())
+    left_out = tuple(path.rstrip("/") + "/" for path in slim.group(1).split())
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    sizes = [(ROOT / f).stat().st_size for f in listed if f and not f.startswith(left_out) and (ROOT / f).is_file()]
+    assert sum(sizes) / 2**20 + DEVICE_WHEELS_MIB < DEVICE_CALL_MIB
 
 
 

@@ -98,3 +98,31 @@ def test_supported_settings_still_run(pair):
         for kwargs in ({}, {"cache_implementation": "dynamic"}, {"cache": DynamicCache()}):
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=6, do_sample=False, **kwargs)
             assert torch.equal(out, ref)
+
+
+def test_flash_attention_in_a_sub_config_is_refused():
+    """A multimodal model loaded with attn_implementation={"text_config": "flash_attention_2"} sets the text model's
+    implementation alone; the top-level one says nothing."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3Config, GenerationConfig
+
+    from hf_diffspec.runtime.support import refuse_unsupported
+
+    config = Gemma3Config(text_config=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=32),
+                          vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32,
+                                             num_attention_heads=2),
+                          attn_implementation={"text_config": "flash_attention_2"})
+    assert config._attn_implementation is None
+    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2' \(in text_config\).*'sdpa'"):
+        refuse_unsupported(SimpleNamespace(config=config), GenerationConfig(), {})
+
+
+def test_a_target_without_sdpa_is_told_to_use_eager():
+    from helpers import tiny_family_target
+
+    target = tiny_family_target("gpt_oss")
+    target.config._attn_implementation = "flash_attention_2"
+    refused(target, tiny_drafter(target), r"attn_implementation='eager' \(or 'flex_attention'; GptOssForCausalLM "
+                                          r"has no SDPA")

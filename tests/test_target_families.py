@@ -183,9 +183,10 @@ def test_a_window_off_by_one_breaks_identity(monkeypatch, one_torch_thread):
     assert not torch.equal(out, ref)
 
 
-def test_the_returned_cache_keeps_every_key(one_torch_thread):
+def test_the_returned_cache_holds_what_plain_generate_holds(one_torch_thread):
     """Plain generate returns a cache whose sliding layers hold their last window - 1 keys; ours holds every key of
-    every layer (Gemma 4's KV-sharing layers hold none, as in plain generate)."""
+    its full layers and the sliding layers' last window - 1 keys too, at the same slot numbers (Gemma 4's KV-sharing
+    layers hold none, as in plain generate); plain generate continues from it as from its own."""
     target = tiny_family_target("gemma4", window=WINDOW)
     drafter = tiny_drafter(target)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -193,8 +194,51 @@ def test_the_returned_cache_keeps_every_key(one_torch_thread):
     plain = target.generate(ids, **kwargs).cache
     ours = target.generate(ids, assistant_model=drafter, **kwargs).cache
     assert plain.is_sliding == [True, False, False, False] and plain.layers[0].keys.shape[2] == WINDOW - 1
-    assert not any(ours.is_sliding) and ours.is_dummy == plain.is_dummy == [False, False, True, True]
-    assert [layer.keys.shape[2] for layer in ours.layers[:2]] == [9 + 8 - 1] * 2  # the last token is not cached
+    assert ours.is_sliding == plain.is_sliding and ours.is_dummy == plain.is_dummy == [False, False, True, True]
+    assert [layer.keys.shape[2] for layer in ours.layers[:2]] == [WINDOW - 1, 9 + 8 - 1]  # the last token: uncached
+    assert ours.get_seq_length(0) == ours.get_seq_length(1) == plain.get_seq_length(0) == 9 + 8 - 1
+    torch.testing.assert_close(ours.layers[0].keys, plain.layers[0].keys, rtol=1e-5, atol=1e-5)
+    sequence = target.generate(ids, assistant_model=drafter, max_new_tokens=8, do_sample=False)
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(target.generate(sequence, cache=ours, **kwargs), target.generate(sequence, cache=plain, **kwargs))
     ids = torch.randint(2, 128, (1, 6))
     assert torch.equal(target.generate(ids, assistant_model=drafter, cache=DynamicCache(), max_new_tokens=6,
                                        do_sample=False), target.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.every_step_speculates("the bound on a sliding layer's keys counts the tree slots a step adds")
+@pytest.mark.parametrize("family,lengths", [("gemma3", [9, 4]), ("gpt_oss", [7, 7]), ("mistral", [7, 7])])
+def test_sliding_layers_hold_a_bounded_number_of_keys_over_a_thousand_tokens(monkeypatch, one_torch_thread, family,
+                                                                             lengths):
+    """A sliding layer keeps the keys within some row's window (and the cache's tail of tree nodes not yet compacted),
+    as plain generate keeps its window: its size does not grow with the output, and the output stays identical.
+    Left-padded rows with trees, and chains of rows without padding, which see every slot until they diverge."""
+    from hf_diffspec.runtime.batch import COMPACT_AFTER_HIDDEN_SLOTS, BatchState
+
+    window, block = 8, 6
+    target = tiny_family_target(family, seed=3, window=window, sharpen=3)
+    ids, mask = left_padded(lengths, 128, seed=3)
+    kwargs = dict(max_new_tokens=1000, do_sample=False)
+    ref = target.generate(ids, attention_mask=mask, **kwargs)
+    if mask.all():  # chains: the rows see every slot while they accept alike, then diverge
+        drafter = tiny_drafter(target, block_size=block)
+        install_oracle(monkeypatch, NoisyOracle(references(ref, mask), vocab_size=128, noise=0.05, seed=1))
+    else:
+        drafter = tiny_drafter(target, block_size=block, draft_tree_budget=8, draft_tree_width=2)
+        oracle_drafter_outputs(monkeypatch, drafter, target, references(ref, mask), margin=4.0)
+    held, full = [], []
+    keep_accepted = BatchState.keep_accepted
+
+    def recording(self, *args, **kwargs):
+        keep_accepted(self, *args, **kwargs)
+        layers = self.cache.layers
+        held.append(max(layer.keys.shape[2] for layer in layers if isinstance(layer, sliding_window.WindowedLayer)))
+        full.append(self.cache.get_seq_length())
+
+    monkeypatch.setattr(BatchState, "keep_accepted", recording)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    assert torch.equal(out, ref)
+    assert full[-1] > 1000 and len(held) > 100
+    # the window, the rows' raggedness within a step, and the tail of hidden tree nodes before it is compacted
+    assert max(held) <= window + 2 * block + COMPACT_AFTER_HIDDEN_SLOTS
+    assert min(held[len(held) // 2:]) <= window + 2 * block  # once the tail is closed up: about the window

@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from .kv_cache import crop_attention, gather_slots
+from .sliding_window import drop_old_keys
 from .tree import TreeLayout, host_to_device, index_range
 from .verification import choose_token, choose_token_among_drafts
 
@@ -207,7 +208,7 @@ class BatchState:
     """
 
     def __init__(self, committers: list[RowCommitter], prompt_valid: torch.Tensor, cache, drafting,
-                 pads_stopped_rows: bool, logits_processor):
+                 pads_stopped_rows: bool, logits_processor, sliding_window: int | None = None):
         self.committers = committers
         self.store = committers[0].store
         self.logits_processor = logits_processor
@@ -215,6 +216,7 @@ class BatchState:
         self.anchors: list[int] = []  # each active row's last committed token, not yet seen by the target
         self.cache_valid = prompt_valid  # (active rows, cached slots): which slots each row may attend to
         self.cache = cache
+        self.sliding_window = sliding_window  # the target's sliding layers drop keys out of every row's window
         self.drafting = drafting
         self.pads_stopped_rows = pads_stopped_rows
         # on the device, each active row's anchor position (see `start`), advanced by what each step keeps
@@ -259,6 +261,7 @@ class BatchState:
         self.cache_all_valid = self.rows_all_valid = bool(self.cache_valid.all())
         self._tail_start, self._tail_counts = self.cache_valid.shape[1], [0] * len(self.active)
         self.root_shift = (self.root_position_tensor - 1 - prompt_length).tolist()
+        self._drop_old_keys()
 
     @property
     def root_positions(self) -> list[int]:
@@ -308,10 +311,11 @@ class BatchState:
         limit. One copy to the host: per row, the tokens it commits, its accepted path and their count."""
         rows, nodes = layout.tokens.shape
         device = logits.device
-        scores = logits.float()
+        # the argmax of the logits' own dtype is that of their float32 copy (exact): no (rows, nodes, vocab) copy
+        scores = logits
         processors = [p for p in self.logits_processor if type(p) in PREFIX_FREE_PROCESSORS]
         if processors:  # they read no ids: any (rows x nodes, 1) stands in for the prefixes
-            flat = scores.reshape(rows * nodes, -1)
+            flat = scores.float().reshape(rows * nodes, -1)  # processed in float32, as plain generate does
             for processor in processors:
                 flat = processor(layout.tokens.reshape(-1, 1), flat)
             scores = flat.view(rows, nodes, -1)
@@ -427,8 +431,21 @@ class BatchState:
         self.drafting.add_context(hidden_states, index, roots[:, None] + offsets, accepted,
                                   all_valid=self.rows_all_valid)
         self.root_position_tensor = roots + counts  # each row's next anchor follows the tokens it kept
-        if self.cache_valid.shape[1] - self._tail_start - max(self._tail_counts) >= COMPACT_AFTER_HIDDEN_SLOTS:
+        tail = self.cache_valid.shape[1] - self._tail_start
+        # sliding layers drop only slots every row counts: rows' holes in the tail are closed up every so often
+        if (tail if self.sliding_window else tail - max(self._tail_counts)) >= COMPACT_AFTER_HIDDEN_SLOTS:
             self.compact()
+        else:
+            self._drop_old_keys()
+
+    def _drop_old_keys(self) -> None:
+        """Sliding layers keep what plain generate keeps: the keys within some row's window (`sliding_window.py`).
+        Every cached slot counts for every row before the tail, or everywhere when every row sees every slot."""
+        if self.sliding_window is not None:
+            if self.cache_all_valid:  # the whole tail is every row's: compaction (if rows diverge) starts after it
+                self._tail_start, self._tail_counts = self.cache_valid.shape[1], [0] * len(self.active)
+            drop_old_keys(self.cache, self.sliding_window, [self.committers[r].length - 1 for r in self.active],
+                          self._tail_start)
 
     def compact(self) -> None:
         """Drop the slots of the cache's tail that no row sees: each row's visible tail slots move to the tail's
@@ -436,14 +453,16 @@ class BatchState:
         tensor, every `COMPACT_AFTER_HIDDEN_SLOTS` hidden slots, and at the end of the call)."""
         start, counts = self._tail_start, self._tail_counts
         tail = self.cache_valid[:, start:]
-        if not counts or tail.shape[1] == max(counts):
-            return
-        # per row, its visible slots first, in order (a stable sort puts hidden after visible)
-        order = torch.sort((~tail).to(torch.uint8), dim=1, stable=True).indices[:, : max(counts)]
-        gather_slots(self.cache, start, order)
-        self.cache_valid = torch.cat([self.cache_valid[:, :start], tail.gather(1, order)], dim=1)
-        self._tail_start, self._tail_counts = start + min(counts), [c - min(counts) for c in counts]
-        self.cache_all_valid = self.rows_all_valid
+        if counts and tail.shape[1] == min(counts):  # every row sees every slot of the tail: nothing to move
+            self._tail_start, self._tail_counts = start + min(counts), [0] * len(counts)
+        elif counts and (tail.shape[1] > max(counts) or self.sliding_window):
+            # per row, its visible slots first, in order (a stable sort puts hidden after visible)
+            order = torch.sort((~tail).to(torch.uint8), dim=1, stable=True).indices[:, : max(counts)]
+            gather_slots(self.cache, start, order)
+            self.cache_valid = torch.cat([self.cache_valid[:, :start], tail.gather(1, order)], dim=1)
+            self._tail_start, self._tail_counts = start + min(counts), [c - min(counts) for c in counts]
+            self.cache_all_valid = self.rows_all_valid
+        self._drop_old_keys()
 
     def _finished(self, committer: RowCommitter) -> bool:
         if (not self.pads_stopped_rows and committer.stopped_at is not None

@@ -29,8 +29,9 @@ target itself picks.
 
 Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
 (`tests/test_sync_budget.py`): the committed tokens are copied to the host once per step (`TokenStore`), and prompt
-lookup, stopping and root positions work from that copy. Steps are timed on the host clock: each ends with that read,
-so it also measures an asynchronous device's work.
+lookup, stopping and root positions work from that copy. Steps are timed on the host clock once the device has run
+what they launched (`device_clock.py`): each step ends after `keep_accepted` and the replay have run on the device, so
+their time is the step's and not the next one's.
 
 The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them).
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
@@ -41,20 +42,21 @@ can check. Rows of a batch accept different numbers of tokens (ragged): the cach
 position of the longest row, and a per-row validity mask hides what a row did not accept (and its left padding).
 """
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import device_clock
 from .batch import BatchState, RowCommitter, TokenStore, row_processors
 from .drafting import candidate_generator_for
 from .files import pad_token_id
 from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .recurrent_state import RecurrentStates, has_linear_attention, refuse_unsupported_recurrent
-from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
+from .sliding_window import AttentionLayout, dropped_slots, drops_visible_keys, full_kv_cache, verify_masks
 from .tree import CandidateTree, TreeLayout, tree_forward_inputs
+from .verify_attention import verify_attention
 
 
 @dataclass
@@ -185,7 +187,7 @@ def _start(model, input_ids, logits_processor, stopping_criteria, generation_con
         )
     # verifying drafts needs the prefix cached; with use_cache=False the loop keeps a cache of its own and returns none
     cache = model_kwargs.get("cache") if generation_config.use_cache else None
-    if cache is None or any(cache.is_sliding):  # generate's own cache would drop keys of sliding layers
+    if cache is None or drops_visible_keys(cache):  # generate's own cache would drop keys the loop may need
         cache = full_kv_cache(model.config)
     attention_layout = AttentionLayout.of(model.config)
     attention_mask = model_kwargs.get("attention_mask")
@@ -200,7 +202,8 @@ def _start(model, input_ids, logits_processor, stopping_criteria, generation_con
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor)
+    batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor,
+                       attention_layout.sliding_window)
     recurrent = RecurrentStates(model, cache)  # linear-attention layers: their states follow the accepted tokens
 
     # Prefill: the prompts, then the first token of every row (drafting needs an anchor). Positions as generate
@@ -233,11 +236,11 @@ def speculative_generate(
     `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide.
     `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
     decoding only); None or 0: none."""
-    start_time = time.perf_counter()
+    start_time = device_clock.device_time(input_ids.device)
     cache, attention_layout, batch, drafting, recurrent, stats, committers = _start(
         model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer, num_draft_tokens,
         model_kwargs)
-    stats.prefill_time_s = time.perf_counter() - start_time
+    stats.prefill_time_s = device_clock.device_time(input_ids.device) - start_time
     layers = drafter.target_feature_layers  # the target hidden states the drafter reads
 
     policy, gates = drafting.policy, drafting.policy.gates
@@ -246,10 +249,11 @@ def speculative_generate(
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     # a target with linear attention verifies chains: its lookup drafts go alone (LOOKUP steps), never as a branch
     grafts_lookup = not has_linear_attention(model.config)
-    dtype = model.dtype  # a property that walks the parameters: read once
+    dtype, device = model.dtype, input_ids.device  # dtype: a property that walks the parameters, read once
+    step_end = device_clock.device_time(device)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
-        step_start = time.perf_counter()
+        step_start = step_end  # the previous step's work has run on the device
         found = lookup.propose(batch, root_positions, policy)
         kind = gates.decide(rows, found.ngram)
         if kind is StepKind.DRAFT:
@@ -260,12 +264,13 @@ def speculative_generate(
         lookups = found if grafted else NO_LOOKUP_DRAFTS
         trees = lookups.graft(trees)
 
-        verify_start = time.perf_counter()
+        verify_start = device_clock.device_time(device)  # the drafter's forward is the draft's time
         layout = TreeLayout.of(trees, input_ids.device)
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
                                                                 dtype, layout, batch.cache_all_valid)
-        tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1])
-        with recurrent.recording(layout):
+        tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1],
+                                 dropped_slots(cache))
+        with recurrent.recording(layout), verify_attention(model):
             out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                         cache=cache, use_cache=True, output_hidden_states=layers)
         paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
@@ -273,7 +278,7 @@ def speculative_generate(
         batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
         recurrent.keep_accepted(paths, tokens.shape[1])
 
-        step_end = time.perf_counter()
+        step_end = device_clock.device_time(device)  # after the device has run keep_accepted and the replay
         step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths),
                           seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
         gates.record(step)
@@ -294,7 +299,7 @@ def _finish(batch, committers, stats, recurrent, cache, input_ids, generation_co
         stats.cut_back(row, tokens)
     stats.new_tokens = sum(c.length - input_ids.shape[1] for c in committers)
     stats.linear_state_replays = recurrent.replays
-    stats.total_time_s = time.perf_counter() - start_time
+    stats.total_time_s = device_clock.device_time(input_ids.device) - start_time
 
     if not generation_config.return_dict_in_generate:
         return sequences

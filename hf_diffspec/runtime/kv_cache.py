@@ -9,19 +9,21 @@ def gather_slots(cache, start: int, index: torch.Tensor) -> None:
     `start + n` slots (`index` (rows, n), each row's entries ascending). RoPE stays right: a key keeps the position
     it was written at, whatever its slot; the rows' validity masks say which slots each row sees. Linear-attention
     layers hold no K/V (their states are rolled back by `recurrent_state.py`); layers that keep no KV of their own
-    (Gemma 4's KV-sharing ones) are skipped."""
+    (Gemma 4's KV-sharing ones) are skipped. A sliding layer that dropped its oldest slots (`dropped`, see
+    `sliding_window.WindowedLayer`) holds slot s at s - dropped."""
     layers = [layer for layer in attention_layers(cache) if layer.keys is not None]
     if not layers:
         return
-    n, end = index.shape[1], layers[0].keys.shape[2]
-    index = (index.to(layers[0].keys.device) + start)[:, None, :, None]
-    expanded = {}  # per (heads, head dim): the index expanded to it (layers usually share one)
+    n, end = index.shape[1], layers[0].keys.shape[2] + getattr(layers[0], "dropped", 0)
+    index = index.to(layers[0].keys.device)[:, None, :, None]
+    expanded = {}  # per (heads, head dim, first slot): the index expanded to it (layers usually share a few)
     for layer in layers:
+        first = start - getattr(layer, "dropped", 0)
         for tensor in (layer.keys, layer.values):
             shape = tensor.shape
-            if (shape[1], shape[3]) not in expanded:
-                expanded[shape[1], shape[3]] = index.expand(-1, shape[1], -1, shape[3])
-            tensor[:, :, start : start + n] = tensor.gather(2, expanded[shape[1], shape[3]])
+            if (shape[1], shape[3], first) not in expanded:
+                expanded[shape[1], shape[3], first] = (index + first).expand(-1, shape[1], -1, shape[3])
+            tensor[:, :, first : first + n] = tensor.gather(2, expanded[shape[1], shape[3], first])
     if end > start + n:
         crop_attention(cache, end - start - n)
 

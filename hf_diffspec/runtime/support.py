@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .recurrent_state import ROLLBACK_MODEL_TYPES, linear_attention_supported
+from .sliding_window import drops_visible_keys
 
 
 def refuse_unsupported(model, generation_config, kwargs) -> None:
@@ -80,13 +81,16 @@ def _refuse_bidirectional(model, generation_config, kwargs) -> None:
 
 
 def _refuse_attention_backend(model, generation_config, kwargs) -> None:
-    attention = str(model.config._attn_implementation or "")
-    if "flash" in attention or "paged" in attention:
-        raise ValueError(
-            f"attn_implementation={attention!r} cannot take the 4D float attention masks that draft trees and "
-            "batches of different lengths are verified with; load the target with attn_implementation='sdpa' "
-            "(or 'eager')."
-        )
+    for where, attention in _attention_implementations(model.config):
+        if "flash" in attention or "paged" in attention:
+            # gpt-oss has no SDPA path (attention sinks): eager and flex_attention take the masks too
+            advice = "'sdpa' (or 'eager')" if getattr(model, "_supports_sdpa", True) else (
+                f"'eager' (or 'flex_attention'; {type(model).__name__} has no SDPA attention)")
+            raise ValueError(
+                f"attn_implementation={attention!r}{where} cannot take the 4D float attention masks that draft trees "
+                f"and batches of different lengths are verified with; load the target with attn_implementation="
+                f"{advice}."
+            )
 
 
 def _refuse_cache(model, generation_config, kwargs) -> None:
@@ -105,12 +109,23 @@ def _refuse_cache(model, generation_config, kwargs) -> None:
             "is not supported: speculative decoding crops the target's cache to the accepted tokens and compacts "
             "accepted tree paths every step, which needs a DynamicCache on the device. Pass a DynamicCache or none."
         )
-    if cache is not None and any(cache.is_sliding):
+    if cache is not None and drops_visible_keys(cache):
         raise ValueError(
             "a DynamicCache built with the model's config drops the keys of sliding-window layers once they leave the "
             "window, so it cannot be rolled back to the accepted tokens. Pass DynamicCache() (no config: every layer "
             "keeps all its keys) or no cache."
         )
+
+
+def _attention_implementations(config) -> list[tuple[str, str]]:
+    """(where, implementation) of the config and its sub-configs (a multimodal model loaded with
+    `attn_implementation={"text_config": ...}` sets the text model's alone); `where` names the sub-config."""
+    found = [("", str(config._attn_implementation or ""))]
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            found.append((f" (in {name})", str(sub._attn_implementation or "")))
+    return found
 
 
 # in this order: the first that applies names the problem

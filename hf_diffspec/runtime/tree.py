@@ -245,8 +245,9 @@ def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, ro
     attention_mask (rows, 1, n, past + n) is additive float in `dtype` (0 = attend, dtype min = blocked), never bool:
     eager attention adds the mask, so a bool mask would be silently wrong there. `past_valid` (rows, past) marks
     which cached slots each row may see (False: padding, or slots of drafts another row accepted).
-    When every row sees its whole cache and verifies a chain of the same length, the mask is the plain causal one:
-    `None` is returned for it, so the model builds it (and SDPA can take its causal path), as in plain decoding.
+    When every row sees its whole cache and verifies a chain of the same length, the mask is the causal one aligned
+    bottom-right: `None` is returned for it, and the verify attention (`verify_attention.py`) runs a causal kernel
+    without a mask tensor. (SDPA's own path would not: for q > 1 over a cache transformers builds the mask itself.)
 
     `root_positions`: (rows,) tensor (or list); `layout`: the trees' `TreeLayout` when the caller has it;
     `past_all_valid`: whether `past_valid` is all True, when the caller knows it (else it is read from the device).

@@ -1,0 +1,136 @@
+"""Attention for the verify forward, registered with transformers' `AttentionInterface`.
+
+A verify step has q > 1 new tokens over a cache. transformers' SDPA path then takes a mask (it skips one only when
+q == 1 or q == kv), and with a mask it copies the whole KV cache `num_key_value_groups` times per layer (`repeat_kv`)
+and SDPA serves it with the memory-efficient kernel: at long context a verify step costs several plain steps. Here:
+
+- chains (no mask: every row sees its whole cache and verifies the same number of tokens): causal attention aligned
+  bottom-right (query i sees keys up to kv - q + i). SDPA's `is_causal` is aligned top-left when q != kv, so it is
+  `torch.nn.attention.bias.causal_lower_right`, which runs FlashAttention with GQA and no mask tensor where the device
+  allows it; elsewhere the causal mask is built once per forward and goes the way of the trees';
+- trees and ragged rows (an additive mask per row): the query heads that share a key/value head are packed into the
+  query dimension, (rows, kv_heads, groups * q, dim), so attention reads every key once and nothing is copied; the
+  mask, repeated for the groups, is built once per forward (shared by all layers) with rows padded to a multiple of 16,
+  the alignment the memory-efficient kernel reads a mask with in place.
+
+The function is switched in for the verify forward only (`verify_attention`), on targets loaded with SDPA (eager and
+flex_attention targets verify as they are). transformers builds no mask for an implementation it does not know, so
+every mask the layers need comes from the loop or from here: the chain's causal mask, and a sliding layer's window
+(from the `sliding_window` the layer passes, as it does for FlashAttention).
+
+Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
+"""
+
+import contextlib
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+from torch.nn.functional import scaled_dot_product_attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+VERIFY_ATTENTION = "hf_diffspec_verify"
+MASK_ALIGNMENT = 16  # elements: the memory-efficient kernel reads a mask in place when its rows are this aligned
+
+
+class _ForwardMasks:
+    """Masks built for the verify forward in progress, shared by its layers: {key: (source mask, packed mask)}."""
+
+    def __init__(self):
+        self.packed: dict = {}
+
+
+_current: _ForwardMasks | None = None
+
+
+def _aligned(width: int) -> int:
+    return -(-width // MASK_ALIGNMENT) * MASK_ALIGNMENT
+
+
+def _packed_mask(mask: torch.Tensor | None, groups: int, q: int, kv: int, sliding_window: int | None,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(rows or 1, 1, groups * q, kv) additive mask for group-packed queries, in rows of `_aligned(kv)` elements;
+    `mask=None`: the chain's causal mask, aligned bottom-right (within `sliding_window` when given)."""
+    source = (id(mask), mask.shape if mask is not None else None, groups, q, kv, sliding_window, dtype)
+    memo = _current.packed if _current is not None else {}
+    if source in memo:
+        return memo[source][1]
+    if mask is None:
+        query_slots = torch.arange(kv - q, kv, device=device)[:, None]
+        key_slots = torch.arange(kv, device=device)[None]
+        allowed = key_slots <= query_slots
+        if sliding_window is not None:
+            allowed &= key_slots > query_slots - sliding_window
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = mask[None, None]
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    rows = mask.shape[0]
+    packed = torch.full((rows, 1, groups * q, _aligned(kv)), torch.finfo(dtype).min, dtype=dtype, device=device)
+    packed = packed[..., :kv]
+    packed.view(rows, 1, groups, q, kv).copy_(mask[:, :1, None, :, -kv:].to(dtype))
+    memo[source] = (mask, packed)  # the source is kept so that its id is not reused within the forward
+    return packed
+
+
+def _lower_right_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int) -> bool:
+    """Whether SDPA's FlashAttention kernel serves a bottom-right causal chain here (GQA included, no mask)."""
+    if query.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, True, groups > 1))
+
+
+def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """An `AttentionInterface` function: (rows, q, heads, dim) attention output, no weights."""
+    rows, heads, q, dim = query.shape
+    kv_heads, kv = key.shape[1], key.shape[2]
+    others = ("position_bias", "softcap", "s_aux", "sinks")  # what SDPA's own path refuses or handles
+    if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in others):
+        if attention_mask is None:  # transformers built none: the implementation is not one it makes masks for
+            attention_mask = _packed_mask(None, 1, q, kv, sliding_window, query.dtype, query.device)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    groups = heads // kv_heads
+    if attention_mask is None and sliding_window is None and _lower_right_flash(query, key, value, groups):
+        out = scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, kv), scale=scaling,
+                                           enable_gqa=groups > 1)
+        return out.transpose(1, 2).contiguous(), None
+    mask = _packed_mask(attention_mask, groups, q, kv, sliding_window, query.dtype, query.device)
+    packed = query.reshape(rows, kv_heads, groups * q, dim)  # head h = k * groups + g reads key/value head k
+    out = scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.view(rows, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(VERIFY_ATTENTION, verify_attention_forward)
+
+
+def _attention_configs(model) -> list:
+    """The model's config and sub-configs whose attention implementation is SDPA (the ones verify switches)."""
+    configs = [model.config, *(getattr(model.config, name, None) for name in getattr(model.config, "sub_configs", {}))]
+    seen, out = set(), []
+    for config in configs:
+        if config is not None and id(config) not in seen:
+            seen.add(id(config))
+            if getattr(config, "_attn_implementation_internal", None) == "sdpa":
+                out.append(config)
+    return out
+
+
+@contextlib.contextmanager
+def verify_attention(model):
+    """Run the forwards inside with `verify_attention_forward` in place of the target's SDPA attention."""
+    global _current
+    configs = _attention_configs(model)
+    for config in configs:
+        config._attn_implementation_internal = VERIFY_ATTENTION
+    _current = _ForwardMasks()
+    try:
+        yield
+    finally:
+        _current = None
+        for config in configs:
+            config._attn_implementation_internal = "sdpa"

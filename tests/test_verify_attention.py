@@ -1,0 +1,122 @@
+"""Verify attention through transformers' `AttentionInterface` (`runtime/verify_attention.py`): the same outputs as
+SDPA's own path (fp32), without copying the KV cache per query head group (`repeat_kv`)."""
+
+import copy
+
+import pytest
+import torch
+import transformers.integrations.sdpa_attention as sdpa_attention
+from transformers import DynamicCache
+
+from hf_diffspec.runtime import verify_attention as va
+from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
+from helpers import random_ids, tiny_drafter, tiny_family_target, tiny_target
+
+
+def _verify_logits(model, switch: bool, tokens, mask, positions, cache):
+    cache = copy.deepcopy(cache)
+    with torch.no_grad(), va.verify_attention(model) if switch else torch.no_grad():
+        return model(tokens, attention_mask=mask, position_ids=positions, cache=cache).logits
+
+
+def _prefilled(model, rows: int, length: int):
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(random_ids(1, length, rows=rows), cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "mistral"])
+def test_verify_outputs_equal_sdpa_for_chains_trees_and_ragged_rows(family):
+    model = tiny_target("llama", seed=2) if family == "llama" else tiny_family_target(family, seed=2, window=5)
+    rows, past = 3, 11
+    cache = _prefilled(model, rows, past)
+    # a chain per row, every row seeing its whole cache: no mask, causal aligned bottom-right (one token: a plain step)
+    for n in (1, 4):
+        chain = random_ids(2, n, rows=rows)
+        positions = torch.arange(past, past + n).expand(rows, -1)
+        reference = _verify_logits(model, False, chain, None, positions, cache)
+        torch.testing.assert_close(_verify_logits(model, True, chain, None, positions, cache), reference,
+                                   rtol=1e-5, atol=1e-5)
+    # trees of different sizes per row, and cached slots some rows may not see (padding, other rows' drafts)
+    trees = [CandidateTree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 2]), CandidateTree([3, 4], [-1, 0]),
+             CandidateTree([10, 11, 12], [-1, 0, 1])]
+    valid = torch.ones(rows, past, dtype=torch.bool)
+    valid[0, :2] = False
+    valid[2, 7] = False
+    tokens, mask, positions = tree_forward_inputs(trees, valid, torch.tensor([past, past - 2, past - 1]),
+                                                  torch.float32)
+    assert mask is not None
+    if family != "llama":  # sliding layers take their window through the mask
+        from hf_diffspec.runtime.sliding_window import AttentionLayout, verify_masks
+        from hf_diffspec.runtime.tree import TreeLayout
+
+        mask = verify_masks(AttentionLayout.of(model.config), mask, TreeLayout.of(trees, tokens.device).depths, valid,
+                            prompt_length=past)
+    reference = _verify_logits(model, False, tokens, mask, positions, cache)
+    torch.testing.assert_close(_verify_logits(model, True, tokens, mask, positions, cache), reference,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_chain_lower_right_kernel_matches_the_packed_mask():
+    """The FlashAttention route for chains (taken on CUDA) computes what the packed route computes on any device."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 13, 16), torch.randn(2, 2, 13, 16)
+    module = torch.nn.Module()
+    packed, _ = va.verify_attention_forward(module, query, key, value, None, scaling=0.25)
+    from torch.nn.attention.bias import causal_lower_right
+
+    lower_right = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=0.25, enable_gqa=True,
+                                                                   attn_mask=causal_lower_right(5, 13))
+    torch.testing.assert_close(packed, lower_right.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_mask_rows_are_aligned_and_built_once_per_forward():
+    mask = torch.zeros(3, 1, 4, 21)
+    with va.verify_attention(tiny_target()):
+        first = va._packed_mask(mask, 2, 4, 21, None, torch.float32, mask.device)
+        again = va._packed_mask(mask, 2, 4, 21, None, torch.float32, mask.device)
+    assert first is again and first.shape == (3, 1, 8, 21)
+    assert all(stride % va.MASK_ALIGNMENT == 0 for stride in first.stride()[:-1]) and first.stride(-1) == 1
+
+
+@pytest.mark.parametrize("kind", ["chains", "ragged-trees"])
+def test_verify_never_copies_the_kv_cache_per_head_group(kind, monkeypatch):
+    target = tiny_target("llama", seed=3, sharpen=3.0)  # 4 query heads over 2 key/value heads
+    assert target.model.layers[0].self_attn.num_key_value_groups == 2
+    drafter = tiny_drafter(target, block_size=4, seed=3, draft_tree_budget=6 if kind == "ragged-trees" else None)
+    ids = random_ids(4, 9, rows=1 if kind == "chains" else 3)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    expected = target.generate(ids, **kwargs)
+
+    copies, verifying = [], []
+    repeat_kv = sdpa_attention.repeat_kv
+
+    def counting_repeat_kv(hidden_states, n_rep):
+        copies.append(bool(verifying and verifying[-1]))
+        return repeat_kv(hidden_states, n_rep)
+
+    def note_forward(module, args, kwargs):
+        cache = kwargs.get("cache")
+        verifying.append(cache is not None and cache.get_seq_length() > 0)
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", counting_repeat_kv)
+    handles = [target.register_forward_pre_hook(note_forward, with_kwargs=True),
+               target.register_forward_hook(lambda *_: verifying.append(False))]  # the drafter may copy its own
+    try:
+        out = target.generate(ids, **kwargs, assistant_model=drafter)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(out, expected)
+    assert sum(verifying) >= 3
+    assert not any(copies)
+
+
+def test_long_context_bench_runs_at_tiny_scale(capsys):
+    from hf_diffspec.bench import long_context
+
+    rows = long_context.main(["--target", "tiny", "--contexts", "64,80", "--widths", "4", "--repeats", "1"])
+    assert [(r["context"], r["width"]) for r in rows] == [(64, 4), (80, 4)]
+    assert all(r[f"{kind}_{when}"] > 0 for r in rows for kind in ("chain", "tree") for when in ("before", "after"))
+    assert "| 80 | 4 | 1 |" in capsys.readouterr().out
