@@ -37,6 +37,7 @@ from .kv_cache import LinearStates, crop_attention
 from .sliding_window import AttentionLayout, full_kv_cache, verify_masks
 from .state import SPECULATION_STATE
 from .tree import CandidateTree, TreeLayout, tree_forward_inputs
+from .verify_attention import verify_attention
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +86,13 @@ def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, co
     """Median seconds of a target forward over `rows` x n new tokens on top of a cached context of `context_length`
     per row: {rows: {n: seconds}}.
 
-    Each forward is the decoding loop's own verify forward: the loop's cache (`full_kv_cache`: sliding layers keep
-    every key), its inputs for chains of n tokens with an explicit 4D mask (`tree_forward_inputs`, as trees and
-    ragged rows verify: without a mask the model takes its causal fast path, which at 16 rows made a 2-token forward
-    look 1.03x a 1-token one, 1.43x with the mask), the window of sliding layers in that mask (`verify_masks`). After
-    each forward the cache is put back as it was: attention K/V cropped, linear-attention states restored. Sizes are
-    interleaved, in an order that turns every round, so that a drift in the machine's speed spreads over all of them;
-    the first round warms up."""
+    Each forward is the decoding loop's own verify forward: the loop's cache (`full_kv_cache`), its inputs for chains
+    of n tokens with an explicit 4D mask (`tree_forward_inputs`, as trees and ragged rows verify: without a mask the
+    model takes its causal fast path, which at 16 rows made a 2-token forward look 1.03x a 1-token one, 1.43x with the
+    mask), the window of sliding layers in that mask (`verify_masks`) and the loop's attention functions
+    (`verify_attention`). After each forward the cache is put back as it was: attention K/V cropped, linear-attention
+    states restored. Sizes are interleaved, in an order that turns every round, so that a drift in the machine's speed
+    spreads over all of them; the first round warms up."""
     device, dtype = target.device, target.dtype
     layout = AttentionLayout.of(target.config)
     generator = torch.Generator().manual_seed(0)
@@ -116,7 +117,8 @@ def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, co
                 mask = verify_masks(layout, mask, tree_layout.depths, past_valid, context_length)
                 _sync(device)
                 start = time.perf_counter()
-                target(tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+                with verify_attention(target):
+                    target(tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
                 _sync(device)
                 times[n].append(time.perf_counter() - start)
                 crop_attention(cache, n)
