@@ -14,6 +14,7 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from hf_diffspec.runtime import decoding
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 from hf_diffspec.runtime.gates import SpeculationGates, StepKind
+from hf_diffspec.runtime.recurrent_state import RecurrentStates
 from helpers import (
     NoisyOracle,
     ProposalRecorder,
@@ -26,6 +27,7 @@ from helpers import (
     tiny_hybrid_target,
     two_sample_chi2,
 )
+from test_batched import PAD, left_padded, mixed_prompts, rows_alone
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -173,11 +175,6 @@ def refused_before_any_forward(target, drafter, match, **kwargs):
 
 def test_what_a_linear_attention_target_cannot_run_is_refused():
     target = tiny_hybrid_target("qwen3_5", layers=2)
-    drafter = tiny_drafter(target)
-    two_rows = random_ids(0, 6, rows=2)
-    refused_before_any_forward(target, drafter, "batch size 1.*one at a time", input_ids=two_rows)
-    refused_before_any_forward(target, drafter, "batch size 1", input_ids=two_rows,
-                               attention_mask=torch.ones_like(two_rows))
     dual = tiny_dual_drafter(target, block_size=4, num_branches=2)
     refused_before_any_forward(target, dual, r"chains.*drafter\.first", input_ids=random_ids(0, 6))
 
@@ -194,3 +191,107 @@ def test_other_linear_attention_models_are_refused():
     drafter = tiny_drafter(target)
     refused_before_any_forward(target, drafter, "linear-attention layers.*qwen3_5_text.*plain generate",
                                input_ids=random_ids(0, 6))
+
+
+def partial_accepts(stats, trees) -> int:
+    """Row-steps whose chain was cut (the target stopped before its last draft): each needs a rollback."""
+    return sum(committed < len(tree) for committed, tree in zip(stats.committed_per_step, trees))
+
+
+@pytest.mark.every_step_speculates("counts the row-steps whose chain was cut")
+@pytest.mark.parametrize("kind", KINDS)
+def test_rollback_runs_no_projection(monkeypatch, kind):
+    """The rollback runs only the convolution and the recurrence: none of a linear layer's projections (nor any
+    other layer) runs while the states are put back and advanced."""
+    target = tiny_hybrid_target(kind, seed=1, layers=4, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(1, 10)
+    reference = target.generate(ids, max_new_tokens=30, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(reference, vocab_size=128, noise=0.25, seed=3))
+    calls, rolling_back, keep_accepted = [], [False], RecurrentStates.keep_accepted
+
+    def counting(self, *args):
+        rolling_back[0] = True
+        try:
+            keep_accepted(self, *args)
+        finally:
+            rolling_back[0] = False
+
+    monkeypatch.setattr(RecurrentStates, "keep_accepted", counting)
+    linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    handles = [m.register_forward_pre_hook(lambda *args: calls.append(rolling_back[0])) for m in linears]
+    try:
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False,
+                              return_dict_in_generate=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(out.sequences, reference)
+    assert out.speculation_stats.linear_state_replays >= 3
+    assert calls and not any(calls)
+
+
+@pytest.mark.every_step_speculates("counts the row-steps whose chain was cut")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_rows_ragged_left_padded_and_finishing_early_equal_each_row_alone(monkeypatch, kind, rows):
+    """Left-padded prompts of different lengths, chains cut at different places in different rows, a row that
+    emits the EOS and leaves the batch (every cache, the linear states included): each row equals plain greedy
+    generate of its prompt alone."""
+    target = tiny_hybrid_target(kind, seed=rows, layers=4, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6)
+    prompts = mixed_prompts(rows, lengths=(9, 3, 14, 6))[:rows]
+    free = rows_alone(target, prompts, max_new_tokens=24, do_sample=False)
+    eos = free[0][len(prompts[0]) + 5]  # row 0 stops after 6 tokens
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    alone = rows_alone(target, prompts, **kwargs)
+    oracle = NoisyOracle([torch.tensor(f) for f in free], vocab_size=128, noise=0.25, seed=rows)
+    install_oracle(monkeypatch, oracle)
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    got = [out.sequences[r, ids.shape[1] - len(p) :].tolist()[: len(alone[r])] for r, p in enumerate(prompts)]
+    assert got == alone
+    stats = out.speculation_stats
+    assert partial_accepts(stats, oracle.trees) >= 3 and stats.linear_state_replays >= 3
+    if rows > 1:
+        assert len({len(a) for a in alone}) > 1 and len(set(stats.committed_per_step)) > 1  # ragged, rows drop
+
+
+def row_states_by_length(monkeypatch, layer: int) -> dict:
+    """After every step, the first active row's states in linear layer `layer`, by that row's committed count."""
+    snapshots, committed, keep_accepted = {}, [0], RecurrentStates.keep_accepted
+
+    def snapshot(self, paths, num_slots):
+        keep_accepted(self, paths, num_slots)
+        committed[0] += len(paths[0])
+        states = self.cache.layers[layer]
+        snapshots[committed[0]] = (states.conv_states[0][0].clone(), states.recurrent_states[0][0].clone())
+
+    monkeypatch.setattr(RecurrentStates, "keep_accepted", snapshot)
+    return snapshots
+
+
+@pytest.mark.every_step_speculates("the rows' chains are cut at different places")
+def test_a_left_padded_rows_states_equal_its_states_alone(monkeypatch):
+    """The linear layers' states of a short, left-padded row of a batch equal those of the same prompt generated
+    alone, after every step where both have committed the same tokens: left padding enters no state, and each row
+    is rolled back to its own tokens."""
+    target = tiny_hybrid_target("qwen3_5", seed=4, layers=4, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6)
+    prompts = mixed_prompts(4, lengths=(4, 13))
+    free = rows_alone(target, prompts, max_new_tokens=30, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle([torch.tensor(f) for f in free], vocab_size=128, noise=0.3, seed=4))
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
+    with monkeypatch.context() as patch:
+        batched = row_states_by_length(patch, layer=0)
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    assert out.speculation_stats.linear_state_replays >= 3
+    install_oracle(monkeypatch, NoisyOracle([torch.tensor(free[0])], vocab_size=128, noise=0.3, seed=5))
+    alone = row_states_by_length(monkeypatch, layer=0)
+    target.generate(prompts[0][None], assistant_model=drafter, **kwargs)
+    common = sorted(set(batched) & set(alone))
+    assert len(common) >= 3, (sorted(batched), sorted(alone))
+    for length in common:
+        for ours, reference in zip(batched[length], alone[length]):
+            torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)

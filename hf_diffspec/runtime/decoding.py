@@ -19,9 +19,9 @@ target itself picks.
                                            nodes off them hidden per row, dropped every few dozen slots: no
                                            per-layer move each step); their target features become the drafter's
                                            new context
-        recurrent.keep_accepted(paths) ──► linear-attention targets (chains, batch size 1): a cut chain's recurrent
-                                           states put back and advanced through the accepted tokens
-                                           (`recurrent_state.py`)
+        recurrent.keep_accepted(paths) ──► linear-attention targets (chains): where a row's chain was cut, the
+                                           saved recurrent states put back and advanced through each row's accepted
+                                           tokens (`recurrent_state.py`)
         gates.record / policy.record_step (a StepRecord)
                                        ──► tokens per second of each kind of step, and the verify cost observed
                                            (it refines the profiled one)
@@ -204,7 +204,7 @@ def speculative_generate(
     attention_mask = model_kwargs.get("attention_mask")
     valid = _check_batch(input_ids, attention_mask, generation_config, streamer, logits_processor, stopping_criteria)
     rows = input_ids.shape[0]
-    refuse_unsupported_recurrent(model, drafter, rows)
+    refuse_unsupported_recurrent(model, drafter)
 
     stats = SpeculationStats()
     drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))

@@ -1,19 +1,30 @@
 """Targets with linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet, dense and MoE): rolling their recurrent
-and convolution states back to the accepted tokens.
+and convolution states back to each row's accepted tokens.
 
 A linear-attention layer keeps no per-token K/V: it carries a recurrent state and the last inputs of its causal
-convolution, and a verify forward advances both through every token it verifies, rejected drafts included. Cropping
-the cache, which rolls full-attention K/V back, cannot undo that. So every step:
+convolution, and a verify forward advances both through every token it verifies, rejected drafts and the padding
+after a shorter row's chain included. Cropping the cache, which rolls full-attention K/V back, cannot undo that. So
+every step:
 
-- before the verify forward, the linear layers' states are saved, and each layer's input is recorded during it;
-- when the target accepts the whole chain, the states the forward left are the right ones;
-- otherwise the saved states are put back and each linear layer alone advances them through the accepted tokens,
-  from the inputs it was given in the verify forward. Those inputs are exact: the drafts form a chain, so a token's
-  input depends only on the tokens before it. Only the linear layers run again (no attention, MLP/MoE or LM head).
+- before the verify forward, the linear layers' states are saved; during it, each layer's projections record what
+  its state update consumes: the convolution's input (`in_proj_qkv`'s output) and the gate inputs `a` and `b`;
+- when every row accepts all of its slots, the states the forward left are the right ones;
+- otherwise the saved states are copied back into the cache's own tensors (their addresses never change) and only
+  the state update runs again, over each row's accepted tokens: the causal convolution over [saved conv state ‖
+  accepted inputs] and the gated delta recurrence. No projection, attention, MLP/MoE or LM head runs again. A row
+  that accepted fewer tokens than the longest one is frozen past its count: its remaining steps run as identity
+  updates (no decay, zero write strength), which leave a state exactly as it was.
+
+The recorded inputs are exact: the drafts form a chain, so a token's input depends only on the tokens before it.
+Left padding in a prompt enters no state: the prefill passes the 2D padding mask, which transformers hands the linear
+layers to zero the padded inputs, and a zero input leaves a zero state zero.
+
+Kernels: the recurrence runs through transformers' `torch_recurrent_gated_delta_rule`, which takes flash-linear-
+attention's kernel where it is installed and runs on the inputs' device, its torch form otherwise (the CPU); the
+convolution is torch's `conv1d`.
 
 Chains only: a linear layer reads its input as one sequence and ignores the tree mask, so a tree's sibling branches
-would flow into each other's state. Batch size 1 only: a batch verifies rows of different lengths in one padded
-rectangle (the padding would enter the shorter rows' states) and rows accept different numbers of tokens.
+would flow into each other's state.
 
 Imports: torch/transformers only (this file travels in `custom_generate/`).
 """
@@ -21,8 +32,14 @@ Imports: torch/transformers only (this file travels in `custom_generate/`).
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
 # text configs whose linear-attention layers (Qwen3.5 GatedDeltaNet) this module rolls back
 ROLLBACK_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# the projections whose outputs a GatedDeltaNet's state update consumes (recorded in the verify forward)
+CONSUMED_PROJECTIONS = ("in_proj_qkv", "in_proj_a", "in_proj_b")
 
 
 def layer_types(config) -> set[str]:
@@ -40,21 +57,15 @@ def linear_attention_supported(config) -> bool:
             and layer_types(config) <= {"linear_attention", "full_attention"})
 
 
-def refuse_unsupported_recurrent(model, drafter, rows: int) -> None:
+def refuse_unsupported_recurrent(model, drafter) -> None:
     """Raise ValueError, before the first forward, for what a linear-attention target cannot run losslessly."""
     if not has_linear_attention(model.config):
         return
-    name = type(model).__name__
-    if rows > 1:
-        raise ValueError(
-            f"{name} has linear-attention layers, whose recurrent state a batch cannot roll back row by row (rows "
-            "accept different numbers of drafts, and a padded row's padding would enter its state): speculative "
-            "decoding runs it at batch size 1. Generate the rows one at a time."
-        )
     if drafter.config.model_type == "dual_diffusion_drafter":
         raise ValueError(
-            f"{name} has linear-attention layers, so its drafts are verified as chains, never trees: a D²SD dual "
-            "drafter's prefix trees cannot run on it. Pass the dual drafter's DFlash drafter (drafter.first) instead."
+            f"{type(model).__name__} has linear-attention layers, so its drafts are verified as chains, never trees: "
+            "a D²SD dual drafter's prefix trees cannot run on it. Pass the dual drafter's DFlash drafter "
+            "(drafter.first) instead."
         )
 
 
@@ -67,13 +78,13 @@ class RecurrentStates:
         # Qwen3.5's GatedDeltaNet modules carry their layer's type and index
         self.layers = {module.layer_idx: module for module in model.modules()
                        if getattr(module, "layer_type", None) == "linear_attention" and hasattr(module, "layer_idx")}
-        self.saved: dict[int, tuple] = {}  # layer index: (conv states, recurrent states, token count or None)
-        self.inputs: dict[int, object] = {}
+        self.saved: dict[int, tuple] = {}  # layer index: (conv state, recurrent state)
+        self.consumed: dict[int, dict[str, torch.Tensor]] = {}  # layer index: projection name: its output
         self.replays = 0
 
     def recording(self, num_slots: int):
-        """Around the verify forward of `num_slots` tokens: save every linear layer's states and record the input it
-        is given. A step of one token (a plain step) cannot be cut, so it saves nothing."""
+        """Around the verify forward of `num_slots` tokens per row: save every linear layer's states and record what
+        its state update consumes. A step of one token per row (a plain step) cannot be cut, so it saves nothing."""
         if not self.layers or num_slots == 1:
             return nullcontext()
         return self._recording()
@@ -82,17 +93,14 @@ class RecurrentStates:
     def _recording(self):
         for index in self.layers:
             layer = self.cache.layers[index]
-            # transformers >= 5.25 also counts the tokens a linear layer has seen (its `get_seq_length`)
-            length = getattr(layer, "cumulative_length_linear", None)
-            self.saved[index] = ({k: s.clone() for k, s in layer.conv_states.items() if s is not None},
-                                 {k: s.clone() for k, s in layer.recurrent_states.items() if s is not None},
-                                 None if length is None else length.clone())
+            self.saved[index] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+            self.consumed[index] = {}
 
-        def record(index, module, args, kwargs):
-            self.inputs[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        def record(index, name, module, args, output):
+            self.consumed[index][name] = output
 
-        handles = [module.register_forward_pre_hook(partial(record, index), with_kwargs=True)
-                   for index, module in self.layers.items()]
+        handles = [getattr(module, name).register_forward_hook(partial(record, index, name))
+                   for index, module in self.layers.items() for name in CONSUMED_PROJECTIONS]
         try:
             yield
         finally:
@@ -100,18 +108,52 @@ class RecurrentStates:
                 handle.remove()
 
     def keep_accepted(self, paths: list[list[int]], num_slots: int) -> None:
-        """After a chain of `num_slots` tokens was verified and the first `len(paths[0])` accepted (the anchor and
-        the drafts the target agreed with), leave the linear layers' states as if only those had been seen."""
-        accepted, inputs, saved = len(paths[0]), self.inputs, self.saved
-        self.inputs, self.saved = {}, {}
-        if not self.layers or accepted == num_slots:
+        """After each row verified a chain in a forward of `num_slots` slots per row and accepted the first
+        `len(paths[row])` (its anchor and the drafts the target agreed with), leave the linear layers' states as if
+        each row had seen only those."""
+        counts, consumed, saved = [len(p) for p in paths], self.consumed, self.saved
+        self.consumed, self.saved = {}, {}
+        if not self.layers or min(counts) == num_slots:
             return
+        kept = max(counts)
         for index, module in self.layers.items():
-            layer = self.cache.layers[index]
-            conv, recurrent, length = saved[index]
-            layer.conv_states.update(conv)
-            layer.recurrent_states.update(recurrent)
-            if length is not None:
-                layer.cumulative_length_linear.copy_(length)
-            module(hidden_states=inputs[index][:, :accepted], cache=self.cache)
+            _advance(module, self.cache.layers[index], saved[index], consumed[index], counts, kept)
         self.replays += 1
+
+
+@torch.no_grad()
+def _advance(module, layer, saved: tuple, consumed: dict, counts: list[int], kept: int) -> None:
+    """Put `layer`'s saved states back and advance each row through its first `counts[row]` recorded tokens, as the
+    GatedDeltaNet `module`'s forward would have (its projections' outputs in `consumed`). `kept`: max(counts)."""
+    conv, recurrent = saved
+    rows, channels, width = conv.shape
+    device = conv.device
+    counts = torch.tensor(counts, device=device)
+    steps = torch.arange(kept, device=device)
+
+    # causal convolution over [saved conv state ‖ accepted inputs]; the new conv state is each row's last `width`
+    mixed = torch.cat([conv, consumed["in_proj_qkv"][:, :kept].transpose(1, 2).to(conv.dtype)], dim=-1)
+    window = (counts[:, None] + torch.arange(width, device=device))[:, None, :].expand(rows, channels, width)
+    layer.conv_states[0].copy_(mixed.gather(2, window))
+    out = F.conv1d(mixed.to(module.conv1d.weight.dtype), module.conv1d.weight, module.conv1d.bias,
+                   groups=channels)[..., -kept:]
+    out = ACT2FN[module.activation](out).to(conv.dtype).transpose(1, 2)
+    query, key, value = torch.split(out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(rows, kept, -1, module.head_k_dim)
+    key = key.reshape(rows, kept, -1, module.head_k_dim)
+    value = value.reshape(rows, kept, -1, module.head_v_dim)
+
+    # the gated delta recurrence; past a row's count, identity updates (decay exp(0) = 1, write strength 0)
+    live = (steps[None] < counts[:, None])[..., None]
+    beta = consumed["in_proj_b"][:, :kept].sigmoid() * live
+    g = -module.A_log.float().exp() * F.softplus(consumed["in_proj_a"][:, :kept].float() + module.dt_bias) * live
+    _, state = _recurrent_rule(query, key, value, g=g, beta=beta, initial_state=recurrent, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+    layer.recurrent_states[0].copy_(state)
+
+
+def _recurrent_rule(*args, **kwargs):
+    # looked up at call time: the function kernels from the hub / flash-linear-attention replace is transformers'
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    return torch_recurrent_gated_delta_rule(*args, **kwargs)
