@@ -178,6 +178,35 @@ def test_sampling_follows_the_targets_distribution(monkeypatch):
         assert two_sample_chi2(plain[slot], ours[slot]) < 40  # the 0.999 quantile of chi2(15) is ~37.7
 
 
+@pytest.mark.every_step_speculates("drafts must be verified, accepted and rejected, for the check to mean anything")
+def test_batched_sampling_follows_each_rows_distribution(monkeypatch):
+    """Each row of a left-padded, ragged batch sampled on a hybrid target is distributed as that prompt sampled
+    alone (chi-square on the marginals of its 2nd and last new tokens), drafts drawn and verified by rejection
+    sampling: every row's states are rolled back to its own accepted tokens."""
+    vocab = 16
+    target = tiny_hybrid_target("qwen3_5", seed=12, vocab_size=vocab, layers=3, sharpen=6)
+    drafter = tiny_drafter(target, block_size=5, seed=2)
+    prompts = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8)]
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=5, do_sample=True, temperature=0.8, top_k=0)
+    n, replays, cut = 150, 0, 0
+    spec = torch.zeros(len(prompts), 2, vocab)
+    for seed in range(n):
+        torch.manual_seed(seed)
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True,
+                              **kwargs)
+        replays += out.speculation_stats.linear_state_replays
+        cut += len(set(out.speculation_stats.committed_per_step)) > 1
+        for r in range(len(prompts)):
+            spec[r, 0, out.sequences[r, ids.shape[1] + 1]] += 1
+            spec[r, 1, out.sequences[r, -1]] += 1
+    assert replays > n and cut > n // 4
+    for r, p in enumerate(prompts):
+        plain = marginal_counts(target, p[None], vocab, n, 50_000, **kwargs)
+        for slot in range(2):
+            assert two_sample_chi2(plain[slot], spec[r, slot]) < 40  # 0.999 quantile of chi2(15) ~ 37.7
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampling_with_fixed_drafts_draws_what_plain_sampling_draws(monkeypatch, kind):
     """Drafts without a distribution (the oracle's) are accepted when the target's own draw equals them, so the loop
