@@ -25,9 +25,12 @@ The recorded inputs are exact: a node's input depends only on its ancestors (the
 Left padding in a prompt enters no state: the prefill passes the 2D padding mask, which transformers hands the linear
 layers to zero the padded inputs, and a zero input leaves a zero state zero.
 
-Kernels: the recurrence runs through transformers' `torch_recurrent_gated_delta_rule`, which takes flash-linear-
-attention's kernel where it is installed and runs on the inputs' device, its torch form otherwise (the CPU); the
-convolution is torch's `conv1d`.
+Kernels: a chain's verify forward is the layer's own (transformers picks flash-linear-attention's chunked kernel and
+causal-conv1d's where they are installed and run on the inputs' device, their torch forms otherwise, as on the CPU).
+The rollback and the tree form run the convolution in torch and the recurrence through transformers'
+`torch_recurrent_gated_delta_rule`, which is flash-linear-attention's `fused_recurrent_gated_delta_rule` where that
+is installed and runs, its torch form otherwise: either way a plain recurrence from an explicit initial state, which
+no tree can fool (the tree form calls it one node at a time, from the node's parent's state).
 
 Imports: torch/transformers only (this file travels in `custom_generate/`).
 """
