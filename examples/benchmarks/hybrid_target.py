@@ -83,7 +83,7 @@ def rollback(args):
             module(hidden_states=inputs[:, :accepted], cache=cache)
 
         def now():
-            _advance(module, cache.layers[index], saved, consumed, nodes, [accepted] * args.rows)
+            _advance(module, cache.layers[index], saved, consumed, nodes, torch.full((args.rows,), accepted))
 
         row = dict(accepted=accepted, verified=args.verified, rows=args.rows,
                    projection_bytes_per_layer_before=weight_bytes, projection_bytes_per_layer_now=0,

@@ -32,7 +32,7 @@ The rollback and the tree form run the convolution in torch and the recurrence t
 is installed and runs, its torch form otherwise: either way a plain recurrence from an explicit initial state, which
 no tree can fool (the tree form calls it one node at a time, from the node's parent's state).
 
-Imports: torch/transformers only (this file travels in `custom_generate/`).
+Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
 """
 
 from contextlib import contextmanager, nullcontext
@@ -41,6 +41,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+from .tree import host_to_device
 
 # text configs whose linear-attention layers (Qwen3.5 GatedDeltaNet) this module rolls back
 ROLLBACK_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -113,21 +115,21 @@ class RecurrentStates:
             return
         kept = max(counts)
         device = next(iter(saved.values()))[0].device
-        nodes = torch.tensor([p + [p[-1]] * (kept - len(p)) for p in paths], device=device)
+        # per row: its count, then its path padded with its last node (one copy to the device)
+        shape = host_to_device([[len(p), *p, *[p[-1]] * (kept - len(p))] for p in paths], device)
         for index, module in self.layers.items():
-            _advance(module, self.cache.layers[index], saved[index], consumed[index], nodes, counts)
+            _advance(module, self.cache.layers[index], saved[index], consumed[index], shape[:, 1:], shape[:, 0])
         self.replays += 1
 
 
 @torch.no_grad()
-def _advance(module, layer, saved: tuple, consumed: dict, nodes: torch.Tensor, counts: list[int]) -> None:
+def _advance(module, layer, saved: tuple, consumed: dict, nodes: torch.Tensor, counts: torch.Tensor) -> None:
     """Put `layer`'s saved states back and advance each row through the recorded tokens of its first `counts[row]`
     accepted nodes (`nodes` (rows, max count), a row's slots along its path), as the GatedDeltaNet `module`'s forward
     would have (its projections' outputs in `consumed`)."""
     conv, recurrent = saved
     rows, channels, width = conv.shape
     device, kept = conv.device, nodes.shape[1]
-    counts = torch.tensor(counts, device=device)
     steps = torch.arange(kept, device=device)
     consumed = {name: output.gather(1, nodes[..., None].expand(-1, -1, output.shape[-1]))
                 for name, output in consumed.items()}
