@@ -29,7 +29,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from hf_diffspec.bench.oracle import OracleCandidateGenerator, _loop_drafting, oracle_acceptance
 from hf_diffspec.modeling import DiffusionDrafter
-from hf_diffspec.runtime.recurrent_state import CONSUMED_PROJECTIONS, RecurrentStates, _advance
+from hf_diffspec.runtime.recurrent_state import CONSUMED_PROJECTIONS, _advance
 from hf_diffspec.runtime.sliding_window import full_kv_cache
 from hf_diffspec.runtime.tree import CandidateTree
 
@@ -66,7 +66,6 @@ def rollback(args):
     hidden = model.config.hidden_size
     cache = full_kv_cache(model.config)
     module(hidden_states=torch.randn(args.rows, 32, hidden), cache=cache)
-    states = RecurrentStates(model, cache)
     inputs = torch.randn(args.rows, args.verified, hidden)
     saved = (cache.layers[index].conv_states[0].clone(), cache.layers[index].recurrent_states[0].clone())
     consumed = {name: getattr(module, name)(inputs) for name in CONSUMED_PROJECTIONS}
@@ -98,7 +97,6 @@ def rollback(args):
             row[f"seconds_per_step_{name}"] = row[f"seconds_per_layer_{name}"] * linear
         results.append(row)
         print(json.dumps(row))
-    del states
     return results
 
 
