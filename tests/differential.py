@@ -7,10 +7,9 @@ A seeded generator draws cases (`make_case(seed, number)`, the same case on ever
 - targets: tiny random Llama and Qwen3 (`helpers.tiny_target`), sdpa or eager attention, 1-3 layers, vocabularies of
   16-128 tokens, LM head scaled up (sharper logits make random drafts agree with the target more often); in 40% of
   cases instead a 4-layer Gemma 3, Gemma 4, gpt-oss, Qwen3-MoE or Mistral (`helpers.tiny_family_target`: sliding
-  windows of 2-6 tokens, exceeded by most cases, and MoE); of the other batch-1 cases, half get a tiny Qwen3.5 or
-  Qwen3.5-MoE (linear attention beside full attention, `helpers.tiny_hybrid_target`, at least 2 layers), drafting
-  chains (a dual drafter becomes a noisy oracle, an oracle's wrong branches are dropped): drawn from a stream of their
-  own, so that the other cases stay as they were;
+  windows of 2-6 tokens, exceeded by most cases, and MoE); of the other cases, half get a tiny Qwen3.5 or
+  Qwen3.5-MoE (linear attention beside full attention, `helpers.tiny_hybrid_target`, at least 2 layers), with any
+  drafter and batch: drawn from a stream of their own, so that the other draws of a case stay as they were;
 - drafters: an untrained DFlash drafter (block 2-8), a noisy oracle (the target's own continuation, corrupted at a
   random rate, with wrong sibling branches: a real tree), a D²SD dual drafter (with or without a VP drafter,
   random branches, depth and budget);
@@ -312,13 +311,8 @@ def make_case(seed: int, number: int) -> Case:
     if rng.random() < 0.4:  # drawn last: the other draws of a case stay as they were before families were added
         target.update(kind=rng.choice(FAMILIES), layers=4, window=rng.randint(2, 6))
     hybrid = random.Random(f"hf-diffspec differential linear attention {seed} {number}")
-    if rows == 1 and target["kind"] not in FAMILIES and hybrid.random() < 0.5:  # larger batches and trees are refused
+    if target["kind"] not in FAMILIES and hybrid.random() < 0.5:
         target["kind"] = hybrid.choice(["qwen3_5", "qwen3_5_moe"])
-        if kind == "dual":
-            drafter = dict(kind="oracle", block_size=block, seed=drafter["seed"],
-                           noise=hybrid.choice([0.0, 0.1, 0.3, 0.6]))
-        if drafter["kind"] == "oracle":
-            drafter["branches"] = 0
     # a user's first call: the profile measured on first use into an empty cache, the live gates (a stream of its own)
     if random.Random(f"hf-diffspec differential first use {seed} {number}").random() < FIRST_USE_SHARE:
         runtime = dict(gate="live", profile="first use")

@@ -108,9 +108,10 @@ def tiny_family_target(family: str, seed: int = 0, vocab_size: int = 128, window
 
 def tiny_hybrid_target(kind: str = "qwen3_5", seed: int = 0, vocab_size: int = 128, attn: str = "sdpa",
                        layers: int = 4, sharpen: float = 1.0):
-    """A tiny random Qwen3.5 (`qwen3_5`) or Qwen3.5-MoE (`qwen3_5_moe`) text model in fp32: Gated DeltaNet
-    linear-attention layers with a full-attention layer after every three, the last layer always full attention (at
-    least 2 layers). `sharpen` as in `tiny_target`."""
+    """A tiny random Qwen3.5 (`qwen3_5`) or Qwen3.5-MoE (`qwen3_5_moe`) text model, or Qwen3.5's image-text model
+    (`qwen3_5_vl`, a one-block vision tower) in fp32: Gated DeltaNet linear-attention layers with a full-attention
+    layer after every three, the last layer always full attention (at least 2 layers). `sharpen` as in
+    `tiny_target`."""
     torch.manual_seed(seed)
     layers = max(2, layers)
     layer_types = ["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)]
@@ -126,12 +127,17 @@ def tiny_hybrid_target(kind: str = "qwen3_5", seed: int = 0, vocab_size: int = 1
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
             **common))
+    elif kind == "qwen3_5_vl":
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=common, vision_config=vision))
     else:
         raise ValueError(kind)
     model.set_attn_implementation(attn)
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)
-        for layer in model.model.layers:  # louder linear layers: a wrong recurrent state changes the greedy tokens
+        for layer in model.get_decoder().layers:  # louder linear layers: a wrong state changes the greedy tokens
             if layer.block_type == "linear_attention":
                 layer.linear_attn.out_proj.weight.mul_(4)
     model.generation_config.eos_token_id = None

@@ -12,14 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from hf_diffspec.cli import main
-from hf_diffspec.runtime.recurrent_state import RecurrentStates
-from hf_diffspec.runtime.sliding_window import full_kv_cache
-from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 from first_call import CASES
-from helpers import tiny_hybrid_target
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -67,18 +62,3 @@ def test_published_target_rehearsed_end_to_end(name, tmp_path, monkeypatch, caps
         assert "not saved" in str(refused)
     else:
         assert "saved" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("what", ["rows", "tree"])
-def test_a_linear_attention_target_refuses_rows_or_trees_it_would_decode_wrongly(what):
-    """The loop's invariant: whatever hands a linear-attention target several rows or a tree to verify, its
-    recurrent-state rollback raises before the forward instead of decoding wrongly without a word."""
-    target = tiny_hybrid_target("qwen3_5")
-    states = RecurrentStates(target, full_kv_cache(target.config))
-    if what == "rows":
-        trees = [CandidateTree([5, 6, 7], [-1, 0, 1])] * 2
-    else:
-        trees = [CandidateTree([5, 6, 7], [-1, 0, 0])]
-    with pytest.raises(RuntimeError, match="linear-attention target was handed"):
-        states.recording(TreeLayout.of(trees, torch.device("cpu")))
-    states.recording(TreeLayout.of([CandidateTree([5, 6, 7], [-1, 0, 1])], torch.device("cpu")))  # one chain: fine

@@ -30,7 +30,7 @@ from transformers import (
     SuppressTokensLogitsProcessor,
 )
 
-from .kv_cache import crop_attention, gather_slots
+from .kv_cache import crop_attention, gather_slots, select_rows
 from .sliding_window import drop_old_keys
 from .tree import TreeLayout, host_to_device, index_range
 from .verification import choose_token, choose_token_among_drafts
@@ -489,7 +489,7 @@ class BatchState:
             self.active = []
             return False
         index = host_to_device(keep, self.cache_valid.device)
-        self.cache.batch_select_indices(index)
+        select_rows(self.cache, index)
         self.drafting.select_rows(index)
         self.cache_valid = self.cache_valid[index]
         self._tail_counts = [self._tail_counts[i] for i in keep]

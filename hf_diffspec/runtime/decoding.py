@@ -19,9 +19,9 @@ target itself picks.
                                            nodes off them hidden per row, dropped every few dozen slots: no
                                            per-layer move each step); their target features become the drafter's
                                            new context
-        recurrent.keep_accepted(paths) ──► linear-attention targets (chains, batch size 1): a cut chain's recurrent
-                                           states put back and advanced through the accepted tokens
-                                           (`recurrent_state.py`)
+        recurrent.keep_accepted(paths) ──► linear-attention targets: where a row did not accept all its slots, the
+                                           saved recurrent states put back and advanced along each row's accepted
+                                           path (`recurrent_state.py`; trees go through those layers in a tree form)
         gates.record / policy.record_step (a StepRecord)
                                        ──► tokens per second of each kind of step, and the verify cost observed
                                            (it refines the profiled one)
@@ -53,7 +53,7 @@ from .drafting import candidate_generator_for
 from .files import pad_token_id
 from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
-from .recurrent_state import RecurrentStates, has_linear_attention, refuse_unsupported_recurrent
+from .recurrent_state import RecurrentStates
 from .sliding_window import AttentionLayout, dropped_slots, drops_visible_keys, full_kv_cache, verify_masks
 from .tree import CandidateTree, TreeLayout, tree_forward_inputs
 from .verify_attention import verify_attention
@@ -193,7 +193,6 @@ def _start(model, input_ids, logits_processor, stopping_criteria, generation_con
     attention_mask = model_kwargs.get("attention_mask")
     valid = _check_batch(input_ids, attention_mask, generation_config, streamer, logits_processor, stopping_criteria)
     rows = input_ids.shape[0]
-    refuse_unsupported_recurrent(model, drafter, rows)
 
     stats = SpeculationStats()
     drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))
@@ -247,8 +246,6 @@ def speculative_generate(
     # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
     lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
-    # a target with linear attention verifies chains: its lookup drafts go alone (LOOKUP steps), never as a branch
-    grafts_lookup = not has_linear_attention(model.config)
     dtype, device = model.dtype, input_ids.device  # dtype: a property that walks the parameters, read once
     step_end = device_clock.device_time(device)
     while batch.drop_finished():
@@ -260,8 +257,7 @@ def speculative_generate(
             trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
         else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
             trees = [CandidateTree([anchor], [-1], device=input_ids.device) for anchor in batch.anchors]
-        grafted = kind is StepKind.LOOKUP or (kind is StepKind.DRAFT and grafts_lookup)
-        lookups = found if grafted else NO_LOOKUP_DRAFTS
+        lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
         trees = lookups.graft(trees)
 
         verify_start = device_clock.device_time(device)  # the drafter's forward is the draft's time

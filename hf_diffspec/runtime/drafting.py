@@ -26,7 +26,6 @@ from .cost_model import VerifyCost
 from .gates import speculation_gates_for
 from .policy import DraftLengthPolicy, FixedLength
 from .prefix_tree import build_prefix_tree, plan_branches
-from .recurrent_state import has_linear_attention
 from .tree import CandidateTree, host_to_device, index_range
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
@@ -475,7 +474,7 @@ def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None,
         return FixedLength(fixed, config.block_size, max_positions)
     # trees (D²SD, best-first) are sized by their node budget and the cost model, not by a chain length
     tree_depth = drafter.config.max_depth if drafter.config.model_type == "dual_diffusion_drafter" else None
-    if getattr(config, "draft_tree_budget", None) and not has_linear_attention(target.config):
+    if getattr(config, "draft_tree_budget", None):
         tree_depth = config.block_size - 1
     return DraftLengthPolicy(
         block_size=config.block_size, default_length=config.num_draft_tokens,
@@ -492,8 +491,8 @@ def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: 
         raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
     if drafter.config.model_type == "dual_diffusion_drafter":
         cls = PrefixTreeCandidateGenerator
-    elif getattr(drafter.config, "draft_tree_budget", None) and not has_linear_attention(target.config):
-        cls = BestFirstTreeCandidateGenerator  # a target with linear attention verifies chains (recurrent_state.py)
+    elif getattr(drafter.config, "draft_tree_budget", None):
+        cls = BestFirstTreeCandidateGenerator
     elif getattr(first_drafter(drafter), "selector", None) is not None:
         cls = SelectorCandidateGenerator
     else:

@@ -34,10 +34,28 @@ def attention_layers(cache) -> list:
 
 
 def crop_attention(cache, tokens: int) -> None:
-    """Drop the last `tokens` (> 0) entries of every K/V layer; linear-attention layers are left to
-    `recurrent_state.py` (`Cache.crop` refuses them)."""
-    for layer in attention_layers(cache):
-        layer.crop(-tokens)
+    """Drop the last `tokens` (> 0) entries of every K/V layer. Linear-attention layers' states are left to
+    `recurrent_state.py` (`Cache.crop` refuses them); their token count (`get_seq_length`, which `generate` reads
+    from the first layer) follows the K/V layers' length."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.cumulative_length_linear.sub_(tokens)
+        else:
+            layer.crop(-tokens)
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep only the batch rows `index` in every layer of the cache: K/V, and linear-attention layers' conv and
+    recurrent states (`Cache.batch_select_indices` skips those)."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):  # K/V (a layer may hold both K/V and linear states)
+            layer.batch_select_indices(index)
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue
+        for states in (layer.conv_states, layer.recurrent_states):
+            for key, state in states.items():
+                if state is not None:
+                    states[key] = state[index]
 
 
 class LinearStates:
