@@ -255,7 +255,6 @@ def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, ro
     rows, past = past_valid.shape
     device = past_valid.device
     layout = layout or TreeLayout.of(trees, device)
-    n = layout.tokens.shape[1]
     if past_all_valid is None:
         past_all_valid = bool(past_valid.all())
     if layout.uniform_chains and past_all_valid:
