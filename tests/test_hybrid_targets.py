@@ -52,6 +52,7 @@ def chains_verified(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.every_step_speculates("counts cut and whole chains")
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_chains_are_identical_to_plain_generate(monkeypatch, kind):
     target = tiny_hybrid_target(kind, seed=1, layers=4, sharpen=4)
@@ -72,6 +73,7 @@ def test_greedy_chains_are_identical_to_plain_generate(monkeypatch, kind):
     assert stats.linear_state_replays == partial
 
 
+@pytest.mark.every_step_speculates("the last step must cut a chain")
 @pytest.mark.parametrize("kind", KINDS)
 def test_returned_cache_holds_the_states_of_the_committed_tokens(monkeypatch, kind):
     """The cache a call returns continues exactly like plain generate's: the last step stopped inside a chain."""
@@ -153,6 +155,7 @@ def test_a_tree_through_a_linear_layer_equals_each_root_to_node_path():
             torch.testing.assert_close(ours[row, node], reference[0, -1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.every_step_speculates("drafts must be accepted and rejected")
 def test_sampling_follows_the_targets_distribution(monkeypatch):
     """Drafts drawn from the drafter, verified by rejection sampling along chains: the marginals of the 2nd and
     last tokens match plain sampling (two-sample chi-square, df <= 15 each). The dense target only: the rollback is
@@ -213,6 +216,7 @@ def test_batched_sampling_follows_each_rows_distribution(monkeypatch):
             assert two_sample_chi2(plain[i], ours[r, i]) < 40  # 0.999 quantile of chi2(15) ~ 37.7
 
 
+@pytest.mark.every_step_speculates("counts rollbacks")
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampling_with_fixed_drafts_draws_what_plain_sampling_draws(monkeypatch, kind):
     """Drafts without a distribution (the oracle's) are accepted when the target's own draw equals them, so the loop
