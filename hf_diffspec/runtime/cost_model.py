@@ -273,9 +273,11 @@ class VerifyCost:
         costs, problem = read_profile(path)
         if costs is None or (problem is not None and automatic):
             if not automatic:
-                _warn_once(f"no verify-cost profile for this target on {target.device} in {target.dtype} "
-                           f"({torch.get_num_threads()} threads) and HF_DIFFSPEC_AUTO_PROFILE=0: drafts are verified "
-                           "at a fixed length. Run `hf-diffspec profile --target ... --dtype ...` once to measure one.")
+                missing = (f"the verify-cost profile {path} {problem}" if problem else
+                           f"no verify-cost profile for this target on {target.device} in {target.dtype} "
+                           f"({torch.get_num_threads()} threads)")
+                _warn_once(f"{missing} and HF_DIFFSPEC_AUTO_PROFILE=0: drafts are verified at a fixed length. Run "
+                           "`hf-diffspec profile --target ... --dtype ...` once to measure one.")
                 return None
             if problem is not None:
                 logger.warning("the cached verify-cost profile %s %s: measuring it again", path, problem)
