@@ -114,8 +114,12 @@ def test_cost_model_lengths_stay_lossless(tmp_path, monkeypatch, dual):
 
 
 def test_a_missing_profile_is_measured_once(tmp_path, monkeypatch):
+    from hf_diffspec.runtime import cost_model
+
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
-    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "1")
+    # whatever else this machine runs now: the guards against a busy machine have tests of their own
+    monkeypatch.setattr(cost_model, "implausible_costs", lambda costs: None)
+    monkeypatch.setattr(cost_model, "MAX_OTHERS_LOAD", float("inf"))
     target = tiny_target("llama")
     cost = VerifyCost.for_target(target)
     assert cost is not None and set(cost.costs) == {1, 4, 16} and set(cost.costs[1]) == {1, 2, 4, 8, 16}

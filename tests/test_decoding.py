@@ -128,6 +128,7 @@ def test_left_padded_prompt_matches_plain_generate():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.every_step_speculates("asserts that the candidate generator drafted")
 def test_stock_assisted_decoding_runs_our_candidate_generator(monkeypatch):
     """transformers' own `_assisted_decoding` asks our `DiffusionCandidateGenerator` for every step's candidates
     (our loop never runs), and the instance-level `_get_candidate_generator` is gone afterwards, also after a

@@ -70,14 +70,14 @@ def test_a_step_is_timed_with_the_device_work_it_launched(fake_device, monkeypat
 
 
 def test_the_bench_times_a_call_until_the_device_has_run_it(fake_device, monkeypatch):
-    generate = runner._generate
+    generate = runner.run_method
 
     def launching_generate(*args, **kwargs):  # a call returns while its last kernels are still queued
         out = generate(*args, **kwargs)
         fake_device.launch(1.0)
         return out
 
-    monkeypatch.setattr(runner, "_generate", launching_generate)
+    monkeypatch.setattr(runner, "run_method", launching_generate)
     target = tiny_target("qwen3", seed=0)
     results = run_benchmark(target, _Tokenizer(), {}, [{"domain": "chat", "text": "abc"}], max_new_tokens=3,
                             progress=False, rounds=2)

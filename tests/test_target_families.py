@@ -200,7 +200,8 @@ def test_the_returned_cache_holds_what_plain_generate_holds(one_torch_thread):
     torch.testing.assert_close(ours.layers[0].keys, plain.layers[0].keys, rtol=1e-5, atol=1e-5)
     sequence = target.generate(ids, assistant_model=drafter, max_new_tokens=8, do_sample=False)
     kwargs = dict(max_new_tokens=6, do_sample=False)
-    assert torch.equal(target.generate(sequence, cache=ours, **kwargs), target.generate(sequence, cache=plain, **kwargs))
+    continued = target.generate(sequence, cache=ours, **kwargs)
+    assert torch.equal(continued, target.generate(sequence, cache=plain, **kwargs))
     ids = torch.randint(2, 128, (1, 6))
     assert torch.equal(target.generate(ids, assistant_model=drafter, cache=DynamicCache(), max_new_tokens=6,
                                        do_sample=False), target.generate(ids, max_new_tokens=6, do_sample=False))

@@ -195,9 +195,11 @@ def test_trees_from_slot_by_slot_logits_are_the_trees_of_the_whole_block(monkeyp
 
 @pytest.mark.parametrize("sharpness", [8.0, 60.0])
 def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(monkeypatch, sharpness):
+    from hf_diffspec.runtime import drafting
     from hf_diffspec.runtime.cost_model import VerifyCost
     from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 
+    monkeypatch.setattr(drafting, "ONE_PASS_SLOTS", 0)  # growing chunks, as for a large batch
     target = tiny_target("llama", seed=2, vocab_size=24)
     drafter = tiny_drafter(target, block_size=16, seed=2)
     # verifying costs little, so the chain length follows the drafter's confidences: a hesitant drafter (sharpness

@@ -20,7 +20,7 @@ import contextlib
 import torch
 from transformers import DynamicCache
 
-from ..runtime import device_clock
+from ..runtime.device_clock import device_time
 from ..runtime.verify_attention import verify_attention
 
 
@@ -39,9 +39,9 @@ def _seconds(forward, device, repeats: int) -> float:
     """Median seconds of `forward()` over `repeats` timed calls after one warm-up."""
     times = []
     for _ in range(repeats + 1):
-        start = device_clock.device_time(device)
+        start = device_time(device)
         forward()
-        times.append(device_clock.device_time(device) - start)
+        times.append(device_time(device) - start)
     times = sorted(times[1:])
     return times[len(times) // 2]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import device_clock
+from ..runtime.device_clock import device_time
 from ..runtime.files import pad_token_id
 from .counting import StepCounts, TargetForwardCounter, eos_token_ids
 from .method import Method
@@ -146,9 +146,9 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
         outputs = {}
         prompt_length = inputs["input_ids"].shape[1]
         for name in order:
-            start = device_clock.device_time(target.device)  # the previous call's work is not this one's
+            start = device_time(target.device)  # the previous call's work is not this one's
             out, counts = run_method(target, methods[name], inputs, max_new_tokens)
-            elapsed = device_clock.device_time(target.device) - start
+            elapsed = device_time(target.device) - start
             outputs[name] = _rows_up_to_eos(out, prompt_length, eos)
             tokens = sum(len(r) for r in outputs[name])
             call = MethodRun(new_tokens=tokens, seconds=elapsed, counts=counts or StepCounts())

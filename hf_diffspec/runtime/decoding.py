@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import device_clock
 from .batch import BatchState, RowCommitter, TokenStore, row_processors
+from .device_clock import device_time
 from .drafting import candidate_generator_for
 from .files import pad_token_id
 from .gates import StepKind, StepRecord
@@ -235,11 +235,11 @@ def speculative_generate(
     `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide.
     `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
     decoding only); None or 0: none."""
-    start_time = device_clock.device_time(input_ids.device)
+    start_time = device_time(input_ids.device)
     cache, attention_layout, batch, drafting, recurrent, stats, committers = _start(
         model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer, num_draft_tokens,
         model_kwargs)
-    stats.prefill_time_s = device_clock.device_time(input_ids.device) - start_time
+    stats.prefill_time_s = device_time(input_ids.device) - start_time
     layers = drafter.target_feature_layers  # the target hidden states the drafter reads
 
     policy, gates = drafting.policy, drafting.policy.gates
@@ -247,7 +247,7 @@ def speculative_generate(
     lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     dtype, device = model.dtype, input_ids.device  # dtype: a property that walks the parameters, read once
-    step_end = device_clock.device_time(device)
+    step_end = device_time(device)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
         step_start = step_end  # the previous step's work has run on the device
@@ -260,7 +260,7 @@ def speculative_generate(
         lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
         trees = lookups.graft(trees)
 
-        verify_start = device_clock.device_time(device)  # the drafter's forward is the draft's time
+        verify_start = device_time(device)  # the drafter's forward is the draft's time
         layout = TreeLayout.of(trees, input_ids.device)
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
                                                                 dtype, layout, batch.cache_all_valid)
@@ -274,7 +274,7 @@ def speculative_generate(
         batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
         recurrent.keep_accepted(paths, tokens.shape[1])
 
-        step_end = device_clock.device_time(device)  # after the device has run keep_accepted and the replay
+        step_end = device_time(device)  # after the device has run keep_accepted and the replay
         step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths),
                           seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
         gates.record(step)
@@ -295,7 +295,7 @@ def _finish(batch, committers, stats, recurrent, cache, input_ids, generation_co
         stats.cut_back(row, tokens)
     stats.new_tokens = sum(c.length - input_ids.shape[1] for c in committers)
     stats.linear_state_replays = recurrent.replays
-    stats.total_time_s = device_clock.device_time(input_ids.device) - start_time
+    stats.total_time_s = device_time(input_ids.device) - start_time
 
     if not generation_config.return_dict_in_generate:
         return sequences

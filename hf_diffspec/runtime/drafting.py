@@ -20,9 +20,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from . import device_clock
 from .best_first_tree import best_first_shape, build_best_first_tree, build_selector_tree
 from .cost_model import VerifyCost
+from .device_clock import device_time
 from .gates import speculation_gates_for
 from .policy import DraftLengthPolicy, FixedLength
 from .prefix_tree import build_prefix_tree, plan_branches
@@ -197,7 +197,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         limits = self.policy.depth_limits(root_positions, remaining)
         if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
             return [self._root_only(root) for root in root_tokens]
-        start = device_clock.device_time(self.first.device)
+        start = device_time(self.first.device)
         roots, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         limits = self._length_head_limits(draft_hidden, limits, start)
         if max(limits) == 0:
@@ -205,7 +205,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         logits, limits = self._logits(draft_hidden, limits)
         drafts, confidences, probs = self._pick(draft_hidden, logits, roots)
         if self.policy.uses_cost_model and self.length_head is None:
-            self.policy.record_draft_time(device_clock.device_time(self.first.device) - start)
+            self.policy.record_draft_time(device_time(self.first.device) - start)
             limits = self.policy.chain_lengths(torch.cumprod(confidences, dim=-1).tolist(), limits)
         return self._chains(roots, drafts, confidences, probs, limits)
 
@@ -214,7 +214,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         the head sizes the drafts from hidden states, so only the slots to verify go through the LM head."""
         if not (self.policy.uses_cost_model and self.length_head is not None):
             return limits
-        self.policy.record_draft_time(device_clock.device_time(self.first.device) - start)
+        self.policy.record_draft_time(device_time(self.first.device) - start)
         reach = torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1).tolist()
         return self.policy.chain_lengths(reach, limits)
 
@@ -356,7 +356,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         config = self.drafter.config
         sample = self.sample_temperature is not None
         rows = len(root_tokens)
-        start = device_clock.device_time(self.first.device)
+        start = device_time(self.first.device)
         roots, positions, draft_hidden = self._draft_block(root_tokens, root_positions)
         probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
         # a row with no room left (limit 0) plans no branches and verifies its root alone
@@ -377,7 +377,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
             for _, picks in plans:
                 branch_probs.append(list(flat[offset : offset + len(picks)]))
                 offset += len(picks)
-        self.policy.record_draft_time(device_clock.device_time(self.first.device) - start)  # both passes, every row
+        self.policy.record_draft_time(device_time(self.first.device) - start)  # both passes, every row
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
@@ -403,7 +403,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
         rows = len(root_tokens)
-        start = device_clock.device_time(self.first.device)
+        start = device_time(self.first.device)
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         drafter = self.first.drafter
         sample = self.sample_temperature is not None
@@ -447,11 +447,11 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             trees = [build_selector_tree(root_tokens[r], draft_hidden[r, : limits[r]], logits[r, : limits[r]],
                                          selector, drafter.config.selector_top_k, budget, node_count, width)
                      if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
-            self.policy.record_draft_time(device_clock.device_time(self.first.device) - start)
+            self.policy.record_draft_time(device_time(self.first.device) - start)
             return trees
         # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
         probs, values, indices = ranked(logits)
-        self.policy.record_draft_time(device_clock.device_time(self.first.device) - start)
+        self.policy.record_draft_time(device_time(self.first.device) - start)
         return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], budget, node_count, sample=sample,
                                       max_children=width, shape=shapes.get((logits.shape[1], r)),
                                       ranked=(values[r][: limits[r]], [[int(t) for t in slot] for slot in
