@@ -105,6 +105,7 @@ def record_our_drafts(monkeypatch):
     return drafts
 
 
+@pytest.mark.every_step_speculates("compares the drafts of every step across routes")
 def test_zlab_checkpoint_drafts_identically_in_every_route(zlab_dir, tmp_path, monkeypatch):
     target = tiny_target("qwen3", seed=4, layers=6)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(1))

@@ -31,6 +31,7 @@ def test_default_target_layer_ids_follow_dflash():
     assert default_target_layer_ids(4) == [0, 1, 2, 3]
 
 
+@pytest.mark.every_step_speculates("asserts the length of a drafted block")
 def test_from_target_matches_the_target_and_drafts_a_block():
     target = tiny_target("qwen3", layers=8)
     drafter = tiny_drafter(target, block_size=5)

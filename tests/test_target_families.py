@@ -117,6 +117,7 @@ def test_sampling_is_exactly_the_targets_distribution(monkeypatch, one_torch_thr
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gpt_oss"])
+@pytest.mark.every_step_speculates("counts sampled drafts checked against their exact prefix")
 def test_sampled_tokens_are_drawn_from_the_targets_logits_at_their_exact_prefix(monkeypatch, one_torch_thread,
                                                                                family):
     """What makes sampling exact beside rejection sampling itself: every token a sampled ragged batch commits is

@@ -172,6 +172,7 @@ def _record_proposals(monkeypatch, cls):
     return trees, slots
 
 
+@pytest.mark.every_step_speculates("compares the trees of every step")
 def test_trees_from_slot_by_slot_logits_are_the_trees_of_the_whole_block(monkeypatch):
     """The LM head runs over the block's slots in chunks (4, 8, 15) and stops once the budget's tree stays above the
     deepest slot computed: by best-first closure that is exactly the tree of the whole block, at less cost."""
@@ -194,6 +195,7 @@ def test_trees_from_slot_by_slot_logits_are_the_trees_of_the_whole_block(monkeyp
 
 
 @pytest.mark.parametrize("sharpness", [8.0, 60.0])
+@pytest.mark.every_step_speculates("counts the slots each step computed")
 def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(monkeypatch, sharpness):
     from hf_diffspec.runtime import drafting
     from hf_diffspec.runtime.cost_model import VerifyCost
