@@ -12,6 +12,7 @@ import torch
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
+from hf_diffspec.runtime.gates import SpeculationGates
 from hf_diffspec.runtime.cost_model import VerifyCost, best_node_count, measure_verify_cost, profile_key, save_profile
 from helpers import tiny_drafter, tiny_target
 
@@ -346,7 +347,17 @@ def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monk
     slow = {b: {n: 40 * t for n, t in row.items()} for b, row in QUIET.items()}  # seconds: far slower than live
     save_profile(target, slow)
     measured = []
-    monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: measured.append(1) or QUIET)
+
+    def measure(target, **kw):  # a measurement takes a while; no step is charged for it
+        measured.append(1)
+        time.sleep(1.0)
+        return QUIET
+
+    monkeypatch.setattr(cost_model, "measure_verify_cost", measure)
+    step_seconds = []
+    record = SpeculationGates.record
+    monkeypatch.setattr(SpeculationGates, "record", lambda self, step: step_seconds.append(step.seconds) or
+                        record(self, step))
     drafter = tiny_drafter(target, block_size=8)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
@@ -354,6 +365,7 @@ def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monk
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False)
             assert torch.equal(out, target.generate(ids, max_new_tokens=40, do_sample=False))
     assert len(measured) == 1 and caplog.text.count("live steps disagree") == 1
+    assert max(step_seconds) < 0.9, "the re-measurement's time was charged to a step (and the gates)"
     assert VerifyCost.for_target(target).costs == QUIET
     assert cost_model.read_profile(cost_model.profile_path(target)) == (QUIET, None)
 

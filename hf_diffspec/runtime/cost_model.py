@@ -245,8 +245,9 @@ class VerifyCost:
     def profiled(self, n: int, rows: int = 1) -> float:
         return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
 
-    def observe(self, n: int, rows: int, seconds: float) -> None:
-        """A decoding step verified `rows` x `n` slots in `seconds` (forward and commit)."""
+    def observe(self, n: int, rows: int, seconds: float) -> bool:
+        """A decoding step verified `rows` x `n` slots in `seconds` (forward and commit). True when that made the
+        profile be measured again."""
         bucket = rows_bucket(rows)
         ratios = self.corrections.setdefault(bucket, {})
         ratio = seconds / self.profiled(n, rows)
@@ -257,6 +258,8 @@ class VerifyCost:
             costs = remeasure(f"steps of {rows} rows x {n} slots take {ratios[n]:.2f}x the profiled time")
             if costs is not None:
                 self.costs, self.corrections, self.observations = costs, {}, {}
+            return True
+        return False
 
     @classmethod
     def for_target(cls, target) -> "VerifyCost | None":

@@ -278,7 +278,8 @@ def speculative_generate(
         step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths),
                           seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
         gates.record(step)
-        policy.record_step(step)
+        if policy.record_step(step):  # the profile was measured again: those seconds are no step's (nor the gates')
+            step_end = device_time(device)
         stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
 
     return _finish(batch, committers, stats, recurrent, cache, input_ids, generation_config, streamer, start_time)

@@ -91,10 +91,12 @@ class DraftLengthPolicy:
         """One drafting pass took `seconds` (both passes for D²SD); smoothed, it prices the next step's drafts."""
         self.draft_seconds = seconds if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * seconds
 
-    def record_step(self, step: StepRecord) -> None:
-        """A step's measured verify time refines the profiled cost model."""
-        if self.verify_cost is not None:
-            self.verify_cost.observe(step.slots, step.rows, step.verify_seconds)
+    def record_step(self, step: StepRecord) -> bool:
+        """A step's measured verify time refines the profiled cost model; True when the profile was measured again
+        meanwhile (live steps disagreed with it), which took time that belongs to no step."""
+        if self.verify_cost is None:
+            return False
+        return self.verify_cost.observe(step.slots, step.rows, step.verify_seconds)
 
 
 class FixedLength(DraftLengthPolicy):
