@@ -8,17 +8,24 @@ import pytest
 import torch
 
 
+USER_CACHE = Path(os.environ.get("HF_DIFFSPEC_CACHE") or Path.home() / ".cache" / "hf_diffspec").expanduser()
+
+
+def cache_sharing_downloads() -> Path:
+    """A new hf_diffspec cache whose downloads (`models/`, `wheels/`) are the user's cache's, so nothing is fetched
+    twice, and whose `profiles/` starts empty."""
+    cache = Path(tempfile.mkdtemp(prefix="hf_diffspec_test_cache_"))
+    for shared in ("models", "wheels"):
+        (USER_CACHE / shared).mkdir(parents=True, exist_ok=True)
+        (cache / shared).symlink_to(USER_CACHE / shared, target_is_directory=True)
+    return cache
+
+
 def pytest_configure(config):
     """Measured verify-cost profiles change how many drafts a step verifies, and a profile is keyed by the target's
     architecture, dtype and threads only: one left in the user's cache by a benchmark would steer the tests' tiny
-    targets. The session gets a cache of its own whose downloads (`models/`, `wheels/`) are the user's cache's, so
-    nothing is fetched twice, and whose `profiles/` starts empty; subprocesses inherit it."""
-    user_cache = Path(os.environ.get("HF_DIFFSPEC_CACHE") or Path.home() / ".cache" / "hf_diffspec").expanduser()
-    session_cache = Path(tempfile.mkdtemp(prefix="hf_diffspec_test_cache_"))
-    for shared in ("models", "wheels"):
-        (user_cache / shared).mkdir(parents=True, exist_ok=True)
-        (session_cache / shared).symlink_to(user_cache / shared, target_is_directory=True)
-    os.environ["HF_DIFFSPEC_CACHE"] = str(session_cache)
+    targets. The session gets a cache of its own (`cache_sharing_downloads`); subprocesses inherit it."""
+    os.environ["HF_DIFFSPEC_CACHE"] = str(cache_sharing_downloads())
 
 
 @pytest.fixture(scope="session")
@@ -38,11 +45,13 @@ def speculate_every_step(request, monkeypatch):
     """Tests run what users run: the first speculative call measures a verify-cost profile (into the session's own
     cache) and the live gates choose plain or speculative steps. A test marked `every_step_speculates(reason)`
     asserts on drafting (accepted drafts, tree shapes, step counts), which the gates' wall-clock timings would make
-    depend on machine load: it alone gets every step speculating and no automatic profile (it saves one if it
-    needs one)."""
+    depend on machine load: it alone gets every step speculating, no automatic profile and a cache with no profile
+    in it (it saves one if it needs one)."""
     if request.node.get_closest_marker("every_step_speculates") is None:
         return
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
+    # and no profile that an earlier test measured on first use into the session's cache
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(cache_sharing_downloads()))
     from hf_diffspec.runtime.gates import SpeculationGate
 
     monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: True)
