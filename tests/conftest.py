@@ -41,7 +41,7 @@ def real_target():
 
 
 @pytest.fixture(autouse=True)
-def speculate_every_step(request, monkeypatch):
+def every_step_speculates_where_marked(request, monkeypatch):
     """Tests run what users run: the first speculative call measures a verify-cost profile (into the session's own
     cache) and the live gates choose plain or speculative steps. A test marked `every_step_speculates(reason)`
     asserts on drafting (accepted drafts, tree shapes, step counts), which the gates' wall-clock timings would make

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `helpers` when run a
 
 import torch  # noqa: E402
 
-from helpers import char_tokenizer  # noqa: E402
+from helpers import char_tokenizer, randomize  # noqa: E402
 
 VOCAB, HIDDEN = 128, 64
 TEXT = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -85,13 +85,7 @@ def zlab_drafter(target_layers: int, folder: Path) -> None:
     config = Qwen3Config(**{**TEXT, "max_position_embeddings": 2048}, num_hidden_layers=1, block_size=8,
                          num_target_layers=target_layers,
                          dflash_config={"mask_token_id": 100, "target_layer_ids": [1, target_layers - 2]})
-    generator = torch.Generator().manual_seed(0)
-    model = DFlashDraftModel(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator) * 0.1
-            param.copy_(1 + noise if "norm" in name else noise)
-    model.save_pretrained(folder)
+    randomize(DFlashDraftModel(config)).save_pretrained(folder)
 
 
 def write(name: str, root: Path) -> tuple[Path, Path, dict]:

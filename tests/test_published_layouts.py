@@ -18,7 +18,7 @@ from transformers.cache_utils import DFlashCache
 import hf_diffspec
 from hf_diffspec.cli import main
 from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator, DiffusionCandidateGenerator, DrafterContext
-from helpers import tiny_drafter, tiny_target
+from helpers import randomize, tiny_drafter, tiny_target
 
 dflash = pytest.importorskip("dflash.model", reason="z-lab's package: pip install --no-deps dflash==0.1.0")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -35,16 +35,6 @@ ZLAB_VARIANTS = {
     "logit-fields": {"dflash_extra": {"output_multiplier": 0.5, "final_logit_softcapping": 3.0,
                                       "input_embedding_scale": 2.0}},
 }
-
-
-def randomize(model, seed=0):
-    """Random weights at a scale where drafts depend on every tensor (norms around 1)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator) * 0.1
-            param.copy_(1 + noise if "norm" in name else noise)
-    return model.eval()
 
 
 def zlab_config(dflash_extra=None, **fields) -> Qwen3Config:

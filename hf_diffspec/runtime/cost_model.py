@@ -161,8 +161,8 @@ def _own_cpu_seconds() -> float:
 @dataclass
 class ProfileMeasurement:
     """A verify-cost profile as `measure_profile` took it: `costs` ({rows: {n: seconds}}), `others_load` (cores other
-    processes kept busy meanwhile, the most of any attempt kept; None: unknown), `attempts`, and `problem`: why it
-    should not be cached (None: it may)."""
+    processes kept busy while it was measured; None: unknown), `attempts`, and `problem`: why it should not be cached
+    (None: it may)."""
 
     costs: dict[int, dict[int, float]]
     others_load: float | None
@@ -255,9 +255,8 @@ class VerifyCost:
         seen = self.observations[bucket, n] = self.observations.get((bucket, n), 0) + 1
         if self.remeasure is not None and seen >= STALE_AFTER_STEPS and ratios[n] * STALE_FACTOR < 1:
             remeasure, self.remeasure = self.remeasure, None
-            costs = remeasure(f"steps of {rows} rows x {n} slots take {ratios[n]:.2f}x the profiled time")
-            if costs is not None:
-                self.costs, self.corrections, self.observations = costs, {}, {}
+            self.costs = remeasure(f"steps of {rows} rows x {n} slots take {ratios[n]:.2f}x the profiled time")
+            self.corrections, self.observations = {}, {}
             return True
         return False
 
@@ -329,7 +328,7 @@ def _measure_and_keep(target) -> dict[int, dict[int, float]]:
     return measured.costs
 
 
-def _remeasure_stale(target, path: Path, why: str) -> dict[int, dict[int, float]] | None:
+def _remeasure_stale(target, path: Path, why: str) -> dict[int, dict[int, float]]:
     """Live steps disagree with the profile in use (`why`): measure it again, once per process and profile."""
     SPECULATION_STATE.remeasured.add(str(path))
     logger.warning("live steps disagree with the verify-cost profile %s (%s): measuring it again, once", path, why)
