@@ -12,13 +12,17 @@ with the loop's refusal where this version refuses it. Per target, in sections t
 - gates: the default path (a random drafter, measured verify-cost profile and live gates on): what the gates chose;
 - sampling: the same drafter with do_sample=True;
 - kernels: which kernels one verify step ran (profiler), and which Gated DeltaNet implementation the linear layers use;
-- identity: fp32 with TF32 off, our loop (oracle chains, best-first trees with prompt lookup) against plain `generate`
-  at 1 and 4 rows, which sets the exit status;
+- identity: fp32 with TF32 off, our loop (oracle chains, best-first trees with prompt lookup, and those trees again
+  through the capture-ready step, `cache_implementation="static"`, where the target takes it) against plain
+  `generate` at 1 and 4 rows, which sets the exit status;
 - bf16: the first position where our loop and plain `generate` differ in bf16 (None: identical).
 
-Then the verify/plain step-cost ratio at 16k tokens of context (`hf_diffspec.bench.long_context`), before and after
-the runtime's verify attention. Every result is appended to the results file as it comes (JSON lines), so a call cut
-short still returns what it measured.
+On the dense target also: a CUDA graph captured over the capture-ready verify forward (`hf_diffspec.bench.
+captured_verify`: captured or why not, replay against eager, ms per verify step each), and the verify/plain
+step-cost ratio at 16k tokens of context (`hf_diffspec.bench.long_context`), before and after the runtime's verify
+attention. Identity comes first for each target (it decides the exit status), then speed. An error in one target's
+sections is recorded and the next target goes on. Every result is appended to the results file as it comes (JSON
+lines), so a call cut short still returns what it measured.
 
     bash examples/gpu_check.sh --results $OUT/gpu_check.jsonl   # on a GPU (< 10 minutes on an H200)
     TINY=1 bash examples/gpu_check.sh     # tiny configs on the CPU (CI): gates, sampling, kernels for the first only
@@ -30,12 +34,14 @@ import copy
 import json
 import os
 import time
+import traceback
 import warnings
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import hf_diffspec
+from hf_diffspec.bench.captured_verify import captured_verify
 from hf_diffspec.bench.host_syncs import HostSyncCounter
 from hf_diffspec.bench.host_time import ForwardClock
 from hf_diffspec.bench.long_context import verify_plain_ratios
@@ -44,8 +50,8 @@ from hf_diffspec.runtime import device_clock
 from hf_diffspec.runtime.cost_model import measure_verify_cost
 
 # seconds each section may start new work in, per target (GPU); the whole call stops starting work at --budget-s
-SECTION_SECONDS = {"runs": 60, "gates": 25, "sampling": 15, "kernels": 10, "identity": 40, "bf16": 15,
-                   "long_context": 60}
+SECTION_SECONDS = {"identity": 20, "bf16": 8, "runs": 30, "gates": 12, "sampling": 8, "kernels": 6, "capture": 20,
+                   "long_context": 40}
 
 
 def dense_config(tiny: bool) -> Qwen3Config:
@@ -320,8 +326,9 @@ def fp32_exact():
 
 
 def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
-    """Our loop (oracle tau 4, and the best-first tree drafter with prompt lookup) against plain generate: per rows,
-    True / False in fp32; in bf16 the first position (new tokens) where they differ, None when they do not."""
+    """Our loop (oracle tau 4, the best-first tree drafter with prompt lookup, and that drafter through the
+    capture-ready step where the target takes it) against plain generate: per rows, True / False in fp32; in bf16 the
+    first position (new tokens) where they differ, None when they do not."""
     with fp32_exact():
         target = build(cls, fewer_layers(config, args.identity_layers), device, dtype)
         vocab = config.vocab_size
@@ -339,17 +346,57 @@ def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
                 continue
             drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8,
                                                                draft_tree_budget=8).to(device)
-            trees = target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.identity_tokens,
-                                    do_sample=False, prompt_lookup_num_tokens=4)
+            tree_kwargs = dict(assistant_model=drafter, max_new_tokens=args.identity_tokens, do_sample=False,
+                               prompt_lookup_num_tokens=4)
+            outputs = [oracle, target.generate(**inputs, **tree_kwargs)]
+            try:
+                outputs.append(target.generate(**inputs, cache_implementation="static", **tree_kwargs))
+            except ValueError:  # sliding or linear-attention layers: the capture-ready step is refused for them
+                pass
             if dtype == torch.float32:
-                results[rows] = bool(torch.equal(plain, oracle) and torch.equal(plain, trees))
+                results[rows] = all(torch.equal(plain, ours) for ours in outputs)
             else:
                 start = inputs["input_ids"].shape[1]
                 differs = [(ours[:, start:] != plain[:, start:]).any(0).nonzero().flatten().tolist()
-                           for ours in (oracle, trees)]
+                           for ours in outputs]
                 results[rows] = min((d[0] for d in differs if d), default=None)
     del target
     return results
+
+
+def check_target(name, cls, config, entry, args, device, dtype, deadlines, results, dense: bool) -> None:
+    """One target's sections, identity first; the dense target's also the captured verify step and long context."""
+    tiny = args.tiny
+    if deadlines.open("identity"):
+        entry["fp32_identical"] = identity(name, cls, config, args, device)
+        results.add({"target": name, "section": "identity", "fp32_identical": entry["fp32_identical"]})
+    if deadlines.open("bf16") and dtype == torch.bfloat16:
+        entry["bf16_first_divergence"] = identity(name, cls, config, args, device, torch.bfloat16)
+        results.add({"target": name, "section": "bf16", "first_divergence": entry["bf16_first_divergence"]})
+    if not deadlines.open("runs"):
+        entry["skipped"] = results.add({"target": name, "skipped": "deadline"})["skipped"]
+        return
+    target = build(cls, config, device, dtype)
+    reason = refusal(target)
+    if reason is not None:
+        entry["skipped"] = results.add({"target": name, "skipped": reason})["skipped"]
+        return
+    entry["runs"] = runs(name, target, args, deadlines, results)
+    sections = (("gates", lambda: default_path(name, target, args, sample=False)),
+                ("sampling", lambda: default_path(name, target, args, sample=True)),
+                ("kernels", lambda: kernels(name, target, args)))
+    for section, measure in sections if not tiny or dense else ():  # tiny: CI's minutes
+        if deadlines.open(section):
+            entry[section] = results.add(measure())
+    if not dense:
+        return
+    if deadlines.open("capture"):
+        entry["capture"] = [results.add({"target": name, "section": "capture", **captured_verify(
+            target, rows, context=64 if tiny else 1024, repeats=3 if tiny else 20)}) for rows in (1, 16)]
+    if deadlines.open("long_context"):
+        contexts = (64,) if tiny else (16384,)
+        entry["long_context"] = [results.add({"section": "long_context", **row}) for row in
+                                 verify_plain_ratios(target, contexts, (4, 16), repeats=1 if tiny else 3)]
 
 
 def main():
@@ -383,44 +430,24 @@ def main():
             report["targets"][name] = results.add({"target": name, "skipped": f"transformers lacks it: {error}"})
     for name, cls, config in families:
         entry = report["targets"][name] = {}
-        if not deadlines.open("runs"):
-            entry["skipped"] = results.add({"target": name, "skipped": "deadline"})["skipped"]
-            continue
-        target = build(cls, config, device, dtype)
-        reason = refusal(target)
-        if reason is not None:
-            entry["skipped"] = results.add({"target": name, "skipped": reason})["skipped"]
-            del target
-            continue
-        entry["runs"] = runs(name, target, args, deadlines, results)
-        sections = (("gates", lambda: default_path(name, target, args, sample=False)),
-                    ("sampling", lambda: default_path(name, target, args, sample=True)),
-                    ("kernels", lambda: kernels(name, target, args)))
-        for section, measure in sections if not tiny or name == families[0][0] else ():  # tiny: CI's minutes
-            if deadlines.open(section):
-                entry[section] = results.add(measure())
-        del target
+        try:
+            check_target(name, cls, config, entry, args, device, dtype, deadlines, results,
+                         dense=name == families[0][0])
+        except Exception as error:  # noqa: BLE001 - one target's failure must not cost the others' results
+            entry["error"] = results.add({"target": name, "error": f"{type(error).__name__}: {error}",
+                                          "traceback": traceback.format_exc()[-3000:]})["error"]
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if deadlines.open("identity"):
-            entry["fp32_identical"] = identity(name, cls, config, args, device)
-            results.add({"target": name, "section": "identity", "fp32_identical": entry["fp32_identical"]})
-        if deadlines.open("bf16") and dtype == torch.bfloat16:
-            entry["bf16_first_divergence"] = identity(name, cls, config, args, device, torch.bfloat16)
-            results.add({"target": name, "section": "bf16", "first_divergence": entry["bf16_first_divergence"]})
-    if deadlines.open("long_context"):
-        target = build(Qwen3ForCausalLM, dense_config(tiny), device, dtype)
-        contexts = (64,) if tiny else (16384,)
-        report["long_context"] = [results.add({"section": "long_context", **row}) for row in
-                                  verify_plain_ratios(target, contexts, (4, 16), repeats=1 if tiny else 3)]
-        del target
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
     failed = [n for n, r in report["targets"].items() if "fp32_identical" in r
               and not all(v is True or str(v).startswith("skipped") for v in r["fp32_identical"].values())]
+    errors = [n for n, r in report["targets"].items() if "error" in r]
     print("fp32 identity with plain generate:", "FAILED for " + ", ".join(failed) if failed else "ok")
-    raise SystemExit(1 if failed else 0)
+    if errors:
+        print("errors (see the results file) in:", ", ".join(errors))
+    raise SystemExit(1 if failed or errors else 0)
 
 
 if __name__ == "__main__":

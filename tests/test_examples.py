@@ -96,10 +96,14 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
     assert {(r["rows"], r["oracle_tau"]) for r in runs} == {(rows, tau) for rows in (1, 4) for tau in (2, 4, 8)}
     assert all(r["syncs_per_step_max"] <= 3 for r in runs)
     assert {r["section"] for r in map(json.loads, results.read_text().splitlines()) if "section" in r} >= {
-        "runs", "gates", "sampling", "kernels", "identity", "long_context"}  # written as they came
+        "runs", "gates", "sampling", "kernels", "identity", "capture", "long_context"}  # written as they came
     for family in ("gemma4 (Gemma 4-like)", "gpt-oss (gpt-oss-20b-like)"):
         assert targets[family]["fp32_identical"] == {"1": True, "4": True}
-    assert all(r["chain_after"] > 0 for r in json.loads(report.read_text())["long_context"])
+    assert not any("error" in entry for entry in targets.values())
+    dense = targets["dense (Qwen3-8B-like)"]
+    assert all(r["chain_after"] > 0 for r in dense["long_context"])
+    assert [(r["rows"], r["captured"]) for r in dense["capture"]] == [(1, "no CUDA graphs on cpu"),
+                                                                      (16, "no CUDA graphs on cpu")]
 
 
 # .device-wheels (transformers, gguf, peft: 14 MiB, `bash examples/device_slim.sh wheels`) travel with the checkout

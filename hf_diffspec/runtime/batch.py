@@ -458,7 +458,7 @@ class BatchState:
         elif counts and (tail.shape[1] > max(counts) or self.sliding_window):
             # per row, its visible slots first, in order (a stable sort puts hidden after visible)
             order = torch.sort((~tail).to(torch.uint8), dim=1, stable=True).indices[:, : max(counts)]
-            gather_slots(self.cache, start, order)
+            gather_slots(self.cache, start, order, self.cache_valid.shape[1])
             self.cache_valid = torch.cat([self.cache_valid[:, :start], tail.gather(1, order)], dim=1)
             self._tail_start, self._tail_counts = start + min(counts), [c - min(counts) for c in counts]
             self.cache_all_valid = self.rows_all_valid

@@ -55,6 +55,7 @@ from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .recurrent_state import RecurrentStates
 from .sliding_window import AttentionLayout, dropped_slots, drops_visible_keys, full_kv_cache, verify_masks
+from .static_verify import CaptureReadyInputs, static_kv_cache, verify_width
 from .tree import CandidateTree, TreeLayout, tree_forward_inputs
 from .verify_attention import verify_attention
 
@@ -187,7 +188,9 @@ def _start(model, input_ids, logits_processor, stopping_criteria, generation_con
         )
     # verifying drafts needs the prefix cached; with use_cache=False the loop keeps a cache of its own and returns none
     cache = model_kwargs.get("cache") if generation_config.use_cache else None
-    if cache is None or drops_visible_keys(cache):  # generate's own cache would drop keys the loop may need
+    if generation_config.cache_implementation == "static":  # the capture-ready step (`static_verify.py`)
+        cache = static_kv_cache(model.config, generation_config.max_length)
+    elif cache is None or drops_visible_keys(cache):  # generate's own cache would drop keys the loop may need
         cache = full_kv_cache(model.config)
     attention_layout = AttentionLayout.of(model.config)
     attention_mask = model_kwargs.get("attention_mask")
@@ -247,6 +250,9 @@ def speculative_generate(
     lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
     dtype, device = model.dtype, input_ids.device  # dtype: a property that walks the parameters, read once
+    # cache_implementation="static": every verify input in a persistent buffer (`static_verify.py`)
+    capture = CaptureReadyInputs(cache.layers[0].max_cache_len) if generation_config.cache_implementation == "static" \
+        else None
     step_end = device_time(device)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
@@ -261,11 +267,13 @@ def speculative_generate(
         trees = lookups.graft(trees)
 
         verify_start = device_time(device)  # the drafter's forward is the draft's time
-        layout = TreeLayout.of(trees, input_ids.device)
+        layout = TreeLayout.of(trees, device, verify_width(max(map(len, trees))) if capture else 0)
         tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
-                                                                dtype, layout, batch.cache_all_valid)
+                                                                dtype, layout, batch.cache_all_valid and not capture)
         tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1],
                                  dropped_slots(cache))
+        if capture:
+            tokens, tree_mask, tree_positions = capture.fill(tokens, tree_mask, tree_positions)
         with recurrent.recording(layout), verify_attention(model):
             out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
                         cache=cache, use_cache=True, output_hidden_states=layers)

@@ -1,12 +1,13 @@
 """Slot bookkeeping in the target's KV cache: crop it, or move each row's chosen slots together."""
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, StaticLayer
 
 
-def gather_slots(cache, start: int, index: torch.Tensor) -> None:
-    """In every K/V layer, move row r's slot `start + index[r, j]` to slot `start + j`, then crop the cache to
-    `start + n` slots (`index` (rows, n), each row's entries ascending). RoPE stays right: a key keeps the position
+def gather_slots(cache, start: int, index: torch.Tensor, end: int | None = None) -> None:
+    """In every K/V layer, move row r's slot `start + index[r, j]` to slot `start + j`, in place, then crop the cache
+    to `start + n` slots (`index` (rows, n), each row's entries ascending). `end`: the slots in use, when the layers'
+    tensors hold more (a preallocated `StaticLayer`); else their length. RoPE stays right: a key keeps the position
     it was written at, whatever its slot; the rows' validity masks say which slots each row sees. Linear-attention
     layers hold no K/V (their states are rolled back by `recurrent_state.py`); layers that keep no KV of their own
     (Gemma 4's KV-sharing ones) are skipped. A sliding layer that dropped its oldest slots (`dropped`, see
@@ -14,7 +15,9 @@ def gather_slots(cache, start: int, index: torch.Tensor) -> None:
     layers = [layer for layer in attention_layers(cache) if layer.keys is not None]
     if not layers:
         return
-    n, end = index.shape[1], layers[0].keys.shape[2] + getattr(layers[0], "dropped", 0)
+    n = index.shape[1]
+    if end is None:
+        end = layers[0].keys.shape[2] + getattr(layers[0], "dropped", 0)
     index = index.to(layers[0].keys.device)[:, None, :, None]
     expanded = {}  # per (heads, head dim, first slot): the index expanded to it (layers usually share a few)
     for layer in layers:
@@ -34,12 +37,14 @@ def attention_layers(cache) -> list:
 
 
 def crop_attention(cache, tokens: int) -> None:
-    """Drop the last `tokens` (> 0) entries of every K/V layer. Linear-attention layers' states are left to
+    """Drop the last `tokens` (> 0) entries of every K/V layer (a `StaticLayer` lowers its length on the device and
+    keeps its tensors). Linear-attention layers' states are left to
     `recurrent_state.py` (`Cache.crop` refuses them); their token count (`get_seq_length`, which `generate` reads
     from the first layer) follows the K/V layers' length."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            layer.cumulative_length_linear.sub_(tokens)
+            if getattr(layer, "cumulative_length_linear", None) is not None:  # transformers >= 5.25 counts tokens
+                layer.cumulative_length_linear.sub_(tokens)
         else:
             layer.crop(-tokens)
 
@@ -50,6 +55,8 @@ def select_rows(cache, index: torch.Tensor) -> None:
     for layer in cache.layers:
         if hasattr(layer, "batch_select_indices"):  # K/V (a layer may hold both K/V and linear states)
             layer.batch_select_indices(index)
+        elif isinstance(layer, StaticLayer) and layer.is_initialized:  # new tensors: a new batch size's buffers
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
         for states in (layer.conv_states, layer.recurrent_states):

@@ -214,7 +214,8 @@ def _tree_forward(module, layer, tree_layout, hidden_states: torch.Tensor, atten
             initial_state=states[batch, start[:, i]], output_final_state=True, use_qk_l2norm_in_kernel=True)
         core.append(out_i)
     core = torch.cat(core, dim=1)
-    layer.cumulative_length_linear.add_(slots)
+    if getattr(layer, "cumulative_length_linear", None) is not None:  # transformers >= 5.25 counts tokens
+        layer.cumulative_length_linear.add_(slots)
 
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(rows, slots, -1))

@@ -16,7 +16,8 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
     - Trees and ragged batches verify with 4D additive float masks: FlashAttention (and paged attention) kernels take
       no such mask. eager, sdpa and flex_attention (the mask becomes a score modifier) do.
     - Every step crops the target's cache to the accepted tokens and compacts the accepted tree path into place:
-      only a `DynamicCache` kept on the device allows that; static, offloaded and quantized caches do not.
+      only a `DynamicCache` kept on the device allows that, or the loop's own `StaticCache` for
+      `cache_implementation="static"` (full-attention targets); offloaded and quantized caches do not.
     - The loop feeds the target's own decoder hidden states to the drafter: decoder-only targets.
     - Rolling a step back is cropping KV: a target with other layers (chunked attention, linear attention of models
       we do not know) would continue from a state that saw rejected drafts. Sliding-window layers keep all their KV in
@@ -96,11 +97,20 @@ def _refuse_attention_backend(model, generation_config, kwargs) -> None:
 def _refuse_cache(model, generation_config, kwargs) -> None:
     """Caches the loop cannot crop and compact in place."""
     cache_implementation = kwargs.get("cache_implementation", generation_config.cache_implementation)
-    if cache_implementation not in (None, "dynamic"):
+    if cache_implementation == "static":  # the capture-ready verify step (`static_verify.py`)
+        layer_types = set(get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0])
+        if layer_types != {"full_attention"}:
+            raise ValueError(
+                f"cache_implementation='static' (the capture-ready verify step) needs a target whose layers all attend "
+                f"fully; {type(model).__name__} has {sorted(layer_types - {'full_attention'})} layers, whose cache "
+                "must drop keys or hold recurrent states. Leave cache_implementation unset (the default path)."
+            )
+    elif cache_implementation not in (None, "dynamic"):
         raise ValueError(
             f"cache_implementation={cache_implementation!r} is not supported: speculative decoding crops the target's "
             "cache to the accepted tokens and compacts accepted tree paths every step, which needs a dynamic cache "
-            "on the device. Leave cache_implementation unset (or 'dynamic')."
+            "on the device, or the loop's own preallocated one. Leave cache_implementation unset (or 'dynamic'), or "
+            "set it to 'static' (the capture-ready verify step, full-attention targets)."
         )
     cache = kwargs.get("cache", kwargs.get("past_key_values"))  # `past_key_values`: its name before 5.24
     if cache is not None and (not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False)):

@@ -173,11 +173,12 @@ class TreeLayout:
     uniform_chains: bool
 
     @classmethod
-    def of(cls, trees: list[CandidateTree], device) -> "TreeLayout":
-        """Lay `trees` out on `device`: one host-to-device copy of their shapes and ancestors (and of their tokens
-        when the host holds them all), none when they are chains of one length (their shape is built once)."""
+    def of(cls, trees: list[CandidateTree], device, width: int = 0) -> "TreeLayout":
+        """Lay `trees` out on `device`, `width` slots at least: one host-to-device copy of their shapes and ancestors
+        (and of their tokens when the host holds them all), none when they are chains of one length (their shape is
+        built once)."""
         rows, sizes = len(trees), [len(t) for t in trees]
-        n, max_depth = max(sizes), max(t.max_depth for t in trees)
+        n, max_depth = max(*sizes, width), max(t.max_depth for t in trees)
         chains = all(t.is_chain for t in trees)
         same_size = all(s == n for s in sizes)
         host_tokens = [t.token_list for t in trees] if all(t.knows_tokens() for t in trees) else None
@@ -209,8 +210,12 @@ class TreeLayout:
             if host_tokens is not None:
                 tokens = shape[-1]
         if host_tokens is None:
-            tokens = torch.stack([t.tokens.to(device) for t in trees]) if same_size else \
-                torch.nn.utils.rnn.pad_sequence([t.tokens.to(device) for t in trees], batch_first=True)
+            tokens = [t.tokens.to(device) for t in trees]
+            if same_size:
+                tokens = torch.stack(tokens)
+            else:  # padded to n (any token: padding slots take their root's below)
+                tokens = torch.nn.functional.pad(torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True),
+                                                 (0, n - max(sizes)))
         if not same_size:
             tokens = torch.where(real, tokens, tokens[:, :1])
         return cls(tokens, parents, depths, real, ancestors, levels, sizes, max_depth, chains, chains and same_size)
