@@ -146,6 +146,10 @@ class Deadlines:
     def left(self) -> bool:
         return time.monotonic() < self.section_end
 
+    def call_left(self) -> bool:
+        """Whether the call's budget allows more work at all."""
+        return time.monotonic() < self.end
+
 
 def build(cls, config, device, dtype):
     torch.manual_seed(0)
@@ -365,7 +369,8 @@ def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
 
 
 def check_target(name, cls, config, entry, args, device, dtype, deadlines, results, dense: bool) -> None:
-    """One target's sections, identity first; the dense target's also the captured verify step and long context."""
+    """One target's sections: identity first, then (the dense target's) the captured verify step and long context,
+    then the runs and the default path."""
     tiny = args.tiny
     if deadlines.open("identity"):
         entry["fp32_identical"] = identity(name, cls, config, args, device)
@@ -373,13 +378,23 @@ def check_target(name, cls, config, entry, args, device, dtype, deadlines, resul
     if deadlines.open("bf16") and dtype == torch.bfloat16:
         entry["bf16_first_divergence"] = identity(name, cls, config, args, device, torch.bfloat16)
         results.add({"target": name, "section": "bf16", "first_divergence": entry["bf16_first_divergence"]})
-    if not deadlines.open("runs"):
+    if not deadlines.call_left():
         entry["skipped"] = results.add({"target": name, "skipped": "deadline"})["skipped"]
         return
     target = build(cls, config, device, dtype)
     reason = refusal(target)
     if reason is not None:
         entry["skipped"] = results.add({"target": name, "skipped": reason})["skipped"]
+        return
+    if dense and deadlines.open("capture"):
+        entry["capture"] = [results.add({"target": name, "section": "capture", **captured_verify(
+            target, rows, context=64 if tiny else 1024, repeats=3 if tiny else 20)}) for rows in (1, 16)]
+    if dense and deadlines.open("long_context"):
+        contexts = (64,) if tiny else (16384,)
+        entry["long_context"] = [results.add({"section": "long_context", **row}) for row in
+                                 verify_plain_ratios(target, contexts, (4, 16), repeats=1 if tiny else 3)]
+    if not deadlines.open("runs"):
+        entry["skipped"] = results.add({"target": name, "skipped": "deadline"})["skipped"]
         return
     entry["runs"] = runs(name, target, args, deadlines, results)
     sections = (("gates", lambda: default_path(name, target, args, sample=False)),
@@ -388,15 +403,6 @@ def check_target(name, cls, config, entry, args, device, dtype, deadlines, resul
     for section, measure in sections if not tiny or dense else ():  # tiny: CI's minutes
         if deadlines.open(section):
             entry[section] = results.add(measure())
-    if not dense:
-        return
-    if deadlines.open("capture"):
-        entry["capture"] = [results.add({"target": name, "section": "capture", **captured_verify(
-            target, rows, context=64 if tiny else 1024, repeats=3 if tiny else 20)}) for rows in (1, 16)]
-    if deadlines.open("long_context"):
-        contexts = (64,) if tiny else (16384,)
-        entry["long_context"] = [results.add({"section": "long_context", **row}) for row in
-                                 verify_plain_ratios(target, contexts, (4, 16), repeats=1 if tiny else 3)]
 
 
 def main():
