@@ -154,8 +154,13 @@ class Deadlines:
 def build(cls, config, device, dtype):
     torch.manual_seed(0)
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
-    with torch.device(device):
-        model = cls(config).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its dtype: a 30B MoE made in float32 first fills the H200 (2026-12-04)
+    try:
+        with torch.device(device):
+            model = cls(config).eval()
+    finally:
+        torch.set_default_dtype(default)
     model.set_attn_implementation(attention)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

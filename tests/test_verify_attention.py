@@ -71,6 +71,26 @@ def test_chain_lower_right_kernel_matches_the_packed_mask():
     torch.testing.assert_close(packed, lower_right.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
+def test_packed_attention_takes_the_strided_output_cuda_kernels_return(monkeypatch):
+    """On CUDA, SDPA's kernels return the packed query's output (rows, kv heads, groups x q, dim) with the heads
+    dimension outermost in memory (strided, not contiguous); on the CPU it comes back contiguous. The unpacking must
+    not assume a layout: the first run on an H200 (2026-12-04) failed there with `view`."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 13, 16), torch.randn(2, 2, 13, 16)
+    mask = torch.zeros(2, 1, 5, 13).masked_fill_(torch.rand(2, 1, 5, 13) < 0.3, torch.finfo(torch.float32).min)
+    mask[..., -5:] = 0
+    module = torch.nn.Module()
+    contiguous, _ = va.verify_attention_forward(module, query, key, value, mask, scaling=0.25)
+    sdpa = va.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):  # the same values, laid out as (rows, groups x q, kv heads, dim) in memory
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(va, "scaled_dot_product_attention", strided_sdpa)
+    strided, _ = va.verify_attention_forward(module, query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(strided, contiguous, rtol=0, atol=0)
+
+
 def test_packed_mask_rows_are_aligned_and_built_once_per_forward():
     mask = torch.zeros(3, 1, 4, 21)
     with va.verify_attention(tiny_target()):

@@ -102,7 +102,8 @@ def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     mask = _packed_mask(attention_mask, groups, q, kv, sliding_window, query.dtype, query.device)
     packed = query.reshape(rows, kv_heads, groups * q, dim)  # head h = k * groups + g reads key/value head k
     out = scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
-    return out.view(rows, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+    # reshape, not view: CUDA kernels return this output strided (heads outermost in memory)
+    return out.reshape(rows, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(VERIFY_ATTENTION, verify_attention_forward)
