@@ -102,3 +102,35 @@ def test_torch_calls_per_step_grow_with_the_targets_depth_only_by_the_caches_cro
         steps = counter.per_step_calls[1:]
         calls[layers] = sum(steps) / len(steps)
     assert (calls[10] - calls[2]) / 8 <= 3, calls
+
+
+def test_repeat_interleave_counts_as_a_host_read_only_when_its_size_is_not_known_on_the_host():
+    from torch.nn import Linear
+
+    model = Linear(2, 2)
+    with HostSyncCounter(model) as counter:
+        model(torch.zeros(1, 2))  # the first window starts after a target forward
+        torch.arange(4).repeat_interleave(2, dim=0)  # an int count: Gated DeltaNet repeats key heads so
+        torch.repeat_interleave(torch.arange(2), torch.tensor([1, 2]), output_size=3)
+        torch.arange(2).repeat_interleave(torch.tensor([1, 2]))  # the output's size is read from the device
+        model(torch.zeros(1, 2))
+    assert counter.steps[0]["sync:repeat_interleave"] == 1
+
+
+@pytest.mark.every_step_speculates("counts the host reads of steps that roll linear-attention states back")
+def test_rolling_linear_attention_states_back_stays_within_the_budget(monkeypatch):
+    """A hybrid target (Gated DeltaNet layers, 2 key heads for 4 value heads) whose rows reject drafts: every such
+    step puts the linear layers' states back and advances them through the accepted tokens, on the device."""
+    from helpers import NoisyOracle, install_oracle, random_ids, tiny_hybrid_target
+
+    target = tiny_hybrid_target(sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(0, 12, rows=2)
+    reference = target.generate(ids, max_new_tokens=30, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(list(reference), vocab_size=128, noise=0.3, seed=3))
+    with HostSyncCounter(target, [drafter]) as counter:
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False,
+                              return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert out.speculation_stats.linear_state_replays >= 3
+    assert max(counter.per_step_syncs[1:]) <= SYNC_BUDGET, counter.worst()

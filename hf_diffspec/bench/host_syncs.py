@@ -23,6 +23,9 @@ DEVICE_TO_HOST = {
     torch.Tensor.unique, torch.unique, torch.masked_select, torch.Tensor.masked_select, torch.argwhere,
     torch.Tensor.argwhere, torch.Tensor.repeat_interleave, torch.repeat_interleave,
 }
+# of those, the ones that read the device only when `repeats` is a tensor and no `output_size` is given: an int count
+# (transformers' Gated DeltaNet repeats key heads for value heads so) is known on the host
+REPEATS = {torch.Tensor.repeat_interleave, torch.repeat_interleave}
 # calls that build a tensor from host (Python) data: a host-to-device copy when the tensor lands on a device
 HOST_TO_DEVICE = {torch.tensor, torch.as_tensor, torch.asarray}
 
@@ -87,7 +90,7 @@ class HostSyncCounter(TorchFunctionMode):
         if self.depth == 0 and self.current is not None:
             name = getattr(func, "__name__", str(func))
             self.current["calls"] += 1  # every torch call: each costs a dispatch on the host
-            if func in DEVICE_TO_HOST:
+            if func in DEVICE_TO_HOST and not (func in REPEATS and _repeats_known(args, kwargs)):
                 self.current["sync:" + name] += 1
             elif func in HOST_TO_DEVICE and args and _from_host(args[0]):
                 self.current["copy:" + name] += 1
@@ -114,6 +117,12 @@ class HostSyncCounter(TorchFunctionMode):
     def worst(self) -> Counter:
         """The window with the most syncs and copies (to say where they are)."""
         return max(self.steps, key=lambda s: sum(s.values()), default=Counter())
+
+
+def _repeats_known(args, kwargs) -> bool:
+    """Whether a `repeat_interleave` call's output size is known on the host (an int `repeats`, or `output_size`)."""
+    repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+    return not isinstance(repeats, torch.Tensor) or kwargs.get("output_size") is not None
 
 
 def _targets_cpu(args, kwargs) -> bool:
