@@ -4,6 +4,8 @@ fraction of the verify logits."""
 
 import pytest
 import torch
+
+import hf_diffspec
 from torch.profiler import ProfilerActivity, profile
 
 from hf_diffspec.runtime import drafting
@@ -63,3 +65,27 @@ def test_drafter_logits_of_a_small_batch_take_one_pass_of_the_lm_head():
         logits = generator._slot_logits(torch.randn(rows, SLOTS - 1, hidden_size), SLOTS - 1, lambda logits: True)
         assert logits.shape[:2] == (rows, SLOTS - 1)
     assert calls == [(2, 15), (64, 4), (64, 4), (64, 7)]
+
+
+def test_d2sd_branches_read_their_rows_context_without_a_copy_per_branch():
+    """D²SD re-drafts several branches per row against the row's cached context: the branches of a row share it
+    through the mask (side by side in the row's sequence), so a step allocates less than one copy of the context's
+    K/V, where a copy per branch (3 per row here) allocated three."""
+    from hf_diffspec.runtime.drafting import DrafterContext
+
+    target = tiny_target("llama", seed=7)
+    torch.manual_seed(7)
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=4, block_size=8)
+    context = DrafterContext(drafter)
+    rows, length = 8, 512
+    features = torch.randn(rows, length, drafter.fc.in_features)
+    context.pending.append((features, torch.arange(length).expand(rows, -1), torch.ones(rows, length, dtype=torch.bool)))
+    roots, positions = random_ids(7, rows, rows=1)[0], torch.full((rows,), length)
+    prefixes = [torch.tensor([5] * (1 + b)) for _ in range(rows) for b in range(3)]
+    branch_rows = [row for row in range(rows) for _ in range(3)]
+    with torch.no_grad():  # as the loop drafts
+        context.draft_block(roots, positions, 8)  # caches the context
+        hidden, peak = peak_extra_bytes(lambda: context.draft_branches(roots, positions, branch_rows, prefixes, 8))
+    cached = sum(layer.keys.nbytes + layer.values.nbytes for layer in context.cache.layers)
+    assert hidden.shape == (3 * rows, 8, drafter.config.hidden_size)
+    assert peak < cached, (peak, cached)

@@ -81,11 +81,10 @@ class DrafterContext:
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)
         return context, positions
 
-    def _mask(self, block: int, row_index: torch.Tensor | None = None):
+    def _mask(self, block: int):
         if self.all_valid:
             return None
-        valid = self.valid if row_index is None else self.valid[row_index]
-        return torch.cat([valid, valid.new_ones(valid.shape[0], block)], dim=1)
+        return torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], block)], dim=1)
 
     def draft_block(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, block_size: int) -> torch.Tensor:
         """One forward over `[anchor, MASK...]` per row that also caches the pending context; (rows, block, hidden)."""
@@ -101,31 +100,42 @@ class DrafterContext:
         self.cache.crop(-block_size)
         return out.last_hidden_state
 
-    def draft_branches(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, row_index: torch.Tensor,
+    def draft_branches(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, branch_rows: list[int],
                        prefixes: list[torch.Tensor], block_size: int) -> torch.Tensor:
-        """Blocks `[anchor, prefix..., MASK...]`, one per prefix (of row `row_index[i]`), in one forward over the
-        cached contexts of their rows; returns (len(prefixes), block, hidden)."""
+        """Blocks `[anchor, prefix..., MASK...]`, one per prefix (of row `branch_rows[i]`), in one forward; returns
+        (len(prefixes), block, hidden). A row's blocks sit side by side in its own sequence, each seeing the row's
+        cached context and itself alone (the mask): the context's K/V are read once per row, never copied per
+        branch."""
         device = self.device
-        context, context_positions = self._take_pending(root_tokens.shape[0])
+        rows = root_tokens.shape[0]
+        context, context_positions = self._take_pending(rows)
         if context is not None:
             self.drafter.prefill_context(context, context_positions, self.cache)
-        branches = len(prefixes)
-        tokens = root_tokens[row_index][:, None].repeat(1, block_size)
-        is_mask = torch.ones((branches, block_size), dtype=torch.bool, device=device)
-        is_mask[:, 0] = False
-        for i, prefix in enumerate(prefixes):
-            tokens[i, 1 : 1 + len(prefix)] = prefix
-            is_mask[i, 1 : 1 + len(prefix)] = False
+        places, counts = [], [0] * rows  # each branch's (row, index among the row's blocks)
+        for row in branch_rows:
+            places.append((row, counts[row]))
+            counts[row] += 1
+        width = max(counts) * block_size  # a row with fewer branches: unused blocks, their outputs never read
+        tokens = root_tokens[:, None].repeat(1, width)
+        is_mask = torch.ones((rows, width), dtype=torch.bool, device=device)
+        is_mask[:, ::block_size] = False  # every block's first slot is the anchor
+        for (row, block), prefix in zip(places, prefixes):
+            at = block * block_size + 1
+            tokens[row, at : at + len(prefix)] = prefix
+            is_mask[row, at : at + len(prefix)] = False
         noise = self.drafter.target_embed_tokens(torch.where(is_mask, tokens[:, :1], tokens))
-        positions = root_positions[row_index][:, None] + torch.arange(block_size, device=device)
-        cache = self.cache
-        if root_tokens.shape[0] > 1:  # every branch reads its own row's context
-            cache = DynamicCache()
-            for i, layer in enumerate(self.cache.layers):
-                cache.update(layer.keys[row_index], layer.values[row_index], i)
-        out = self.drafter(noise_embeds=noise, position_ids=positions, attention_mask=self._mask(block_size, row_index),
-                           cache=cache, mask_positions=is_mask, extend_cache=False)
-        return out.last_hidden_state
+        slot_in_block = index_range(width, device) % block_size
+        positions = root_positions[:, None] + slot_in_block
+        block_of = index_range(width, device) // block_size
+        sees = torch.cat([(self.valid if not self.all_valid else is_mask.new_ones(rows, self.length))[:, None]
+                          .expand(-1, width, -1), (block_of[:, None] == block_of[None]).expand(rows, -1, -1)], dim=-1)
+        dtype = noise.dtype
+        mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, torch.finfo(dtype).min)
+        out = self.drafter(noise_embeds=noise, position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
+                           mask_positions=is_mask, extend_cache=False)
+        hidden = out.last_hidden_state.view(rows, width // block_size, block_size, -1)
+        index = host_to_device(places, device)
+        return hidden[index[:, 0], index[:, 1]]
 
 
 class DiffusionCandidateGenerator(CandidateGenerator):
@@ -366,10 +376,10 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         if config.branches_from_first_pass:
             branch_probs = [[probs[r, i : i + length] for i in picks] for r, (_, picks) in enumerate(plans)]
         else:  # one batched pass of the branch drafter over every branch of every row
-            row_index = torch.tensor([r for r, (_, picks) in enumerate(plans) for _ in picks], device=roots.device)
+            branch_rows = [r for r, (_, picks) in enumerate(plans) for _ in picks]
             prefixes = [drafts[:i] for drafts, picks in plans for i in picks]
-            hidden = self.branch_context.draft_branches(roots, positions, row_index, prefixes, self.block_size)
-            spans = [hidden[b, 1 + len(p) : 1 + min(len(p) + length, limits[int(row_index[b])])]
+            hidden = self.branch_context.draft_branches(roots, positions, branch_rows, prefixes, self.block_size)
+            spans = [hidden[b, 1 + len(p) : 1 + min(len(p) + length, limits[branch_rows[b]])]
                      for b, p in enumerate(prefixes)]
             logits = self.branch_context.drafter.compute_logits(torch.cat(spans))
             flat = self._distributions(logits).split([len(s) for s in spans])
