@@ -89,3 +89,33 @@ def test_d2sd_branches_read_their_rows_context_without_a_copy_per_branch():
     cached = sum(layer.keys.nbytes + layer.values.nbytes for layer in context.cache.layers)
     assert hidden.shape == (3 * rows, 8, drafter.config.hidden_size)
     assert peak < cached, (peak, cached)
+
+
+@pytest.mark.parametrize("method", ["chains", "best-first trees", "prefix trees"])
+@pytest.mark.every_step_speculates("needs trees of several nodes, as a fixed length drafts them")
+def test_sampled_trees_keep_the_laws_of_their_nodes_alone(method):
+    """Rejection sampling needs, for each drafted node, the law q its token was drawn from; those laws live through
+    the verify forward beside its logits. At 64 rows x 16 slots the trees hold their nodes' laws and nothing else:
+    not the laws of slots no tree verifies, not a second stacked copy."""
+    target = tiny_target("llama", seed=5, vocab_size=VOCAB, layers=1)
+    torch.manual_seed(5)
+    if method == "prefix trees":
+        drafter = hf_diffspec.DualDiffusionDrafter.from_drafters(tiny_drafter(target, block_size=SLOTS, seed=5), None,
+                                                                 num_branches=2, branches_from_first_pass=True)
+    else:
+        drafter = tiny_drafter(target, block_size=SLOTS, seed=5,
+                               draft_tree_budget=SLOTS if method == "best-first trees" else None)
+    # chains: 5 of the block's 15 slots verified
+    generator = drafting.candidate_generator_for(drafter, target, num_draft_tokens=5 if method == "chains" else None,
+                                                 sample_temperature=1.0)
+    ids = random_ids(5, 8, vocab=VOCAB, rows=ROWS)
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        generator.add_context(out.hidden_states, slice(None), torch.arange(8).expand(ROWS, -1),
+                              torch.ones(ROWS, 8, dtype=torch.bool))
+        trees = generator.propose(ids[:, -1].tolist(), [8] * ROWS, [100] * ROWS)
+    held = {law.untyped_storage().data_ptr(): law.untyped_storage().nbytes()
+            for tree in trees for law in tree.draft_probs if law is not None}  # what the trees keep alive
+    node_laws = sum(len(tree) - 1 for tree in trees) * VOCAB * 4
+    assert any(len(tree) > 2 for tree in trees)
+    assert sum(held.values()) == node_laws

@@ -60,7 +60,8 @@ def test_sampled_trees_draw_distinct_siblings_from_known_distributions():
         assert len(children) == len(set(children))  # distinct tokens per parent
     greedy = build_best_first_tree(5, probs, budget=9, sample=False, max_children=3)
     assert tree.parents == greedy.parents  # the shape does not depend on what was drawn
-    assert tree.draft_probs is not None and torch.allclose(tree.draft_probs[1:].sum(-1), torch.ones(len(tree) - 1))
+    assert tree.draft_probs[0] is None  # the root was not drawn
+    assert torch.allclose(torch.stack(tree.draft_probs[1:]).sum(-1), torch.ones(len(tree) - 1))
 
 
 def _tree_drafter(target, budget=8, width=3, **kw):

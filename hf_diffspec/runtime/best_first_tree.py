@@ -65,7 +65,7 @@ def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, nod
         shape = shape[: node_count([score for _, score in shape]) - 1]
     index = {(): 0}
     tokens, parents, scores = [root_token], [-1], []
-    node_probs = [torch.zeros_like(probs[0])] if sample else None
+    node_probs = [None] if sample else None  # the root's: none
     drawn: dict[tuple, list[int]] = {}  # parent rank path -> tokens of its children drawn so far
     for path, score in shape:
         parent, depth = path[:-1], len(path) - 1
@@ -82,8 +82,7 @@ def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, nod
         tokens.append(token)
         parents.append(index[parent])
         scores.append(score)
-    return CandidateTree(tokens, parents, draft_probs=torch.stack(node_probs) if sample else None,
-                         confidences=scores, device=probs.device)
+    return CandidateTree(tokens, parents, draft_probs=node_probs, confidences=scores, device=probs.device)
 
 
 def build_selector_tree(root_token: int, draft_hidden: torch.Tensor, logits: torch.Tensor, selector, top_k: int,

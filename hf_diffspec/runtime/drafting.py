@@ -263,8 +263,8 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         trees = []
         for row, k in enumerate(limits):
             draft_probs = None
-            if self.sample_temperature is not None:
-                draft_probs = torch.cat([torch.zeros_like(probs[row, :1]), probs[row, :k]])
+            if self.sample_temperature is not None:  # the verified drafts' laws alone (not the block's)
+                draft_probs = [None, *probs[row, :k].clone().unbind(0)]
             trees.append(CandidateTree(tokens[row, : k + 1], list(range(-1, k)), confidences=confidences[row, :k],
                                        draft_probs=draft_probs))
         return trees

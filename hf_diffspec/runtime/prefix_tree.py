@@ -80,7 +80,7 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
     main_paths = {main[: k + 1] for k in range(depth)}
     keep.sort(key=lambda p: (len(p), p not in main_paths))
     index = {(): 0}
-    tokens, parents, node_conf, node_probs = [root_token], [-1], [1.0], [torch.zeros_like(first_probs[0])]
+    tokens, parents, node_conf, node_probs = [root_token], [-1], [1.0], [None]  # the root's law: none
     for path in keep:
         if path[:-1] not in index:
             continue  # its parent was pruned (only possible with equal scores)
@@ -89,5 +89,7 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
         parents.append(index[path[:-1]])
         node_conf.append(scores[path])
         node_probs.append(sources[path])
-    return CandidateTree(tokens, parents, draft_probs=torch.stack(node_probs) if sample else None,
+    if sample and len(node_probs) > 1:  # the tree's nodes' laws alone, in one copy (not every slot and branch)
+        node_probs = [None, *torch.stack(node_probs[1:]).unbind(0)]
+    return CandidateTree(tokens, parents, draft_probs=node_probs if sample else None,
                          confidences=node_conf[1:], device=first_probs.device)

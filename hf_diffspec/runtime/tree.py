@@ -22,12 +22,14 @@ class CandidateTree:
         tokens: (n,) token ids, a tensor or a list of ints (then the tensor is made on `device` when asked for);
             tokens[0] is the root.
         parents: parent index of every node (-1 for the root); parents[i] < i.
-        draft_probs: optional (n, vocab): row i is the distribution q that node i's token was drawn from (row 0, the
-            root, is unused); used by rejection sampling, `None` for argmax drafts. Siblings are ordered as drawn.
+        draft_probs: optional, per node the distribution q (vocab,) its token was drawn from (node 0, the root, has
+            none: None): a list holding the tree's nodes' laws alone (they live through the verify forward, so no
+            law of an unverified slot, and no second stacked copy), or an (n, vocab) tensor; used by rejection
+            sampling, `None` for argmax drafts. Siblings are ordered as drawn.
         confidences: optional (n,) drafter confidence of each node's token.
     """
 
-    def __init__(self, tokens, parents: list[int], draft_probs: torch.Tensor | None = None,
+    def __init__(self, tokens, parents: list[int], draft_probs=None,
                  confidences: torch.Tensor | None = None, device=None):
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1:
