@@ -140,3 +140,64 @@ def test_long_context_bench_runs_at_tiny_scale(capsys):
     assert [(r["context"], r["width"]) for r in rows] == [(64, 4), (80, 4)]
     assert all(r[f"{kind}_{when}"] > 0 for r in rows for kind in ("chain", "tree") for when in ("before", "after"))
     assert "| 80 | 4 | 1 |" in capsys.readouterr().out
+
+
+class FlashAttentionStandIn:
+    """transformers' `flash_attention_2` as this CPU can run it: causal attention over a 2D padding mask (what
+    transformers hands FlashAttention) or none; a 4D mask, which FlashAttention cannot take, fails the test. It
+    counts its calls and the query lengths it saw."""
+
+    def __init__(self):
+        self.query_lengths = []
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                 **kwargs):
+        assert attention_mask is None or attention_mask.dim() == 2, "FlashAttention was handed a 4D mask"
+        assert sliding_window is None
+        self.query_lengths.append(query.shape[2])
+        q, kv = query.shape[2], key.shape[2]
+        allowed = torch.ones(q, kv, dtype=torch.bool).tril(kv - q)[None, None]  # causal, aligned bottom-right
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, None, -kv:].bool()
+        groups = query.shape[1] // key.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=allowed,
+            scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.every_step_speculates("compares the kernels each step ran")
+def test_flash_attention_targets_prefill_with_it_and_verify_through_the_verify_attention(monkeypatch, rows):
+    """A target loaded with attn_implementation="flash_attention_2": plain generate's tokens, its prefill on
+    FlashAttention (with the prompts' padding), every step (chains, trees, ragged rows) through the verify attention,
+    never a 4D mask handed to FlashAttention; the target's implementation is its own again after the call."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    flash = FlashAttentionStandIn()
+    monkeypatch.setitem(AttentionInterface._global_mapping, "flash_attention_2", flash)
+    target = tiny_target("llama", seed=4, sharpen=3.0)
+    target.config._attn_implementation_internal = "flash_attention_2"  # flash-attn is not installed on a CPU
+    assert "flash_attention_2" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    drafter = tiny_drafter(target, block_size=5, seed=4, draft_tree_budget=8, draft_tree_width=2)
+    ids = random_ids(6, 9, rows=rows)
+    mask = torch.ones_like(ids)
+    mask[1:, :2] = 0  # left padding in the other rows
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    flash.query_lengths.clear()
+    verified = []
+
+    def counting(*args, **kwargs):
+        verified.append(1)
+        return va.verify_attention_forward(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, va.VERIFY_ATTENTION, counting)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                          prompt_lookup_num_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    layers = target.config.num_hidden_layers
+    assert flash.query_lengths == [ids.shape[1]] * layers  # the prefill alone
+    assert len(verified) == layers * (out.speculation_stats.target_forwards - 1)
+    assert out.speculation_stats.tau > 1
+    assert target.config._attn_implementation == "flash_attention_2"

@@ -8,13 +8,15 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .recurrent_state import ROLLBACK_MODEL_TYPES, linear_attention_supported
 from .sliding_window import drops_visible_keys
+from .verify_attention import SWITCHED_IMPLEMENTATIONS
 
 
 def refuse_unsupported(model, generation_config, kwargs) -> None:
     """Raise ValueError when the target, its attention backend or its cache cannot run our loop.
 
-    - Trees and ragged batches verify with 4D additive float masks: FlashAttention (and paged attention) kernels take
-      no such mask. eager, sdpa and flex_attention (the mask becomes a score modifier) do.
+    - Trees and ragged batches verify with 4D additive float masks: eager, sdpa and flex_attention (the mask becomes a
+      score modifier) take them; FlashAttention 2 / 3 targets verify through `verify_attention.py`; other flash and
+      paged kernels are refused.
     - Every step crops the target's cache to the accepted tokens and compacts the accepted tree path into place:
       only a `DynamicCache` kept on the device allows that, or the loop's own `StaticCache` for
       `cache_implementation="static"` (full-attention targets); offloaded and quantized caches do not.
@@ -82,8 +84,13 @@ def _refuse_bidirectional(model, generation_config, kwargs) -> None:
 
 
 def _refuse_attention_backend(model, generation_config, kwargs) -> None:
+    """FlashAttention 2 / 3 targets prefill with their kernels and verify through `verify_attention.py` (SDPA, so
+    only where the model has an SDPA path); other flash and paged kernels (hub kernels, paged caches) take no 4D
+    mask."""
+    verifies_with_sdpa = getattr(model, "_supports_sdpa", True)
     for where, attention in _attention_implementations(model.config):
-        if "flash" in attention or "paged" in attention:
+        taken = attention in SWITCHED_IMPLEMENTATIONS and verifies_with_sdpa
+        if ("flash" in attention or "paged" in attention) and not taken:
             # gpt-oss has no SDPA path (attention sinks): eager and flex_attention take the masks too
             advice = "'sdpa' (or 'eager')" if getattr(model, "_supports_sdpa", True) else (
                 f"'eager' (or 'flex_attention'; {type(model).__name__} has no SDPA attention)")

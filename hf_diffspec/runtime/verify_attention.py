@@ -13,8 +13,11 @@ and SDPA serves it with the memory-efficient kernel: at long context a verify st
   mask, repeated for the groups, is built once per forward (shared by all layers) with rows padded to a multiple of 16,
   the alignment the memory-efficient kernel reads a mask with in place.
 
-The function is switched in for the verify forward only (`verify_attention`), on targets loaded with SDPA (eager and
-flex_attention targets verify as they are). transformers builds no mask for an implementation it does not know, so
+The function is switched in for the verify forward only (`verify_attention`), on targets loaded with SDPA or
+FlashAttention (eager and flex_attention targets verify as they are). A FlashAttention target prefills with its own
+kernels; its steps run here, chains through SDPA's FlashAttention kernel (no mask), trees and ragged rows packed:
+transformers' FlashAttention path takes no 4D mask, and at batch 1 it reads the positions on the host in every
+layer to look for packed sequences. transformers builds no mask for an implementation it does not know, so
 every mask the layers need comes from the loop or from here: the chain's causal mask, and a sliding layer's window
 (from the `sliding_window` the layer passes, as it does for FlashAttention).
 
@@ -109,29 +112,35 @@ def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
 AttentionInterface.register(VERIFY_ATTENTION, verify_attention_forward)
 
 
+# the implementations whose verify forwards run `verify_attention_forward`
+SWITCHED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
 def _attention_configs(model) -> list:
-    """The model's config and sub-configs whose attention implementation is SDPA (the ones verify switches)."""
+    """The model's config and sub-configs whose attention implementation verify switches, with that implementation."""
     configs = [model.config, *(getattr(model.config, name, None) for name in getattr(model.config, "sub_configs", {}))]
     seen, out = set(), []
     for config in configs:
         if config is not None and id(config) not in seen:
             seen.add(id(config))
-            if getattr(config, "_attn_implementation_internal", None) == "sdpa":
-                out.append(config)
+            implementation = getattr(config, "_attn_implementation_internal", None)
+            if implementation in SWITCHED_IMPLEMENTATIONS:
+                out.append((config, implementation))
     return out
 
 
 @contextlib.contextmanager
 def verify_attention(model):
-    """Run the forwards inside with `verify_attention_forward` in place of the target's SDPA attention."""
+    """Run the forwards inside with `verify_attention_forward` in place of the target's SDPA or FlashAttention
+    attention."""
     global _current
     configs = _attention_configs(model)
-    for config in configs:
+    for config, _ in configs:
         config._attn_implementation_internal = VERIFY_ATTENTION
     _current = _ForwardMasks()
     try:
         yield
     finally:
         _current = None
-        for config in configs:
-            config._attn_implementation_internal = "sdpa"
+        for config, implementation in configs:
+            config._attn_implementation_internal = implementation
