@@ -18,7 +18,8 @@ A seeded generator draws cases (`make_case(seed, number)`, the same case on ever
 - runtime: the speculation gate speculates at every step, alternately, or at seeded random steps (plain steps in
   between); draft lengths fixed, or chosen by the cost model from a synthetic verify-cost profile; or, in 15% of
   cases (a stream of their own), a user's first call: the profile measured on first use into an empty cache and the
-  live gates (these cases do not rerun step for step: the gates follow the clock);
+  live gates (these cases do not rerun step for step: the gates follow the clock); and, in 25% of the cases of
+  full-attention targets (a stream of their own), the capture-ready step (`cache_implementation="static"`);
 - options: max_new_tokens or max_length, min_new_tokens or min_length, repetition_penalty, no_repeat_ngram_size,
   bad_words_ids, suppress_tokens, begin_suppress_tokens, sequence_bias, exponential_decay_length_penalty,
   forced_eos_token_id, renormalize_logits, eos_token_id (one or two tokens, picked from the plain continuation so
@@ -102,6 +103,9 @@ from helpers import (  # noqa: E402
 
 SAMPLES = 400  # draws per sampling case
 FIRST_USE_SHARE = 0.15  # cases that run as a user's first call (first-use profile, live gates)
+# cases of full-attention targets whose speculative call passes cache_implementation="static" (the capture-ready step)
+STATIC_CACHE_SHARE = 0.25
+FULL_ATTENTION_KINDS = ("llama", "qwen3", "qwen3_moe")
 MIN_EXPECTED = 10  # chi-square bins: expected count at least this
 P_VALUE_FLOOR = 1e-5  # a sampling case fails below this p-value
 SCORE_TOLERANCE = 1e-4
@@ -268,6 +272,7 @@ class Case:
         options = " ".join(f"{k}={v}" for k, v in self.options.items())
         runtime = f"gate={self.runtime['gate']}" + (f" profile={self.runtime['profile']}"
                                                       if self.runtime["profile"] else "")
+        runtime += " static-cache" if self.runtime.get("static_cache") else ""
         return (f"case {self.number} (seed {self.seed}, {'sampling' if self.sampling else 'greedy'}): "
                 f"{t['kind']}/{t['attn']} V={t['vocab_size']} layers={t['layers']} x{t['sharpen']}"
                 + (f" window={t['window']}" if "window" in t else "") + " | "
@@ -316,6 +321,10 @@ def make_case(seed: int, number: int) -> Case:
     # a user's first call: the profile measured on first use into an empty cache, the live gates (a stream of its own)
     if random.Random(f"hf-diffspec differential first use {seed} {number}").random() < FIRST_USE_SHARE:
         runtime = dict(gate="live", profile="first use")
+    # the capture-ready step, on targets whose layers all attend fully (a stream of its own)
+    if target["kind"] in FULL_ATTENTION_KINDS and \
+            random.Random(f"hf-diffspec differential static cache {seed} {number}").random() < STATIC_CACHE_SHARE:
+        runtime["static_cache"] = True
     return Case(seed, number, sampling, target, drafter, lengths, pass_mask, extra_padding, runtime, options)
 
 
@@ -607,6 +616,11 @@ def error_summary(error: Exception) -> str:
     return f"{type(error).__name__}: {first_line} (at {Path(frame.filename).name}:{frame.lineno})"
 
 
+def static_cache(case: Case) -> dict:
+    """The speculative call's own keyword for the capture-ready step, when the case draws it."""
+    return {"cache_implementation": "static"} if case.runtime.get("static_cache") else {}
+
+
 def run_greedy(case: Case, target, drafter) -> Outcome:
     inputs = build_inputs(case)
     prompt_length = inputs["input_ids"].shape[1]
@@ -626,7 +640,7 @@ def run_greedy(case: Case, target, drafter) -> Outcome:
         plain = target.generate(**inputs, **plain_kwargs)
     except Exception as error:  # noqa: BLE001
         return Outcome(case, "plain_error", error_summary(error))
-    ours_kwargs = generate_kwargs(case, inputs, plain_rows, tokenizer)
+    ours_kwargs = generate_kwargs(case, inputs, plain_rows, tokenizer) | static_cache(case)
     try:
         with patched_runtime(case, target, oracle_for(case, inputs, sequences_of(plain))):
             ours = target.generate(**inputs, assistant_model=drafter, **ours_kwargs)
@@ -753,7 +767,7 @@ def run_sampling(case: Case, target, drafter) -> Outcome:
         with patched_runtime(case, target, oracle_for(case, inputs, reference)):
             for call in range(calls):
                 torch.manual_seed(10**6 * (case.number + 1) + call)
-                out = target.generate(**inputs, assistant_model=drafter, **kwargs)
+                out = target.generate(**inputs, assistant_model=drafter, **kwargs, **static_cache(case))
                 for tokens in new_tokens(out, prompt_length):
                     if eos in tokens:
                         tokens = tokens[: tokens.index(eos) + 1]
