@@ -15,12 +15,13 @@ with the loop's refusal where this version refuses it. Per target, in sections t
 - sampling: the same drafter with do_sample=True;
 - kernels: which kernels one verify step ran (profiler), and which Gated DeltaNet implementation the linear layers use;
 - identity: fp32 with TF32 off, our loop (oracle chains, best-first trees with prompt lookup, and those trees again
-  through the capture-ready step, `cache_implementation="static"`, where the target takes it) against plain
-  `generate` at 1 and 4 rows, which sets the exit status;
+  through the capture-ready step, `cache_implementation="static"`, where the target takes it, also replayed as CUDA
+  graphs, `HF_DIFFSPEC_CUDA_GRAPHS=1`) against plain `generate` at 1 and 4 rows, which sets the exit status;
 - bf16: the first position where our loop and plain `generate` differ in bf16 (None: identical).
 
 On the dense target also: a CUDA graph captured over the capture-ready verify forward (`hf_diffspec.bench.
-captured_verify`: captured or why not, replay against eager, ms per verify step each), and the verify/plain
+captured_verify`: captured or why not, replay against eager, ms per verify step each), the oracle at tau 4 through
+the dynamic cache, the static cache and the static cache replayed as graphs (`graph_runs`), and the verify/plain
 step-cost ratio at 16k tokens of context (`hf_diffspec.bench.long_context`), before and after the runtime's verify
 attention. Identity comes first for each target (it decides the exit status), then speed. An error in one target's
 sections is recorded and the next target goes on. Every result is appended to the results file as it comes (JSON
@@ -53,7 +54,7 @@ from hf_diffspec.runtime.cost_model import measure_verify_cost
 
 # seconds each section may start new work in, per target (GPU); the whole call stops starting work at --budget-s
 SECTION_SECONDS = {"identity": 20, "bf16": 8, "runs": 30, "gates": 12, "sampling": 8, "kernels": 6, "capture": 20,
-                   "long_context": 40}
+                   "graphs": 30, "long_context": 40}
 
 
 def dense_config(tiny: bool) -> Qwen3Config:
@@ -351,6 +352,41 @@ def fp32_exact():
         torch.set_float32_matmul_precision(saved[2])
 
 
+@contextlib.contextmanager
+def cuda_graphs():
+    """The loop's verify forward replayed as CUDA graphs (with cache_implementation="static")."""
+    os.environ["HF_DIFFSPEC_CUDA_GRAPHS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["HF_DIFFSPEC_CUDA_GRAPHS"]
+
+
+def graph_runs(name, target, args) -> list[dict]:
+    """The oracle at tau 4 through the default cache, the static cache, and the static cache replayed as CUDA graphs
+    (CUDA only; elsewhere the last is the static cache again): speed over plain `generate`, bare timed."""
+    device, vocab = target.device, target.config.get_text_config().vocab_size
+    out = []
+    for rows in (1, 16):
+        inputs = prompts(rows, args.prompt_length, vocab, device)
+        runner = OracleRunner(target, 4, oracle_drafts_for(4), {})
+        runner.carrier.to(device)
+        runner.prepare(target, [inputs], args.max_new_tokens)
+        _, plain_seconds, _ = timed(lambda: target.generate(**inputs, max_new_tokens=args.max_new_tokens,
+                                                            do_sample=False), device)
+        row = {"target": name, "section": "graphs", "rows": rows}
+        for label, kwargs, graphs in (("dynamic", {}, False), ("static", {"cache_implementation": "static"}, False),
+                                      ("static+graphs", {"cache_implementation": "static"}, True)):
+            with cuda_graphs() if graphs else contextlib.nullcontext():
+                runner(target, inputs, args.max_new_tokens, **kwargs)  # warm-up (and the graphs' captures)
+                (_, steps), seconds, peak = timed(lambda: runner(target, inputs, args.max_new_tokens, **kwargs),
+                                                  device)
+            row[label] = {"speedup_vs_plain": round(plain_seconds / seconds, 3), "peak_mib": peak,
+                          "achieved_tau": round(steps.committed / max(steps.steps, 1), 3)}
+        out.append(row)
+    return out
+
+
 def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
     """Our loop (oracle tau 4, the best-first tree drafter with prompt lookup, and that drafter through the
     capture-ready step where the target takes it) against plain generate: per rows, True / False in fp32; in bf16 the
@@ -377,6 +413,9 @@ def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
             outputs = [oracle, target.generate(**inputs, **tree_kwargs)]
             try:
                 outputs.append(target.generate(**inputs, cache_implementation="static", **tree_kwargs))
+                if device.type == "cuda":  # and replayed as CUDA graphs
+                    with cuda_graphs():
+                        outputs.append(target.generate(**inputs, cache_implementation="static", **tree_kwargs))
             except ValueError:  # sliding or linear-attention layers: the capture-ready step is refused for them
                 pass
             if dtype == torch.float32:
@@ -412,6 +451,8 @@ def check_target(name, cls, config, entry, args, device, dtype, deadlines, resul
     if dense and deadlines.open("capture"):
         entry["capture"] = [results.add({"target": name, "section": "capture", **captured_verify(
             target, rows, context=64 if tiny else 1024, repeats=3 if tiny else 20)}) for rows in (1, 16)]
+    if dense and deadlines.open("graphs"):
+        entry["graphs"] = [results.add(row) for row in graph_runs(name, target, args)]
     if dense and deadlines.open("long_context"):
         contexts = (64,) if tiny else (16384,)
         entry["long_context"] = [results.add({"section": "long_context", **row}) for row in

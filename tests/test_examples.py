@@ -96,7 +96,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
     assert {(r["rows"], r["oracle_tau"]) for r in runs} == {(rows, tau) for rows in (1, 4) for tau in (2, 4, 8)}
     assert all(r["syncs_per_step_max"] <= 3 for r in runs)
     assert {r["section"] for r in map(json.loads, results.read_text().splitlines()) if "section" in r} >= {
-        "runs", "gates", "sampling", "kernels", "identity", "capture", "long_context"}  # written as they came
+        "runs", "gates", "sampling", "kernels", "identity", "capture", "graphs", "long_context"}  # as they came
     for family in ("gemma4 (Gemma 4-like)", "gpt-oss (gpt-oss-20b-like)"):
         assert targets[family]["fp32_identical"] == {"1": True, "4": True}
     assert not any("error" in entry for entry in targets.values())

@@ -148,3 +148,51 @@ def test_static_cache_is_refused_for_caches_that_drop_keys_or_hold_states(make):
         target.generate(random_ids(0, 6), assistant_model=drafter, max_new_tokens=4, cache_implementation="static")
     hook.remove()
     assert not calls
+
+
+class EmulatedGraphs:
+    """CUDA graph semantics on the CPU: a capture makes static outputs and leaves the cache's lengths as they were (it
+    runs nothing on a GPU); a replay runs the forward again and writes its results into those same outputs, which
+    stay the ones the loop reads."""
+
+    def __init__(self):
+        self.captured, self.replays = {}, 0
+
+    def capture(self, forward, rewind):
+        forward()  # the warm-up
+        rewind()
+        outputs = forward()
+        rewind()
+        self.captured[forward] = outputs
+        return forward, outputs
+
+    def replay(self, graph) -> None:
+        self.replays += 1
+        fresh, static = graph(), self.captured[graph]
+        static.logits.copy_(fresh.logits)
+        for mine, new in zip(static.hidden_states, fresh.hidden_states):
+            if mine is not None:  # (the layers the drafter does not read are not returned)
+                mine.copy_(new)
+
+
+@pytest.mark.parametrize("rows,branches", [(1, 0), (3, 2)])
+@pytest.mark.every_step_speculates("asserts accepted paths of oracle trees")
+def test_verify_graphs_replay_to_plain_generates_tokens(monkeypatch, rows, branches):
+    """`HF_DIFFSPEC_CUDA_GRAPHS=1` on a GPU: one graph per (rows, width), captured on its shape's first step and
+    replayed after. Emulated here with graph semantics (static outputs overwritten by each replay, a capture that
+    leaves the cache's lengths alone): plain generate's tokens, and most steps replayed."""
+    from hf_diffspec.runtime import decoding
+
+    emulated = EmulatedGraphs()
+    monkeypatch.setattr(decoding, "graph_backend", lambda device: emulated)  # on a GPU: CudaGraphs
+    monkeypatch.setattr(batch_module, "COMPACT_AFTER_HIDDEN_SLOTS", 8)
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=rows)
+    reference = target.generate(ids, max_new_tokens=40, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(list(reference), vocab_size=128, noise=0.2, branches=branches, seed=rows))
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                          cache_implementation="static", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert emulated.captured and emulated.replays > len(emulated.captured)
+    assert out.speculation_stats.tau > 1.5

@@ -116,7 +116,9 @@ class OracleRunner:
                 (row[:prompt_length] if mask is None else row[:prompt_length][mask[r].bool()]).tolist()
                 + row[prompt_length:].tolist() for r, row in enumerate(out)]
 
-    def __call__(self, target, inputs, max_new_tokens: int):
+    def __call__(self, target, inputs, max_new_tokens: int, **generate_kwargs):
+        """(sequences, `StepCounts`) of our loop on `inputs`; `generate_kwargs` go to `generate` (e.g.
+        cache_implementation="static")."""
         key = _batch_key(inputs)
         if key not in self.references:
             raise RuntimeError("OracleRunner.prepare was not called for this batch: the oracle needs its reference")
@@ -129,7 +131,7 @@ class OracleRunner:
         with _loop_drafting(make):
             out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   assistant_model=self.carrier, num_assistant_tokens=self.drafts,
-                                  return_dict_in_generate=True)
+                                  return_dict_in_generate=True, **generate_kwargs)
         return out.sequences, StepCounts.of(out.speculation_stats)
 
 

@@ -55,7 +55,7 @@ from .gates import StepKind, StepRecord
 from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .recurrent_state import RecurrentStates
 from .sliding_window import AttentionLayout, dropped_slots, drops_visible_keys, full_kv_cache, verify_masks
-from .static_verify import CaptureReadyInputs, static_kv_cache, verify_width
+from .static_verify import CaptureReadyInputs, VerifyGraphs, graph_backend, static_kv_cache, verify_width
 from .tree import CandidateTree, TreeLayout, tree_forward_inputs
 from .verify_attention import verify_attention
 
@@ -253,6 +253,8 @@ def speculative_generate(
     # cache_implementation="static": every verify input in a persistent buffer (`static_verify.py`)
     capture = CaptureReadyInputs(cache.layers[0].max_cache_len) if generation_config.cache_implementation == "static" \
         else None
+    backend = graph_backend(device) if capture else None
+    graphs = VerifyGraphs(backend) if backend else None  # opt-in CUDA graphs of the verify forward
     step_end = device_time(device)
     while batch.drop_finished():
         rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
@@ -274,9 +276,12 @@ def speculative_generate(
                                  dropped_slots(cache))
         if capture:
             tokens, tree_mask, tree_positions = capture.fill(tokens, tree_mask, tree_positions)
+        def verify():
+            return model(tokens, attention_mask=tree_mask, position_ids=tree_positions, cache=cache, use_cache=True,
+                         output_hidden_states=layers)
+
         with recurrent.recording(layout), verify_attention(model):
-            out = model(tokens, attention_mask=tree_mask, position_ids=tree_positions,
-                        cache=cache, use_cache=True, output_hidden_states=layers)
+            out = graphs.run(verify, cache, *tokens.shape) if graphs else verify()
         paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
         lookup.record_verified(lookups, batch, paths)
         batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])

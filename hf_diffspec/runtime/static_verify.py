@@ -14,14 +14,20 @@ rows and verify width, so that a CUDA graph captured over that forward can be re
   preallocated cache with no shape that depends on the step.
 
 On the CPU it is the default path computed over the preallocated cache, identical to it (`tests/test_static_verify.py`).
+With `HF_DIFFSPEC_CUDA_GRAPHS=1` on a CUDA device the verify forward is captured once per (rows, width) and replayed
+(`VerifyGraphs`; opt-in until a GPU run has checked it inside `generate`: the standalone capture was exact, 2026-12-04).
 Targets whose caches must drop keys (sliding windows) or hold recurrent states (linear attention) are refused with it
 (`support.py`): they decode on the default path.
 
 Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
 """
 
+import os
+
 import torch
 from transformers import StaticCache
+
+from .kv_cache import crop_attention
 
 VERIFY_WIDTHS = (4, 8, 16, 32, 64)
 # slots past the longest row the cache needs room for: hidden tree nodes before a compaction (`batch.py`'s
@@ -71,3 +77,57 @@ class CaptureReadyInputs:
         mask_buffer[..., :used].copy_(mask)
         mask_buffer[..., used:].fill_(torch.finfo(mask.dtype).min)
         return token_buffer, mask_buffer, position_buffer
+
+
+class CudaGraphs:
+    """Captures and replays CUDA graphs (`torch.cuda.CUDAGraph`), warmed up on a side stream as capturing asks."""
+
+    def capture(self, forward, rewind):
+        """(graph, its static outputs) of `forward`; `rewind()` puts the cache's lengths back after the warm-up
+        forward (capturing runs nothing, so it leaves them as they are)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()
+            rewind()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = forward()
+        return graph, outputs
+
+    def replay(self, graph) -> None:
+        graph.replay()
+
+
+def graph_backend(device: torch.device):
+    """CUDA graphs for the verify forward: opt-in (`HF_DIFFSPEC_CUDA_GRAPHS=1`) with `cache_implementation="static"` on
+    a CUDA device; None elsewhere (the forward runs eagerly)."""
+    if device.type == "cuda" and os.environ.get("HF_DIFFSPEC_CUDA_GRAPHS") == "1":
+        return CudaGraphs()
+    return None
+
+
+class VerifyGraphs:
+    """The verify forward as one graph per (rows, width): the first step of a shape runs its forward eagerly (its
+    outputs are that step's) and captures it; later steps of that shape replay the graph over the persistent inputs
+    (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the next replay: the
+    loop consumes them within the step; the drafter's features are concatenated copies). Rows leaving the batch
+    reallocate the cache's tensors, so graphs of another batch size are dropped."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.graphs: dict[tuple[int, int], tuple] = {}
+
+    def run(self, forward, cache, rows: int, width: int):
+        if (rows, width) in self.graphs:
+            graph, outputs = self.graphs[rows, width]
+            self.backend.replay(graph)
+            return outputs
+        self.graphs = {shape: entry for shape, entry in self.graphs.items() if shape[0] == rows}
+        outputs = forward()  # this step's own forward, eager
+        crop_attention(cache, width)  # back to the lengths the captured forward must start from
+        self.graphs[rows, width] = self.backend.capture(forward, lambda: crop_attention(cache, width))
+        for layer in cache.layers:  # as this step's forward left them (capturing ran nothing)
+            layer.cumulative_length.add_(width)
+        return outputs
