@@ -276,6 +276,7 @@ def speculative_generate(
                                  dropped_slots(cache))
         if capture:
             tokens, tree_mask, tree_positions = capture.fill(tokens, tree_mask, tree_positions)
+
         def verify():
             return model(tokens, attention_mask=tree_mask, position_ids=tree_positions, cache=cache, use_cache=True,
                          output_hidden_states=layers)

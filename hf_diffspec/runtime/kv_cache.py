@@ -43,10 +43,15 @@ def crop_attention(cache, tokens: int) -> None:
     from the first layer) follows the K/V layers' length."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            if getattr(layer, "cumulative_length_linear", None) is not None:  # transformers >= 5.25 counts tokens
-                layer.cumulative_length_linear.sub_(tokens)
+            count_linear_tokens(layer, -tokens)
         else:
             layer.crop(-tokens)
+
+
+def count_linear_tokens(layer, tokens: int) -> None:
+    """Add `tokens` (may be negative) to a linear-attention layer's token count; transformers < 5.25 keeps none."""
+    if getattr(layer, "cumulative_length_linear", None) is not None:
+        layer.cumulative_length_linear.add_(tokens)
 
 
 def select_rows(cache, index: torch.Tensor) -> None:

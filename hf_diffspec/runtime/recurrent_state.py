@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from .kv_cache import count_linear_tokens
 from .tree import host_to_device
 
 # text configs whose linear-attention layers (Qwen3.5 GatedDeltaNet) this module rolls back
@@ -214,8 +215,7 @@ def _tree_forward(module, layer, tree_layout, hidden_states: torch.Tensor, atten
             initial_state=states[batch, start[:, i]], output_final_state=True, use_qk_l2norm_in_kernel=True)
         core.append(out_i)
     core = torch.cat(core, dim=1)
-    if getattr(layer, "cumulative_length_linear", None) is not None:  # transformers >= 5.25 counts tokens
-        layer.cumulative_length_linear.add_(slots)
+    count_linear_tokens(layer, slots)
 
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(rows, slots, -1))

@@ -92,7 +92,7 @@ def _refuse_attention_backend(model, generation_config, kwargs) -> None:
         taken = attention in SWITCHED_IMPLEMENTATIONS and verifies_with_sdpa
         if ("flash" in attention or "paged" in attention) and not taken:
             # gpt-oss has no SDPA path (attention sinks): eager and flex_attention take the masks too
-            advice = "'sdpa' (or 'eager')" if getattr(model, "_supports_sdpa", True) else (
+            advice = "'sdpa' (or 'eager')" if verifies_with_sdpa else (
                 f"'eager' (or 'flex_attention'; {type(model).__name__} has no SDPA attention)")
             raise ValueError(
                 f"attn_implementation={attention!r}{where} cannot take the 4D float attention masks that draft trees "
