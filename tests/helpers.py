@@ -393,3 +393,34 @@ def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def decoy_oracle_drafter_outputs(monkeypatch, drafter, target, reference, decoys: dict[int, int], margin: float = 30.0,
+                                 gap: float = 1.0) -> None:
+    """`oracle_drafter_outputs`, but unsure where it is fooled: at each position p of `decoys` the drafter's best
+    token is `decoys[p]` and its second best the reference token, `gap` logits below (a confidence of ~0.73 for a
+    gap of 1), so a main chain drafts the decoy there (rejected), a D²SD prefix tree branches there (the likeliest
+    rejection) and the branch's alternative is the reference token. `reference`: one 1-D sequence; positions past
+    it are left to the drafter."""
+    head = target.get_output_embeddings().weight.detach()
+    table = torch.as_tensor(reference)
+    hidden_for = []  # per position: the output that gives its logits (least-norm: the other tokens stay low)
+    for p, token in enumerate(table.tolist()):
+        if p in decoys:
+            pair = head[[decoys[p], token]]
+            hidden_for.append(torch.linalg.pinv(pair) @ torch.tensor([margin, margin - gap], dtype=head.dtype))
+        else:
+            hidden_for.append(margin * head[token] / head[token].pow(2).sum())
+    hidden_for = torch.stack(hidden_for)
+    forward = drafter.forward
+
+    def oracle_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        hidden = out.last_hidden_state.clone()
+        positions = kwargs["position_ids"][:, -hidden.shape[1]:]
+        known = positions < table.shape[0]
+        hidden[known] = hidden_for[positions[known]].to(hidden.dtype)
+        out.last_hidden_state = hidden
+        return out
+
+    monkeypatch.setattr(drafter, "forward", oracle_forward)

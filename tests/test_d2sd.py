@@ -1,5 +1,7 @@
 """D²SD: dual drafter checkpoints, prefix-tree construction, lossless tree decoding, bad input."""
 
+import random
+
 import pytest
 import torch
 from transformers import AutoModel
@@ -9,6 +11,7 @@ from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTree
 from hf_diffspec.runtime.prefix_tree import build_prefix_tree, plan_branches
 from helpers import (
     ProposalRecorder,
+    decoy_oracle_drafter_outputs,
     marginal_counts,
     oracle_drafter_outputs,
     random_ids,
@@ -25,23 +28,54 @@ def dual_for(target, variant="vp", seed=0, **tree):
                              branches_from_first_pass=variant == "resample", **tree)
 
 
+def accepted_nodes(trees, committed_per_step, sequence, root_position):
+    """Per step (one row), the tree nodes its committed tokens walked, root excluded: step k's root sits at
+    `root_position` plus the tokens committed before it, its accepted drafts are the tokens after the root but the
+    last (the bonus)."""
+    walks = []
+    for tree, committed in zip(trees, committed_per_step):
+        node, walk = 0, []
+        for token in sequence[root_position + 1 : root_position + committed]:
+            node = tree.children[node][token]
+            walk.append(node)
+        walks.append(walk)
+        root_position += committed
+    return walks
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("variant", ["vp", "reuse", "resample"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.every_step_speculates("asserts the prefix trees each step verified and accepted")
-def test_d2sd_greedy_is_identical_to_plain_generate(monkeypatch, kind, variant, seed):
-    # a sharpened target: some drafts get accepted and trees get walked below the root
+def test_d2sd_greedy_accepts_branches_and_is_identical_to_plain_generate(monkeypatch, kind, variant, seed):
+    """The first drafter drafts plain generate's continuation but is fooled, unsure, at seeded decoy positions; the
+    VP drafter (when there is one) drafts the continuation. Trees branch at the decoys and the right token is a
+    branch's alternative: every case accepts drafts, and some steps accept a branch and drafts below it."""
     target = tiny_target(kind, seed=seed, sharpen=4)
     dual = dual_for(target, variant, seed=seed, num_branches=3, tree_budget=10, max_depth=6)
-    ids = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(seed))
+    ids = random_ids(seed, 10)
     kwargs = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.1)
+    reference = target.generate(ids, **kwargs)
+    rng = random.Random(seed)
+    decoys = {p: (int(reference[0, p]) + 1 + rng.randrange(126)) % 128 for p in range(11, 40) if rng.random() < 0.3}
+    decoy_oracle_drafter_outputs(monkeypatch, dual.first, target, reference[0], decoys)
+    if dual.vp is not None:
+        oracle_drafter_outputs(monkeypatch, dual.vp, target, reference[0])
     proposals = ProposalRecorder(monkeypatch, PrefixTreeCandidateGenerator)
     out = target.generate(ids, assistant_model=dual, return_dict_in_generate=True, **kwargs)
-    assert torch.equal(out.sequences, target.generate(ids, **kwargs))
+    assert torch.equal(out.sequences, reference)
     trees = proposals.trees
     assert trees and all(len(t) <= 10 and t.max_depth <= 6 for t in trees)
     assert any(not t.is_chain for t in trees)
-    assert sum(out.speculation_stats.committed_per_step) + 1 == 30
+    committed = out.speculation_stats.committed_per_step
+    assert sum(committed) + 1 == 30
+    walks = accepted_nodes(trees, committed, out.sequences[0].tolist(), ids.shape[1])
+    assert sum(map(len, walks)) >= 20  # accepted drafts of the 29 after the first (22-24 measured; 0 without oracle)
+    # a node that is not its parent's first child is a branch's alternative (the main draft comes first)
+    branch_depths = [[depth for depth, node in enumerate(walk)
+                      if node != min(tree.children[tree.parents[node]].values())] for tree, walk in zip(trees, walks)]
+    assert any(depths and depths[0] < len(walk) - 1 for depths, walk in zip(branch_depths, walks)), \
+        "no step accepted a branch's alternative and drafts below it"
 
 
 def test_prefix_tree_branches_where_rejection_is_likeliest():
