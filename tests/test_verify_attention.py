@@ -10,7 +10,8 @@ from transformers import DynamicCache
 
 from hf_diffspec.runtime import verify_attention as va
 from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
-from helpers import random_ids, tiny_drafter, tiny_family_target, tiny_target
+from helpers import (NoisyOracle, ProposalRecorder, install_oracle, random_ids, tiny_drafter, tiny_family_target,
+                     tiny_target)
 
 
 def _verify_logits(model, switch: bool, tokens, mask, positions, cache):
@@ -101,13 +102,20 @@ def test_packed_mask_rows_are_aligned_and_built_once_per_forward():
 
 
 @pytest.mark.parametrize("kind", ["chains", "ragged-trees"])
+@pytest.mark.every_step_speculates("asserts every step verified drafts, and rows accepting different numbers")
 def test_verify_never_copies_the_kv_cache_per_head_group(kind, monkeypatch):
+    """No `repeat_kv` copy in a verify forward: for one row's chains (the drafter's own), and for three rows' trees
+    that accept different numbers of tokens in one step (a noisy oracle with wrong siblings), so that the rows'
+    caches hold slots a row must not see."""
     target = tiny_target("llama", seed=3, sharpen=3.0)  # 4 query heads over 2 key/value heads
     assert target.model.layers[0].self_attn.num_key_value_groups == 2
-    drafter = tiny_drafter(target, block_size=4, seed=3, draft_tree_budget=6 if kind == "ragged-trees" else None)
+    drafter = tiny_drafter(target, block_size=4, seed=3)
     ids = random_ids(4, 9, rows=1 if kind == "chains" else 3)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
     expected = target.generate(ids, **kwargs)
+    if kind == "ragged-trees":
+        install_oracle(monkeypatch, NoisyOracle(list(expected), 128, noise=0.3, branches=1, seed=0))
+    proposals = ProposalRecorder(monkeypatch)
 
     copies, verifying = [], []
     repeat_kv = sdpa_attention.repeat_kv
@@ -124,13 +132,22 @@ def test_verify_never_copies_the_kv_cache_per_head_group(kind, monkeypatch):
     handles = [target.register_forward_pre_hook(note_forward, with_kwargs=True),
                target.register_forward_hook(lambda *_: verifying.append(False))]  # the drafter may copy its own
     try:
-        out = target.generate(ids, **kwargs, assistant_model=drafter)
+        out = target.generate(ids, **kwargs, assistant_model=drafter, return_dict_in_generate=True)
     finally:
         for handle in handles:
             handle.remove()
-    assert torch.equal(out, expected)
+    assert torch.equal(out.sequences, expected)
     assert sum(verifying) >= 3
     assert not any(copies)
+    # every row with room for drafts verified some (a row with one token left verifies its anchor alone)
+    assert proposals.steps and all(len(tree) > 1 for remaining, trees in proposals.steps
+                                   for tree, left in zip(trees, remaining) if left > 0)
+    if kind == "ragged-trees":
+        assert any(not tree.is_chain for tree in proposals.trees)
+        committed, per_step = iter(out.speculation_stats.committed_per_step), []
+        for _, trees in proposals.steps:  # one entry per row of the step
+            per_step.append([next(committed) for _ in trees])
+        assert any(len(set(step)) > 1 for step in per_step if len(step) > 1), "the rows never became ragged"
 
 
 def test_long_context_bench_runs_at_tiny_scale(capsys):
