@@ -125,7 +125,9 @@ def test_a_missing_profile_is_measured_once(tmp_path, monkeypatch):
     cost = VerifyCost.for_target(target)
     assert cost is not None and set(cost.costs) == {1, 4, 16} and set(cost.costs[1]) == {1, 2, 4, 8, 16}
     assert (tmp_path / "profiles" / f"{profile_key(target)}.json").is_file()
-    assert VerifyCost.for_target(target) is cost  # cached: measured once per process and machine
+    monkeypatch.setattr(cost_model, "measure_verify_cost", None)  # cached: measured once per process and machine
+    again = VerifyCost.for_target(target)
+    assert again is not cost and again.costs == cost.costs  # each call its own copy
 
 
 def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
@@ -268,15 +270,18 @@ def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
 
     target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, block_size=4)
-    gates = candidate_generator_for(drafter, target).policy.gates
-    assert candidate_generator_for(drafter, target).policy.gates is gates
-    assert candidate_generator_for(drafter, other).policy.gates is not gates
+    policy = candidate_generator_for(drafter, target).policy
+    policy.gates.drafter.record(True, 1, committed=1, seconds=1.0)  # what a call measured
+    policy.keep_measurements()  # as the call does at its end
+    kept = candidate_generator_for(drafter, target).policy.gates
+    assert kept is not policy.gates and kept.drafter.steps == policy.gates.drafter.steps  # a copy: the call's own
+    assert not candidate_generator_for(drafter, other).policy.gates.drafter.steps
     assert isinstance(candidate_generator_for(drafter, target, num_draft_tokens=2).policy.gates,
                       AlwaysSpeculate)  # fixed: no measured gates
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        assert candidate_generator_for(drafter, target).policy.gates is not gates
+        assert not candidate_generator_for(drafter, target).policy.gates.drafter.steps
     finally:
         torch.set_num_threads(threads)
 
@@ -354,6 +359,7 @@ def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monk
         return QUIET
 
     monkeypatch.setattr(cost_model, "measure_verify_cost", measure)
+    monkeypatch.setattr(cost_model, "MAX_OTHERS_LOAD", float("inf"))  # one attempt whatever else runs now
     step_seconds = []
     record = SpeculationGates.record
     monkeypatch.setattr(SpeculationGates, "record", lambda self, step: step_seconds.append(step.seconds) or
@@ -387,7 +393,8 @@ def test_a_profile_measured_under_load_is_not_cached(tmp_path, monkeypatch, capl
             spinner.kill()
     assert cost is not None and "busy machine" in caplog.text
     assert not cost_model.profile_path(target).exists()
-    assert VerifyCost.for_target(target) is cost  # this process measures once
+    monkeypatch.setattr(cost_model, "measure_verify_cost", None)  # this process measures once
+    assert VerifyCost.for_target(target).costs == cost.costs
 
 
 def test_other_processes_load_counts_other_processes_only(monkeypatch):
@@ -419,3 +426,56 @@ def test_profile_show_and_clear(tmp_path, monkeypatch, capsys):
     assert not path.exists() and "removed" in capsys.readouterr().out
     main(["profile", "--show"])
     assert "no verify-cost profiles" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["cut_short", "not_json", "foreign_layout", "empty_costs"])
+def test_a_damaged_profile_file_is_reported_once_and_measured_again(tmp_path, monkeypatch, caplog, damage):
+    """A profile cut short (a full disk), overwritten, from another program or emptied: the call logs one line
+    naming the file, measures the profile again and decodes exactly as plain generate; the next call too."""
+    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime.state import reset_speculation_state
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    reset_speculation_state()  # as a new process: the profile is read from the file
+    target = tiny_target("llama", seed=5, sharpen=4)
+    save_profile(target, QUIET)
+    path = cost_model.profile_path(target)
+    text = path.read_text()
+    path.write_text({"cut_short": text[: len(text) // 2], "not_json": "\x00\x01 binary",
+                     "foreign_layout": json.dumps([1, 2, 3]),
+                     "empty_costs": json.dumps({"format": cost_model.PROFILE_FORMAT, "verify_seconds": {}})}[damage])
+    measured = []
+    monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: measured.append(1) or QUIET)
+    drafter = tiny_drafter(target, block_size=8)
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+        for _ in range(2):
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+            assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
+    damaged = [r for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(damaged) == 1 and str(path) in damaged[0].getMessage()  # once: the next call uses what was measured
+    assert measured
+
+
+def test_a_cache_folder_that_cannot_be_written_gives_identical_output(tmp_path, monkeypatch, caplog):
+    """HF_DIFFSPEC_CACHE under a regular file (as a read-only home in a container): the profile is measured, cannot
+    be saved (one log line), and every call decodes exactly as plain generate."""
+    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime.state import reset_speculation_state
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(blocker / "cache"))
+    reset_speculation_state()
+    # the save is attempted whatever this machine runs now (on a busy one nothing would be saved): its guards
+    # against a busy machine have tests of their own
+    monkeypatch.setattr(cost_model, "implausible_costs", lambda costs: None)
+    monkeypatch.setattr(cost_model, "MAX_OTHERS_LOAD", float("inf"))
+    target = tiny_target("llama", seed=7, sharpen=4)
+    drafter = tiny_drafter(target, block_size=8)
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+        for _ in range(2):
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+            assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
+    assert "cannot be cached (NotADirectoryError" in caplog.text

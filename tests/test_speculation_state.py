@@ -9,7 +9,7 @@ import torch
 import hf_diffspec
 from hf_diffspec.runtime.cost_model import VerifyCost, save_profile
 from hf_diffspec.runtime.drafting import candidate_generator_for
-from hf_diffspec.runtime.gates import speculation_gates_for
+from hf_diffspec.runtime.gates import keep_speculation_gates, speculation_gates_for
 from hf_diffspec.runtime.state import SPECULATION_STATE
 from helpers import tiny_drafter, tiny_target
 
@@ -40,20 +40,22 @@ def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
     kwargs = dict(max_new_tokens=8, do_sample=False, assistant_model=drafter, return_dict_in_generate=True,
                   prompt_lookup_num_tokens=0)
 
-    gates = candidate_generator_for(drafter, target).policy.gates
-    _speculation_loses(gates)
-    cost = VerifyCost.for_target(target)
+    policy = candidate_generator_for(drafter, target).policy
+    _speculation_loses(policy.gates)
+    policy.keep_measurements()  # as a call does at its end
     out = target.generate(ids, **kwargs)
     stats = out.speculation_stats
     assert stats.plain_steps == stats.target_forwards - 1  # what was measured before the call held: no drafter step
-    assert cost.corrections  # the call's steps refined the profile in use
-    assert candidate_generator_for(drafter, target).policy.gates is gates
+    cost = VerifyCost.for_target(target)
+    assert cost.corrections  # the call's steps refined the profile, for the next call
+    kept = candidate_generator_for(drafter, target).policy.gates
+    assert kept is not policy.gates and kept.drafter.steps.keys() >= policy.gates.drafter.steps.keys()
 
     hf_diffspec.reset_speculation_state()
     fresh = candidate_generator_for(drafter, target).policy.gates
-    assert fresh is not gates and not fresh.drafter.steps
+    assert not fresh.drafter.steps
     fresh_cost = VerifyCost.for_target(target)
-    assert fresh_cost is not cost and not fresh_cost.corrections and fresh_cost.costs == cost.costs
+    assert not fresh_cost.corrections and fresh_cost.costs == cost.costs
     out = target.generate(ids, **kwargs)
     stats = out.speculation_stats
     assert stats.plain_steps < stats.target_forwards - 1  # unmeasured: speculation is tried first
@@ -64,12 +66,14 @@ def test_gates_are_held_weakly_by_drafter_and_target():
     whatever address it gets."""
     target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, block_size=4)
-    gates = speculation_gates_for(drafter, target, "DiffusionCandidateGenerator")
-    speculation_gates_for(drafter, other, "DiffusionCandidateGenerator")
+    for model in (target, other):
+        gates = speculation_gates_for(drafter, model, "DiffusionCandidateGenerator")
+        _speculation_loses(gates)
+        keep_speculation_gates(drafter, model, "DiffusionCandidateGenerator", gates)
     assert len(SPECULATION_STATE.gates[drafter]) == 2
-    assert speculation_gates_for(drafter, target, "DiffusionCandidateGenerator") is gates
-    assert speculation_gates_for(drafter, target, "BestFirstTreeCandidateGenerator") is not gates
-    del other
+    assert speculation_gates_for(drafter, target, "DiffusionCandidateGenerator").drafter.steps == gates.drafter.steps
+    assert not speculation_gates_for(drafter, target, "BestFirstTreeCandidateGenerator").drafter.steps
+    del other, model
     gc.collect()
     assert list(SPECULATION_STATE.gates[drafter]) == [target]
     del drafter

@@ -21,6 +21,7 @@ line. With HF_DIFFSPEC_AUTO_PROFILE=0 nothing is measured automatically: a cache
 without one drafts are verified at the drafter's configured length and a warning says how to measure one.
 """
 
+import copy
 import functools
 import hashlib
 import json
@@ -228,19 +229,21 @@ class VerifyCost:
     really costs (a longer context, the loop's own work, other load) is observed at every step: `observe` keeps, per
     batch-size bucket and slot count, the smoothed ratio of observed to profiled seconds, and the cost at n is the
     profile times that ratio interpolated between the slot counts observed (flat beyond them). `for_target` hands
-    every call the same object for a profile file (held in `state.py`): what one call observed, the next starts
-    from.
+    every call its own copy of what the last call on the profile kept (`keep`, held in `state.py`): what one call
+    observed, the next starts from.
 
     A step observed is never cheaper than the bare forward the profile timed (it also commits, on a longer context).
     So when steps run over `STALE_FACTOR` times faster than profiled, the profile was measured on a busy machine: the
     cost model of `for_target` then measures it again, once per process (`remeasure`)."""
 
-    def __init__(self, costs: dict[int, dict[int, float]], smoothing: float = 0.1, remeasure=None):
+    def __init__(self, costs: dict[int, dict[int, float]], smoothing: float = 0.1, remeasure=None,
+                 path: Path | None = None):
         self.costs = costs
         self.smoothing = smoothing
         self.corrections: dict[int, dict[int, float]] = {}  # rows bucket -> {n: observed / profiled}
         self.observations: dict[tuple[int, int], int] = {}  # (rows bucket, n) -> steps observed
         self.remeasure = remeasure  # called once when live steps disagree with the profile; None: never
+        self.path = path  # the profile file whose costs these are (`for_target`), where `keep` hands them back
 
     def profiled(self, n: int, rows: int = 1) -> float:
         return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
@@ -262,41 +265,34 @@ class VerifyCost:
 
     @classmethod
     def for_target(cls, target) -> "VerifyCost | None":
-        """The profile for this target/device/dtype/threads: loaded from the cache, measured once (a few seconds)
-        when missing or implausible, or None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0) and none
-        is cached. A measurement taken while other processes kept the machine busy is used by this process but not
-        cached: the next process measures again."""
+        """The profile for this target/device/dtype/threads, for one call: the costs and corrections the last call
+        kept (`keep`), else the cached file's, measured once (a few seconds) when missing, unreadable or implausible;
+        None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0) and none is cached. A measurement taken
+        while other processes kept the machine busy, or that cannot be saved, is used by this process but not
+        cached: the next process measures again. Calls that need a missing profile at once wait for one
+        measurement. The object returned is the call's own (no other call observes into it); it holds the target
+        only to measure again, and `SPECULATION_STATE` holds no model."""
         path = profile_path(target)
-        in_use = SPECULATION_STATE.verify_costs  # one per profile file and mtime: its corrections carry over calls
-        mtime = path.stat().st_mtime_ns if path.is_file() else None
-        if str(path) in in_use and in_use[str(path)][0] == mtime:
-            return in_use[str(path)][1]
-        automatic = os.environ.get("HF_DIFFSPEC_AUTO_PROFILE", "1") != "0"
-        costs, problem = read_profile(path)
-        if costs is None or (problem is not None and automatic):
-            if not automatic:
-                missing = (f"the verify-cost profile {path} {problem}" if problem else
-                           f"no verify-cost profile for this target on {target.device} in {target.dtype} "
-                           f"({torch.get_num_threads()} threads)")
-                _warn_once(f"{missing} and HF_DIFFSPEC_AUTO_PROFILE=0: drafts are verified at a fixed length. Run "
-                           "`hf-diffspec profile --target ... --dtype ...` once to measure one.")
-                return None
-            if problem is not None:
-                logger.warning("the cached verify-cost profile %s %s: measuring it again", path, problem)
-            else:
-                logger.warning("measuring this target's verify cost on %s in %s (%d threads), once; cached in %s",
-                               target.device, target.dtype, torch.get_num_threads(), profile_dir())
-            costs = _measure_and_keep(target)
-            mtime = path.stat().st_mtime_ns if path.is_file() else None
-        elif problem is not None:
-            _warn_once(f"the cached verify-cost profile {path} {problem}; HF_DIFFSPEC_AUTO_PROFILE=0 keeps it. "
-                       "Re-measure it on a quiet machine: hf-diffspec profile --target ... --dtype ...")
+        with SPECULATION_STATE.measuring(str(path)):
+            kept = _kept(path)
+            costs = kept[0] if kept else _cached_or_measured(target, path)
+            if not kept and costs is not None:  # the file is read (or measured) once per process
+                _keep_costs(path, costs)
+        if costs is None:
+            return None
         remeasure = None
-        if automatic and str(path) not in SPECULATION_STATE.remeasured:
+        if os.environ.get("HF_DIFFSPEC_AUTO_PROFILE", "1") != "0" and str(path) not in SPECULATION_STATE.remeasured:
             remeasure = functools.partial(_remeasure_stale, target, path)
-        cost = cls(costs, remeasure=remeasure)
-        in_use[str(path)] = (mtime, cost)
+        cost = cls(costs, remeasure=remeasure, path=path)
+        if kept:
+            cost.corrections, cost.observations = kept[1], kept[2]
         return cost
+
+    def keep(self) -> None:
+        """Hand this call's costs and corrections back: the next call on this profile starts from them."""
+        if self.path is None:
+            return
+        _keep_costs(self.path, self.costs, self.corrections, self.observations)
 
     def __call__(self, n: int, rows: int = 1) -> float:
         ratios = self.corrections.get(rows_bucket(rows))
@@ -305,15 +301,71 @@ class VerifyCost:
         return self.profiled(n, rows) * _interpolate(ratios, min(max(n, min(ratios)), max(ratios)))
 
 
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _keep_costs(path: Path, costs: dict, corrections: dict | None = None, observations: dict | None = None) -> None:
+    """Copies of `costs` and their corrections become what the next call on the profile at `path` starts from."""
+    with SPECULATION_STATE.lock:
+        SPECULATION_STATE.verify_costs[str(path)] = (_mtime(path), copy.deepcopy(costs),
+                                                     copy.deepcopy(corrections or {}), dict(observations or {}))
+
+
+def _kept(path: Path) -> tuple | None:
+    """Copies of (costs, corrections, observations) the last call on the profile at `path` kept, while the file is
+    the one they came from."""
+    with SPECULATION_STATE.lock:
+        kept = SPECULATION_STATE.verify_costs.get(str(path))
+        if kept is None or kept[0] != _mtime(path):
+            return None
+        return copy.deepcopy(kept[1:])
+
+
+def _cached_or_measured(target, path: Path) -> dict[int, dict[int, float]] | None:
+    """The costs of the cached profile at `path`, or measured now when it is missing, unreadable or implausible;
+    None when there is none and HF_DIFFSPEC_AUTO_PROFILE=0."""
+    automatic = os.environ.get("HF_DIFFSPEC_AUTO_PROFILE", "1") != "0"
+    costs, problem = read_profile(path)
+    if costs is not None and problem is None:
+        return costs
+    if not automatic:
+        if costs is not None:
+            _warn_once(f"the cached verify-cost profile {path} {problem}; HF_DIFFSPEC_AUTO_PROFILE=0 keeps it. "
+                       "Re-measure it on a quiet machine: hf-diffspec profile --target ... --dtype ...")
+            return costs
+        missing = (f"the verify-cost profile {path} {problem}" if problem else
+                   f"no verify-cost profile for this target on {target.device} in {target.dtype} "
+                   f"({torch.get_num_threads()} threads)")
+        _warn_once(f"{missing} and HF_DIFFSPEC_AUTO_PROFILE=0: drafts are verified at a fixed length. Run "
+                   "`hf-diffspec profile --target ... --dtype ...` once to measure one.")
+        return None
+    if problem is not None:
+        logger.warning("the cached verify-cost profile %s %s: measuring it again", path, problem)
+    else:
+        logger.warning("measuring this target's verify cost on %s in %s (%d threads), once; cached in %s",
+                       target.device, target.dtype, torch.get_num_threads(), profile_dir())
+    return _measure_and_keep(target)
+
+
 def read_profile(path: Path) -> tuple[dict[int, dict[int, float]] | None, str | None]:
     """The costs of the profile file at `path` (None when there is none, or it is of an older format) and what is
     wrong with them (None: nothing)."""
     if not path.is_file():
         return None, None
-    data = json.loads(path.read_text())
-    if data.get("format") != PROFILE_FORMAT:
-        return None, "comes from an older measurement"
-    costs = {int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != PROFILE_FORMAT:
+            return None, "comes from an older measurement"
+        costs = {int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["verify_seconds"].items()}
+        if not costs or not all(costs.values()):
+            raise ValueError("no costs in it")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError) as error:
+        # cut short (a full disk), written by another program or version, edited by hand
+        return None, f"cannot be read ({type(error).__name__}: {error})"
     return costs, implausible_costs(costs)
 
 
@@ -321,7 +373,12 @@ def _measure_and_keep(target) -> dict[int, dict[int, float]]:
     """Measure the quick profile; cache it unless it is disturbed (then this process alone uses it)."""
     measured = measure_profile(target, **QUICK_PROFILE)
     if measured.problem is None:
-        save_profile(target, measured.costs, measured.others_load)
+        try:
+            save_profile(target, measured.costs, measured.others_load)
+        except OSError as error:  # a read-only home, a cache path that is a file, a full disk
+            logger.warning("the verify-cost profile cannot be cached (%s: %s); used by this process, measured again "
+                           "by the next. Set HF_DIFFSPEC_CACHE to a writable folder to keep it.",
+                           type(error).__name__, error)
     else:
         logger.warning("the verify-cost profile was measured on a busy machine (%s); used by this process, not "
                        "cached. `hf-diffspec profile` measures one on a quiet machine.", measured.problem)
@@ -330,13 +387,16 @@ def _measure_and_keep(target) -> dict[int, dict[int, float]]:
 
 def _remeasure_stale(target, path: Path, why: str) -> dict[int, dict[int, float]]:
     """Live steps disagree with the profile in use (`why`): measure it again, once per process and profile."""
-    SPECULATION_STATE.remeasured.add(str(path))
-    logger.warning("live steps disagree with the verify-cost profile %s (%s): measuring it again, once", path, why)
-    costs = _measure_and_keep(target)
-    if path.is_file():  # the object in use stays the one the policy holds; it takes the new costs
-        SPECULATION_STATE.verify_costs[str(path)] = (path.stat().st_mtime_ns,
-                                                      SPECULATION_STATE.verify_costs[str(path)][1])
-    return costs
+    with SPECULATION_STATE.measuring(str(path)):
+        if str(path) in SPECULATION_STATE.remeasured:  # another call measured it meanwhile
+            kept = _kept(path)
+            if kept:
+                return kept[0]
+        SPECULATION_STATE.remeasured.add(str(path))
+        logger.warning("live steps disagree with the verify-cost profile %s (%s): measuring it again, once", path, why)
+        costs = _measure_and_keep(target)
+        _keep_costs(path, costs)
+        return costs
 
 
 def implausible_costs(costs: dict[int, dict[int, float]], slack: float = 1.5, dip: float = 0.25) -> str | None:

@@ -33,7 +33,9 @@ lookup, stopping and root positions work from that copy. Steps are timed on the 
 what they launched (`device_clock.py`): each step ends after `keep_accepted` and the replay have run on the device, so
 their time is the step's and not the next one's.
 
-The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them).
+The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them):
+the call works on copies of its own and hands them back at its end, so calls in several threads at once share no
+state while they run (the verify attention and the recurrent-state recording are per thread too).
 It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
 criteria, the cache and the generation config (see `generation.py`), so every standard generate option applies.
 Lossless: every committed token is chosen by the target from its processed distribution given the exact committed
@@ -296,6 +298,7 @@ def speculative_generate(
             step_end = device_time(device)
         stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
 
+    policy.keep_measurements()  # where the next call on this drafter and target starts
     return _finish(batch, committers, stats, recurrent, cache, input_ids, generation_config, streamer, start_time)
 
 

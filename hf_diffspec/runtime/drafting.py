@@ -16,6 +16,8 @@ Like every runtime file that `custom_generate/` ships (see `hub.py`), it imports
 sibling modules, so it also runs from a Hub folder without hf_diffspec installed.
 """
 
+import functools
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -23,7 +25,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .best_first_tree import best_first_shape, build_best_first_tree, build_selector_tree
 from .cost_model import VerifyCost
 from .device_clock import device_time
-from .gates import speculation_gates_for
+from .gates import keep_speculation_gates, speculation_gates_for
 from .policy import DraftLengthPolicy, FixedLength
 from .prefix_tree import build_prefix_tree, plan_branches
 from .tree import CandidateTree, host_to_device, index_range
@@ -490,6 +492,7 @@ def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None,
         block_size=config.block_size, default_length=config.num_draft_tokens,
         verify_cost=VerifyCost.for_target(target), tree_depth=tree_depth, max_positions=max_positions,
         gates=speculation_gates_for(drafter, target, method),
+        keep_gates=functools.partial(keep_speculation_gates, drafter, target, method),
     )
 
 

@@ -8,6 +8,7 @@ hf_diffspec and the trainers import them from here.
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,7 @@ def atomic_write(path: str | os.PathLike[str], content: str | bytes | Callable[[
     temporary file is removed and `path` is left as it was.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         if isinstance(content, str):
             tmp.write_text(content, encoding="utf-8")

@@ -13,9 +13,11 @@ wider forward at this context length), and at 16 rows steps of lookup drafts alo
 where the estimates said they paid (`examples/benchmarks/step_timing.py`).
 
 The gates of a drafter, target and setup outlive one call (`speculation_gates_for`, held in `state.py`), so a second
-call starts from what the first learned. Losslessness never depends on them: the target alone picks every token.
+call starts from what the first learned; each call measures in a copy of its own, handed back at its end.
+Losslessness never depends on them: the target alone picks every token.
 """
 
+import copy
 import enum
 import math
 import weakref
@@ -234,12 +236,22 @@ class AlwaysSpeculate:
         pass
 
 
+def _setup(target, method: str) -> tuple:
+    return target.dtype, target.device, torch.get_num_threads(), method
+
+
 def speculation_gates_for(drafter, target, method: str) -> SpeculationGates:
-    """The gates that `drafter` decoding for `target` with `method` (the candidate generator's name) keeps across
-    `generate` calls. Their measurements hold for one setup only: another target, dtype, device or thread count
-    gets gates of its own."""
-    setups = SPECULATION_STATE.gates.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
-    setup = (target.dtype, target.device, torch.get_num_threads(), method)
-    if setup not in setups:
-        setups[setup] = SpeculationGates()
-    return setups[setup]
+    """A copy, for one call, of the gates that `drafter` decoding for `target` with `method` (the candidate
+    generator's name) keeps across `generate` calls (fresh ones the first time); `keep_speculation_gates` hands them
+    back at the call's end. Their measurements hold for one setup only: another target, dtype, device or thread
+    count gets gates of its own."""
+    with SPECULATION_STATE.lock:
+        kept = SPECULATION_STATE.gates.get(drafter, {}).get(target, {}).get(_setup(target, method))
+        return copy.deepcopy(kept) if kept is not None else SpeculationGates()
+
+
+def keep_speculation_gates(drafter, target, method: str, gates: SpeculationGates) -> None:
+    """What a call's gates measured becomes what the next call on this drafter, target and setup starts from."""
+    with SPECULATION_STATE.lock:
+        setups = SPECULATION_STATE.gates.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
+        setups[_setup(target, method)] = gates

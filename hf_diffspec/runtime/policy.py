@@ -23,17 +23,19 @@ class DraftLengthPolicy:
     """Decides drafts per row from measurements. `block_size`: the drafter's block; `default_length`: its
     configured `num_draft_tokens` (or None); `verify_cost`: the measured T_verify(n, rows) or None; `tree_depth`:
     for draft trees, the deepest tree level; `max_positions`: the target's context; `gates`: the speculation gates
-    (fresh ones by default; `speculation_gates_for` gives the ones kept across calls)."""
+    (fresh ones by default; `speculation_gates_for` gives a copy of the ones kept across calls, and `keep_gates`
+    hands them back: `keep_measurements`)."""
 
     def __init__(self, block_size: int, default_length: int | None = None, verify_cost: VerifyCost | None = None,
                  tree_depth: int | None = None, max_positions: int | None = None,
-                 gates: "SpeculationGates | AlwaysSpeculate | None" = None):
+                 gates: "SpeculationGates | AlwaysSpeculate | None" = None, keep_gates=None):
         self.block_size = block_size
         self.default_length = default_length
         self.verify_cost = verify_cost
         self.tree_depth = tree_depth
         self.max_positions = max_positions
         self.gates = gates if gates is not None else SpeculationGates()
+        self.keep_gates = keep_gates  # keep_gates(gates): they become the next call's (None: they are this call's)
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
 
     @property
@@ -90,6 +92,13 @@ class DraftLengthPolicy:
     def record_draft_time(self, seconds: float) -> None:
         """One drafting pass took `seconds` (both passes for D²SD); smoothed, it prices the next step's drafts."""
         self.draft_seconds = seconds if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * seconds
+
+    def keep_measurements(self) -> None:
+        """At the end of a call: what its gates and cost model measured becomes where the next call starts."""
+        if self.keep_gates is not None:
+            self.keep_gates(self.gates)
+        if self.verify_cost is not None:
+            self.verify_cost.keep()
 
     def record_step(self, step: StepRecord) -> bool:
         """A step's measured verify time refines the profiled cost model; True when the profile was measured again

@@ -21,6 +21,12 @@ window for each node is the node and its ancestors (the saved conv state above t
 node's state extends its parent's, slot by slot (parents come first). The cache's states are left as saved; the
 commit advances them along each row's accepted path, which is a chain, as above.
 
+The recording and the tree form belong to the call that runs them: while verify forwards run, the linear layers
+and their projections have a forward that looks up the recording of its own thread (or task) in a
+`contextvars.ContextVar` and otherwise runs the module's own forward, so a plain or speculative call on the same
+model in another thread meanwhile is neither recorded nor switched to the tree form. The last forward to finish
+puts the modules' own forwards back.
+
 The recorded inputs are exact: a node's input depends only on its ancestors (the tree mask in the other layers).
 Left padding in a prompt enters no state: the prefill passes the 2D padding mask, which transformers hands the linear
 layers to zero the padded inputs, and a zero input leaves a zero state zero.
@@ -35,6 +41,8 @@ no tree can fool (the tree form calls it one node at a time, from the node's par
 Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
 """
 
+import contextvars
+import threading
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
@@ -88,23 +96,15 @@ class RecurrentStates:
             layer = self.cache.layers[index]
             self.saved[index] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
             self.consumed[index] = {}
-
-        def record(index, name, module, args, output):
-            self.consumed[index][name] = output
-
-        handles = [getattr(module, name).register_forward_hook(partial(record, index, name))
-                   for index, module in self.layers.items() for name in CONSUMED_PROJECTIONS]
-        if tree_layout is not None:
-            for index, module in self.layers.items():
-                module.forward = partial(_tree_forward, module, self.cache.layers[index], tree_layout)
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            if tree_layout is not None:
-                for module in self.layers.values():
-                    del module.forward  # the class's forward again
+        patches = [(module, partial(_linear_layer_forward, module)) for module in self.layers.values()]
+        patches += [(getattr(module, name), partial(_recorded_projection, module, name))
+                    for module in self.layers.values() for name in CONSUMED_PROJECTIONS]
+        with _holding(patches):
+            token = _RECORDING.set(_Recording(self, tree_layout))
+            try:
+                yield
+            finally:
+                _RECORDING.reset(token)
 
     def keep_accepted(self, paths: list[list[int]], num_slots: int) -> None:
         """After each row verified its tree in a forward of `num_slots` slots per row and accepted the nodes
@@ -121,6 +121,87 @@ class RecurrentStates:
         for index, module in self.layers.items():
             _advance(module, self.cache.layers[index], saved[index], consumed[index], shape[:, 1:], shape[:, 0])
         self.replays += 1
+
+
+class _Recording:
+    """The verify forward being recorded in this context: whose states (`RecurrentStates`), and the trees' layout
+    when the linear layers run their tree form (None: chains, their own forward)."""
+
+    def __init__(self, states: RecurrentStates, tree_layout):
+        self.states = states
+        self.tree_layout = tree_layout
+
+    def index_of(self, module) -> int | None:
+        """`module`'s layer index when it is one of the recorded target's linear layers, else None."""
+        index = getattr(module, "layer_idx", None)
+        return index if self.states.layers.get(index) is module else None
+
+
+# the recording in this context (thread or task), if any: other calls' forwards through the same modules never see it
+_RECORDING: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("hf_diffspec_recording", default=None)
+
+
+def _linear_layer_forward(module, forward, *args, **kwargs):
+    """A GatedDeltaNet's forward while calls hold it: its tree form in a context recording trees over it, its own
+    forward (`forward`) everywhere else."""
+    recording = _RECORDING.get()
+    index = recording.index_of(module) if recording is not None and recording.tree_layout is not None else None
+    if index is None:
+        return forward(*args, **kwargs)
+    return _tree_forward(module, recording.states.cache.layers[index], recording.tree_layout, *args, **kwargs)
+
+
+def _recorded_projection(owner, name, forward, *args, **kwargs):
+    """A projection of the GatedDeltaNet `owner` while calls hold it: its output, kept as what the state update
+    consumes when this context records `owner`."""
+    output = forward(*args, **kwargs)
+    recording = _RECORDING.get()
+    index = recording.index_of(owner) if recording is not None else None
+    if index is not None:
+        recording.states.consumed[index][name] = output
+    return output
+
+
+class _ContextualForward:
+    """A module's `forward` while speculative calls hold the module: `dispatch(forward, *args, **kwargs)`, where
+    `forward` is the one it replaced (the class's, or an instance's own such as accelerate's offload hooks), put back
+    when the last holder leaves. How many hold it is kept here, on the module."""
+
+    def __init__(self, module, dispatch):
+        self.replaced = module.__dict__.get("forward")
+        self.forward = self.replaced or type(module).forward.__get__(module)
+        self.dispatch = dispatch
+        self.holders = 0
+
+    def __call__(self, *args, **kwargs):
+        return self.dispatch(self.forward, *args, **kwargs)
+
+
+_HOLDS_LOCK = threading.Lock()
+
+
+@contextmanager
+def _holding(patches: list):
+    """Hold each (module, dispatch) of `patches` for the block: the first holder installs a `_ContextualForward`,
+    the last one removes it, so nothing stays on the user's model between calls."""
+    with _HOLDS_LOCK:
+        for module, dispatch in patches:
+            installed = module.__dict__.get("forward")
+            if not isinstance(installed, _ContextualForward):
+                installed = module.forward = _ContextualForward(module, dispatch)
+            installed.holders += 1
+    try:
+        yield
+    finally:
+        with _HOLDS_LOCK:
+            for module, _ in patches:
+                installed = module.__dict__["forward"]
+                installed.holders -= 1
+                if installed.holders == 0:
+                    if installed.replaced is None:
+                        del module.forward
+                    else:
+                        module.forward = installed.replaced
 
 
 @torch.no_grad()

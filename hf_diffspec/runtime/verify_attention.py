@@ -14,7 +14,11 @@ and SDPA serves it with the memory-efficient kernel: at long context a verify st
   the alignment the memory-efficient kernel reads a mask with in place.
 
 The function is switched in for the verify forward only (`verify_attention`), on targets loaded with SDPA or
-FlashAttention (eager and flex_attention targets verify as they are). A FlashAttention target prefills with its own
+FlashAttention (eager and flex_attention targets verify as they are), and only in the thread (or asyncio task) that
+runs that forward: the target's config answers `VERIFY_ATTENTION` there and its own implementation everywhere else,
+so other calls on the same model, speculative or plain, run meanwhile as they would alone. The switch and the
+masks its layers share live in a `contextvars.ContextVar`; while verify forwards run, the config's class is a
+subclass that reads that variable, and the last of them puts the config's own class back. A FlashAttention target prefills with its own
 kernels; its steps run here, chains through SDPA's FlashAttention kernel (no mask), trees and ragged rows packed:
 transformers' FlashAttention path takes no 4D mask, and at batch 1 it reads the positions on the host in every
 layer to look for packed sequences. transformers builds no mask for an implementation it does not know, so
@@ -25,6 +29,8 @@ Imports: torch, transformers and sibling runtime modules only (this file travels
 """
 
 import contextlib
+import contextvars
+import threading
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -36,14 +42,18 @@ VERIFY_ATTENTION = "hf_diffspec_verify"
 MASK_ALIGNMENT = 16  # elements: the memory-efficient kernel reads a mask in place when its rows are this aligned
 
 
-class _ForwardMasks:
-    """Masks built for the verify forward in progress, shared by its layers: {key: (source mask, packed mask)}."""
+class _VerifyForward:
+    """The verify forward in progress in this context (thread or task): the configs it switched to
+    `VERIFY_ATTENTION` (by id) and the masks its layers share, {key: (source mask, packed mask)}."""
 
-    def __init__(self):
+    def __init__(self, config_ids: frozenset[int]):
+        self.config_ids = config_ids
         self.packed: dict = {}
 
 
-_current: _ForwardMasks | None = None
+# the verify forward running in this context, if any: other threads and tasks never see it
+_CURRENT: contextvars.ContextVar[_VerifyForward | None] = contextvars.ContextVar("hf_diffspec_verify_forward",
+                                                                                 default=None)
 
 
 def _aligned(width: int) -> int:
@@ -55,7 +65,8 @@ def _packed_mask(mask: torch.Tensor | None, groups: int, q: int, kv: int, slidin
     """(rows or 1, 1, groups * q, kv) additive mask for group-packed queries, in rows of `_aligned(kv)` elements;
     `mask=None`: the chain's causal mask, aligned bottom-right (within `sliding_window` when given)."""
     source = (id(mask), mask.shape if mask is not None else None, groups, q, kv, sliding_window, dtype)
-    memo = _current.packed if _current is not None else {}
+    current = _CURRENT.get()
+    memo = current.packed if current is not None else {}
     if source in memo:
         return memo[source][1]
     if mask is None:
@@ -117,30 +128,73 @@ SWITCHED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def _attention_configs(model) -> list:
-    """The model's config and sub-configs whose attention implementation verify switches, with that implementation."""
+    """The model's config and sub-configs whose attention implementation verify switches."""
     configs = [model.config, *(getattr(model.config, name, None) for name in getattr(model.config, "sub_configs", {}))]
     seen, out = set(), []
     for config in configs:
         if config is not None and id(config) not in seen:
             seen.add(id(config))
-            implementation = getattr(config, "_attn_implementation_internal", None)
-            if implementation in SWITCHED_IMPLEMENTATIONS:
-                out.append((config, implementation))
+            if config.__dict__.get("_attn_implementation_internal") in SWITCHED_IMPLEMENTATIONS:
+                out.append(config)
     return out
+
+
+def _switched_name(config) -> str | None:
+    """`_attn_implementation_internal` of a config held by `verify_attention`: `VERIFY_ATTENTION` inside a verify
+    forward of this context on it, the config's own value everywhere else."""
+    current = _CURRENT.get()
+    if current is not None and id(config) in current.config_ids:
+        return VERIFY_ATTENTION
+    return config.__dict__.get("_attn_implementation_internal")
+
+
+def _set_name(config, value) -> None:
+    config.__dict__["_attn_implementation_internal"] = value
+
+
+_CONTEXTUAL_CONFIG_CLASSES: dict[type, type] = {}  # a config class -> its context-aware subclass (made once)
+_HOLDS_LOCK = threading.Lock()
+_HOLDS: dict[int, int] = {}  # id of a config held by running verify forwards -> how many hold it
+
+
+def _contextual_class(cls: type) -> type:
+    """`cls` with `_attn_implementation_internal` read per context (`_switched_name`); same name and fields."""
+    if cls not in _CONTEXTUAL_CONFIG_CLASSES:
+        _CONTEXTUAL_CONFIG_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "_attn_implementation_internal": property(_switched_name, _set_name),
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_hf_diffspec_base": cls})
+    return _CONTEXTUAL_CONFIG_CLASSES[cls]
+
+
+@contextlib.contextmanager
+def _held(configs: list):
+    """While any verify forward holds a config, its class is the context-aware one; the last to leave puts the
+    config's own class back (so nothing of the runtime stays on the user's model between calls)."""
+    with _HOLDS_LOCK:
+        for config in configs:
+            if _HOLDS.setdefault(id(config), 0) == 0:
+                config.__class__ = _contextual_class(type(config))
+            _HOLDS[id(config)] += 1
+    try:
+        yield
+    finally:
+        with _HOLDS_LOCK:
+            for config in configs:
+                _HOLDS[id(config)] -= 1
+                if _HOLDS[id(config)] == 0:
+                    del _HOLDS[id(config)]
+                    config.__class__ = type(config)._hf_diffspec_base
 
 
 @contextlib.contextmanager
 def verify_attention(model):
     """Run the forwards inside with `verify_attention_forward` in place of the target's SDPA or FlashAttention
-    attention."""
-    global _current
+    attention, in this thread (or task) only: other calls on the same model, speculative or plain, keep its own
+    attention and masks meanwhile."""
     configs = _attention_configs(model)
-    for config, _ in configs:
-        config._attn_implementation_internal = VERIFY_ATTENTION
-    _current = _ForwardMasks()
-    try:
-        yield
-    finally:
-        _current = None
-        for config, implementation in configs:
-            config._attn_implementation_internal = implementation
+    with _held(configs):
+        token = _CURRENT.set(_VerifyForward(frozenset(map(id, configs))))
+        try:
+            yield
+        finally:
+            _CURRENT.reset(token)

@@ -1,0 +1,110 @@
+"""Several calls at once on one target and one drafter, as a chat app or a server makes them: every output is what
+plain `generate` gives, and nothing the calls shared outlives them (the models are freed with their last reference).
+
+Defaults on: the first call measures a verify-cost profile into the session's cache (the threads wait for one
+measurement), and the live gates choose plain or speculative steps. The targets are sharpened and the drafters point
+at the target's own continuation (`oracle_drafter_outputs`), so most steps accept drafts and the threads' verify
+forwards (tree masks, windows, recurrent-state recording) overlap with the other threads' forwards.
+"""
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from helpers import oracle_drafter_outputs, random_ids, tiny_drafter, tiny_dual_drafter, tiny_family_target, \
+    tiny_hybrid_target, tiny_target
+
+THREADS = 4
+ROUNDS = 3
+NEW_TOKENS = 24
+
+
+def _setup(case: str):
+    """(target, drafter, generate kwargs of the speculative calls) for one kind of call."""
+    if case == "hybrid":
+        target = tiny_hybrid_target(seed=1, sharpen=4)
+    elif case == "sliding_window":
+        target = tiny_family_target("mistral", seed=2, window=4, sharpen=4)
+    else:
+        target = tiny_target("llama", seed=3, sharpen=4)
+    kwargs = {}
+    if case == "d2sd":
+        drafter = tiny_dual_drafter(target, block_size=8, vp_seed=7, num_branches=3, tree_budget=10, max_depth=6)
+    elif case == "trees":
+        drafter = tiny_drafter(target, block_size=8, draft_tree_budget=10, draft_tree_width=3)
+    else:
+        drafter = tiny_drafter(target, block_size=8)
+    if case == "lookup":
+        kwargs["prompt_lookup_num_tokens"] = 6
+    return target, drafter, kwargs
+
+
+def _prompts(count: int) -> list[torch.Tensor]:
+    # repeated text, so that prompt lookup finds matches; one length per prompt, so the threads' shapes differ
+    return [random_ids(seed, 4 + seed % 3).repeat(1, 3) for seed in range(count)]
+
+
+def _run_threads(calls) -> list:
+    """Run each call in a thread of its own, all released together; their results in order (an exception raised)."""
+    barrier = threading.Barrier(len(calls))
+    results = [None] * len(calls)
+
+    def run(i, call):
+        barrier.wait()
+        try:
+            results[i] = call()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+@pytest.mark.parametrize("case", ["chains", "trees", "lookup", "d2sd", "hybrid", "sliding_window"])
+def test_concurrent_speculative_calls_match_plain_generate(monkeypatch, case):
+    target, drafter, kwargs = _setup(case)
+    prompts = _prompts(THREADS * ROUNDS + 1)
+    plain = [target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False) for ids in prompts]
+    oracle_drafter_outputs(monkeypatch, drafter.first if case == "d2sd" else drafter, target, plain[0][0])
+
+    accepted = 0
+    for round_ in range(ROUNDS):
+        chosen = range(round_ * THREADS, (round_ + 1) * THREADS)
+        speculative = [lambda ids=prompts[i]: target.generate(ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS,
+                                                                do_sample=False, return_dict_in_generate=True,
+                                                                **kwargs)
+                       for i in chosen]
+        # and one plain call at the same time, on the same target
+        outs = _run_threads([*speculative, lambda: target.generate(prompts[-1], max_new_tokens=NEW_TOKENS,
+                                                                    do_sample=False)])
+        for i, out in zip(chosen, outs):
+            assert torch.equal(out.sequences, plain[i]), f"round {round_}, prompt {i}"
+            stats = out.speculation_stats
+            accepted += sum(stats.committed_per_step) - len(stats.committed_per_step)
+        assert torch.equal(outs[-1], plain[-1]), f"round {round_}: the plain call beside the speculative ones"
+    assert accepted > 0  # drafts were verified and accepted while other threads ran forwards
+
+
+def test_models_are_freed_after_speculative_calls():
+    """With the defaults on (a verify-cost profile measured and kept for later calls, gates kept), dropping the last
+    reference to the target and the drafter frees them."""
+    # an architecture no other test measures: this target's own first call measures its profile
+    target = tiny_target("qwen3", seed=4, layers=3)
+    drafter = tiny_drafter(target, block_size=8, draft_tree_budget=10, draft_tree_width=3)
+    ids = random_ids(0, 6)
+    for _ in range(2):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    refs = [weakref.ref(target), weakref.ref(drafter)]
+    del target, drafter
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
