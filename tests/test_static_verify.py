@@ -151,24 +151,54 @@ def test_static_cache_is_refused_for_caches_that_drop_keys_or_hold_states(make):
 
 
 class EmulatedGraphs:
-    """CUDA graph semantics on the CPU: a capture makes static outputs and leaves the cache's lengths as they were (it
-    runs nothing on a GPU); a replay runs the forward again and writes its results into those same outputs, which
-    stay the ones the loop reads."""
+    """CUDA graph semantics on the CPU: a graph reads and writes the memory it was captured over, whatever the loop's
+    variables hold later. A capture runs the forward (a warm-up, then the captured run), puts the cache's lengths back
+    (`rewind`) and records what the forward reads: the tensors of its closure (tokens, mask, positions), the cache and
+    every tensor of the cache's layers (keys, values, lengths), with their addresses. A replay runs the forward again
+    on exactly those tensors (the loop's current ones swapped out meanwhile) and writes its results into the captured
+    outputs, which stay the ones the loop reads. A captured tensor whose memory moved fails the replay: a graph would
+    read freed memory."""
 
     def __init__(self):
         self.captured, self.replays = {}, 0
+
+    @staticmethod
+    def _reads(forward) -> tuple[dict, list[dict]]:
+        """The closure's variables, and the tensors of each of its cache's layers."""
+        cells = {name: cell.cell_contents for name, cell in zip(forward.__code__.co_freevars, forward.__closure__)}
+        layers = [{name: value for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
+                  for layer in cells["cache"].layers]
+        return cells, layers
 
     def capture(self, forward, rewind):
         forward()  # the warm-up
         rewind()
         outputs = forward()
         rewind()
-        self.captured[forward] = outputs
+        cells, layers = self._reads(forward)
+        tensors = [v for v in cells.values() if isinstance(v, torch.Tensor)] + [t for l in layers for t in l.values()]
+        self.captured[forward] = (outputs, cells, layers, [(t, t.data_ptr()) for t in tensors])
         return forward, outputs
+
+    @staticmethod
+    def _swap(forward, cells: dict, layers: list[dict]) -> None:
+        for name, cell in zip(forward.__code__.co_freevars, forward.__closure__):
+            cell.cell_contents = cells[name]
+        for layer, tensors in zip(cells["cache"].layers, layers):
+            for name, tensor in tensors.items():
+                setattr(layer, name, tensor)
 
     def replay(self, graph) -> None:
         self.replays += 1
-        fresh, static = graph(), self.captured[graph]
+        static, cells, layers, addresses = self.captured[graph]
+        assert all(t.data_ptr() == address for t, address in addresses), "a captured tensor's memory moved"
+        now = self._reads(graph)
+        assert now[0]["cache"] is cells["cache"], "the loop verifies with another cache than the one captured"
+        self._swap(graph, cells, layers)  # the closure's cells are the loop's variables: put back after
+        try:
+            fresh = graph()
+        finally:
+            self._swap(graph, *now)
         static.logits.copy_(fresh.logits)
         for mine, new in zip(static.hidden_states, fresh.hidden_states):
             if mine is not None:  # (the layers the drafter does not read are not returned)
