@@ -9,7 +9,7 @@ RUNS=${RUNS:-runs}
 DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dflash}
 
 # 1. Measure T_verify(rows, tokens per row) once for this machine/dtype/threads (about a minute).
-hf-diffspec profile --dtype bf16
+hf-diffspec profile --skip-if-busy --dtype bf16
 # 2. The target's own greedy answers to ShareGPT prompts not used elsewhere: labels for the length head.
 hf-diffspec data generate --source sharegpt --out "$RUNS/traj" --num-samples 384 --max-new-tokens 128 \
     --batch-size 16 --skip 7000

@@ -37,7 +37,7 @@ fi
 hf-diffspec data generate --source "$SOURCE" --out "$RUNS/data" --num-samples "$SAMPLES" \
     --max-new-tokens "$GEN_TOKENS" --device "$DEVICE"
 hf-diffspec train kd --data "$RUNS/data" --out "$RUNS/drafter" --mask-token-id auto --device "$DEVICE" "${TRAIN[@]}"
-hf-diffspec profile --device "$DEVICE" "${PROFILE[@]}"
+hf-diffspec profile --skip-if-busy --device "$DEVICE" "${PROFILE[@]}"
 hf-diffspec bench --drafter "$RUNS/drafter" --methods ar,dflash --device "$DEVICE" "${BENCH[@]}" \
     --json "$RUNS/bench.json"
 if [ -n "${PUSH:-}" ]; then

@@ -1,6 +1,6 @@
 """The command line's parser: every subcommand parses, and the target options are the same wherever a target loads.
 
-No model is loaded here: what a subcommand does is tested beside the code it runs (test_bench.py, test_formats.py,
+No real model is loaded here: what a subcommand does is tested beside the code it runs (test_bench.py, test_formats.py,
 test_hub.py, ...).
 """
 
@@ -70,3 +70,22 @@ def test_comma_separated_lists_strip_blanks():
     assert cli.comma_separated(" ar, dflash ,,tree") == ["ar", "dflash", "tree"]
     assert cli.comma_separated("1, 4,16", int, "--batch-sizes takes integers") == [1, 4, 16]
     assert cli.comma_separated("", str) == []
+
+
+def test_profile_on_a_busy_machine_fails_unless_scripts_ask_to_skip(tmp_path, monkeypatch, capsys):
+    """A measurement disturbed by other processes is never saved; `--skip-if-busy` (what the examples pass) says so
+    and succeeds, so a script on a busy laptop or runner goes on (generate measures on first use)."""
+    from hf_diffspec.runtime import cost_model
+    from helpers import tiny_target
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    monkeypatch.setattr(cli, "load_target_of", lambda args: (target, None))
+    busy = cost_model.ProfileMeasurement({b: {n: 0.01 * n for n in cost_model.PROFILE_SIZES} for b in (1, 2)},
+                                         1.9, 3, "was taken while other processes kept 1.90 cores busy")
+    monkeypatch.setattr(cost_model, "measure_profile", lambda *args, **kwargs: busy)
+    with pytest.raises(SystemExit, match="not saved: the measurement was taken while other processes"):
+        main(["profile", "--batch-sizes", "1,2"])
+    main(["profile", "--batch-sizes", "1,2", "--skip-if-busy"])
+    assert "generate() measures the profile on first use instead" in capsys.readouterr().out
+    assert not cost_model.profile_path(target).exists()

@@ -65,6 +65,8 @@ def trained(tmp_path_factory):
 def test_train_and_push_trains_benchmarks_and_dry_runs_the_push(trained):
     out, runs = trained
     assert "4 samples in" in out and f"drafter saved to {runs}/drafter" in out
+    # the profile is saved on a quiet machine; on a busy one it is not, and the script goes on
+    assert "generate() now sizes drafts" in out or "generate() measures the profile on first use instead" in out
     bench = json.loads((runs / "bench.json").read_text())["results"]
     assert {row["method"] for row in bench} == {"ar", "dflash"} and "| dflash | 1 | code |" in out
     assert "would upload" in out and "to you/smollm2-135m-instruct-dflash:" in out and "model.safetensors" in out
