@@ -19,7 +19,9 @@ A seeded generator draws cases (`make_case(seed, number)`, the same case on ever
   between); draft lengths fixed, or chosen by the cost model from a synthetic verify-cost profile; or, in 15% of
   cases (a stream of their own), a user's first call: the profile measured on first use into an empty cache and the
   live gates (these cases do not rerun step for step: the gates follow the clock); and, in 25% of the cases of
-  full-attention targets (a stream of their own), the capture-ready step (`cache_implementation="static"`);
+  full-attention targets (a stream of their own), the capture-ready step (`cache_implementation="static"`); and, in
+  20% of the greedy cases (a stream of their own), the speculative call in 2-4 threads at once on the same target
+  and drafter beside a thread running the plain call, every thread's output compared with plain generate's;
 - options: max_new_tokens or max_length, min_new_tokens or min_length, repetition_penalty, no_repeat_ngram_size,
   bad_words_ids, suppress_tokens, begin_suppress_tokens, sequence_bias, exponential_decay_length_penalty,
   forced_eos_token_id, renormalize_logits, eos_token_id (one or two tokens, picked from the plain continuation so
@@ -106,6 +108,9 @@ FIRST_USE_SHARE = 0.15  # cases that run as a user's first call (first-use profi
 # cases of full-attention targets whose speculative call passes cache_implementation="static" (the capture-ready step)
 STATIC_CACHE_SHARE = 0.25
 FULL_ATTENTION_KINDS = ("llama", "qwen3", "qwen3_moe")
+# greedy cases whose speculative call runs in 2-4 threads at once on the same target and drafter, beside a thread
+# running the plain call (a stream of their own)
+THREADS_SHARE = 0.2
 MIN_EXPECTED = 10  # chi-square bins: expected count at least this
 P_VALUE_FLOOR = 1e-5  # a sampling case fails below this p-value
 SCORE_TOLERANCE = 1e-4
@@ -273,6 +278,7 @@ class Case:
         runtime = f"gate={self.runtime['gate']}" + (f" profile={self.runtime['profile']}"
                                                       if self.runtime["profile"] else "")
         runtime += " static-cache" if self.runtime.get("static_cache") else ""
+        runtime += f" threads={self.runtime['threads']}" if self.runtime.get("threads") else ""
         return (f"case {self.number} (seed {self.seed}, {'sampling' if self.sampling else 'greedy'}): "
                 f"{t['kind']}/{t['attn']} V={t['vocab_size']} layers={t['layers']} x{t['sharpen']}"
                 + (f" window={t['window']}" if "window" in t else "") + " | "
@@ -325,6 +331,10 @@ def make_case(seed: int, number: int) -> Case:
     if target["kind"] in FULL_ATTENTION_KINDS and \
             random.Random(f"hf-diffspec differential static cache {seed} {number}").random() < STATIC_CACHE_SHARE:
         runtime["static_cache"] = True
+    # calls in several threads at once (a stream of its own)
+    threads = random.Random(f"hf-diffspec differential threads {seed} {number}")
+    if not sampling and threads.random() < THREADS_SHARE:
+        runtime["threads"] = threads.randint(2, 4)
     return Case(seed, number, sampling, target, drafter, lengths, pass_mask, extra_padding, runtime, options)
 
 
@@ -643,7 +653,14 @@ def run_greedy(case: Case, target, drafter) -> Outcome:
     ours_kwargs = generate_kwargs(case, inputs, plain_rows, tokenizer) | static_cache(case)
     try:
         with patched_runtime(case, target, oracle_for(case, inputs, sequences_of(plain))):
-            ours = target.generate(**inputs, assistant_model=drafter, **ours_kwargs)
+            if case.runtime.get("threads"):
+                ours, problem = _run_threads(case, target, drafter, inputs, ours_kwargs, plain_kwargs,
+                                             sequences_of(plain), lambda: generate_kwargs(case, inputs, plain_rows,
+                                                                                          tokenizer))
+                if problem:
+                    return Outcome(case, "divergence", "threads", problem)
+            else:
+                ours = target.generate(**inputs, assistant_model=drafter, **ours_kwargs)
     except Exception as error:  # noqa: BLE001
         refused = classify_refusal(case, error)
         if refused is not None:
@@ -664,6 +681,45 @@ def run_greedy(case: Case, target, drafter) -> Outcome:
             return Outcome(case, "divergence", "streamer",
                            f"plain chunks {p.chunks} (ended {p.ended}), ours {s.chunks} (ended {s.ended})")
     return Outcome(case, "identical")
+
+
+def _run_threads(case: Case, target, drafter, inputs: dict, ours_kwargs: dict, plain_kwargs: dict,
+                 plain: torch.Tensor, fresh_kwargs) -> tuple:
+    """The case's speculative call in `case.runtime["threads"]` threads at once (the first with `ours_kwargs`, the
+    others with fresh hooks of their own from `fresh_kwargs()`), beside one thread running the plain call again:
+    (the first thread's result, a problem when another thread's sequences differ from `plain`, else None). An
+    exception in a thread is raised here."""
+    import threading
+
+    calls = [lambda: target.generate(**inputs, assistant_model=drafter, **ours_kwargs)]
+    calls += [lambda kwargs=fresh_kwargs() | static_cache(case): target.generate(**inputs, assistant_model=drafter,
+                                                                                 **kwargs)
+              for _ in range(case.runtime["threads"] - 1)]
+    plain_again = {k: v for k, v in plain_kwargs.items() if k != "streamer"}  # the streamer records the first call
+    calls.append(lambda: target.generate(**inputs, **plain_again))
+    barrier, results = threading.Barrier(len(calls)), [None] * len(calls)
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = calls[i]()
+        except BaseException as error:  # noqa: BLE001 - raised below, in the case's thread
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    for i, result in enumerate(results[1:], start=1):
+        sequences = sequences_of(result)
+        if sequences.shape != plain.shape or not torch.equal(sequences, plain):
+            who = "the plain call" if i == len(results) - 1 else f"thread {i}"
+            return results[0], f"{who}: " + first_difference(plain, sequences, inputs["input_ids"].shape[1])
+    return results[0], None
 
 
 # ----- sampling: the exact distribution -----------------------------------------------------------------------------
@@ -869,6 +925,7 @@ def summarize(outcomes: list[Outcome], seed: int) -> str:
                                                                               for o in outcomes).items())),
         "first calls (profile measured on first use, live gates): "
         f"{sum(o.case.runtime['gate'] == 'live' for o in outcomes)}",
+        f"calls in several threads at once: {sum(bool(o.case.runtime.get('threads')) for o in outcomes)}",
     ]
     if by_status["plain_error"]:
         lines.append(f"plain generate refused the options (not counted): {by_status['plain_error']}")
