@@ -265,8 +265,9 @@ class NoisyOracle:
         self.active = list(range(len(self.references)))
 
     def propose(self, generator, root_tokens, root_positions, max_depths):
+        active = getattr(generator, "oracle_rows", self.active)  # the rows still decoding in that generator's call
         return [self.tree(generator, self.references[row], root, position, depth)
-                for row, root, position, depth in zip(self.active, root_tokens, root_positions, max_depths)]
+                for row, root, position, depth in zip(active, root_tokens, root_positions, max_depths)]
 
     def tree(self, generator, reference, root_token: int, root_position: int, max_depth: int) -> CandidateTree:
         max_depth = min(max_depth, generator.block_size - 1)
@@ -292,16 +293,17 @@ class NoisyOracle:
 
 
 def install_oracle(monkeypatch, oracle: NoisyOracle):
-    """Route every `DiffusionCandidateGenerator.propose` to `oracle`, tracking which rows are still decoding."""
+    """Route every `DiffusionCandidateGenerator.propose` to `oracle`, tracking which rows are still decoding (per
+    generator: calls in several threads at once each have their own)."""
     init, select_rows = DiffusionCandidateGenerator.__init__, DiffusionCandidateGenerator.select_rows
 
     def fresh(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        oracle.active = list(range(len(oracle.references)))
+        self.oracle_rows = oracle.active = list(range(len(oracle.references)))
 
     def select(self, keep):
         select_rows(self, keep)
-        oracle.active = [oracle.active[i] for i in keep.tolist()]
+        self.oracle_rows = oracle.active = [self.oracle_rows[i] for i in keep.tolist()]
 
     monkeypatch.setattr(DiffusionCandidateGenerator, "__init__", fresh)
     monkeypatch.setattr(DiffusionCandidateGenerator, "select_rows", select)
