@@ -117,6 +117,37 @@ def test_repeat_interleave_counts_as_a_host_read_only_when_its_size_is_not_known
     assert counter.steps[0]["sync:repeat_interleave"] == 1
 
 
+def _one_window(calls) -> dict:
+    """What `HostSyncCounter` counts in `calls()`, run between two forwards of a stand-in target (on a CPU run, the
+    tensors made before counting are the device's)."""
+    from torch.nn import Linear
+
+    model = Linear(2, 2)
+    with HostSyncCounter(model) as counter:
+        model(torch.zeros(1, 2))  # the first window starts after a target forward
+        calls()
+        model(torch.zeros(1, 2))
+    return {k: v for k, v in counter.steps[0].items() if k != "calls"}
+
+
+def test_every_copy_to_the_host_counts_as_a_host_read():
+    """`.to` the host (named by the string "cpu" on a CPU run: a `torch.device` there is the loop's own) and `copy_`
+    into host memory (made with no device, on "cpu", or a view of such) wait for the device as `.cpu()`, `.tolist()`,
+    `.item()` and `.numpy()` do."""
+    import numpy as np
+
+    x = torch.arange(4.0)
+    assert _one_window(lambda: (x.to("cpu"), x.to(device="cpu"), x.to("cpu", torch.float64))) == {"sync:to(cpu)": 3}
+    assert _one_window(lambda: torch.empty(4).copy_(x)) == {"sync:copy_(to host)": 1}
+    assert _one_window(lambda: torch.empty(8, device="cpu")[:4].copy_(x)) == {"sync:copy_(to host)": 1}
+    assert _one_window(lambda: x.to("cpu").copy_(x)) == {"sync:to(cpu)": 1, "sync:copy_(to host)": 1}
+    assert _one_window(lambda: (x.cpu(), x.tolist(), x[0].item(), x.numpy(), np.asarray(x))) == {
+        "sync:cpu": 1, "sync:tolist": 1, "sync:item": 1, "sync:numpy": 1, "sync:__array__": 1}
+    # the loop's own moves, device-to-device copies, host-to-host work: no host read
+    assert _one_window(lambda: (x.to(x.device), x.to(torch.float64), torch.empty(4, device=x.device).copy_(x),
+                                torch.zeros(4).copy_(torch.ones(4)), torch.from_numpy(np.ones(4)).to(x.device))) == {}
+
+
 @pytest.mark.every_step_speculates("counts the host reads of steps that roll linear-attention states back")
 def test_rolling_linear_attention_states_back_stays_within_the_budget(monkeypatch):
     """A hybrid target (Gated DeltaNet layers, 2 key heads for 4 value heads) whose rows reject drafts: every such

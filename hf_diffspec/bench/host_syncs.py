@@ -8,9 +8,15 @@ loop's host work between forwards is added to every step; these calls are where 
 step: the calls between the end of one target forward and the start of the next are one step's (what the loop does
 after a verify forward and before the next one: accept, commit, cache bookkeeping, lookup, drafting, tree inputs).
 It sees every tensor as "the device's" (the counts are the same on a CPU), which is what the budget is about: how
-many times per step the host would wait on a device.
+many times per step the host would wait on a device. A read (`DEVICE_TO_HOST`) counts whatever tensor it reads. A
+copy into host memory (`.to` the host, `copy_` into a host tensor) counts when its source is the device's; where a
+tensor lives is then told as on a GPU: a CPU tensor is host memory when the loop runs on a device, and on a CPU run
+when the host made it (`_made_on_host`: with no device, the device written as the string "cpu", pinned; its views
+and results) or copied it there. On a CPU run a `torch.device("cpu")` object is how the loop names its own device
+(`tensor.to(device)`), so only the string "cpu" (or a host tensor) names the host there.
 """
 
+import weakref
 from collections import Counter
 
 import torch
@@ -21,7 +27,7 @@ DEVICE_TO_HOST = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
     torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu, torch.Tensor.numpy, torch.equal,
     torch.Tensor.unique, torch.unique, torch.masked_select, torch.Tensor.masked_select, torch.argwhere,
-    torch.Tensor.argwhere, torch.Tensor.repeat_interleave, torch.repeat_interleave,
+    torch.Tensor.argwhere, torch.Tensor.repeat_interleave, torch.repeat_interleave, torch.Tensor.__array__,
 }
 # of those, the ones that read the device only when `repeats` is a tensor and no `output_size` is given: an int count
 # (transformers' Gated DeltaNet repeats key heads for value heads so) is known on the host
@@ -60,6 +66,9 @@ class HostSyncCounter(TorchFunctionMode):
         self.steps: list[Counter] = []
         self.current: Counter | None = None  # None before the first target forward ends
         self.handles = []
+        parameter = next(target.parameters(), None)
+        self.cpu_run = parameter is None or parameter.device.type == "cpu"
+        self._host: dict[int, weakref.ref] = {}  # id -> tensor, for the host tensors of a CPU run
 
     def __enter__(self):
         for model in self.models:
@@ -94,12 +103,64 @@ class HostSyncCounter(TorchFunctionMode):
                 self.current["sync:" + name] += 1
             elif func in HOST_TO_DEVICE and args and _from_host(args[0]):
                 self.current["copy:" + name] += 1
-            elif func is torch.Tensor.to and _targets_cpu(args, kwargs) and args[0].device.type != "cpu":
+            elif func is torch.Tensor.to and self._to_host(args, kwargs) and not self.is_host(args[0]):
                 self.current["sync:to(cpu)"] += 1
+            elif func is torch.Tensor.copy_ and isinstance(args[1], torch.Tensor) and self.is_host(args[0]) \
+                    and not self.is_host(args[1]):
+                self.current["sync:copy_(to host)"] += 1
             elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1 \
                     and _is_bool_index(args[1]):
                 self.current[f"sync:{name}[bool]"] += 1
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if self.depth == 0 and self.cpu_run:
+            result = self._note_host(func, args, kwargs, result)
+        return result
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is host memory (see the module's docstring)."""
+        if tensor.device.type != "cpu":
+            return False
+        if not self.cpu_run:
+            return True
+        ref = self._host.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _mark_host(self, tensor: torch.Tensor) -> None:
+        key = id(tensor)
+        self._host[key] = weakref.ref(tensor, lambda _, key=key: self._host.pop(key, None))
+
+    def _to_host(self, args, kwargs) -> bool:
+        """Whether a `Tensor.to` call copies to host memory."""
+        target = _to_target(args, kwargs)
+        if isinstance(target, torch.Tensor):
+            return self.is_host(target)
+        if target is None or torch.device(target).type != "cpu":
+            return False
+        return not self.cpu_run or isinstance(target, str)  # a CPU run's torch.device is the loop's own
+
+    def _note_host(self, func, args, kwargs, result):
+        """On a CPU run, remember which of `func`'s results are host memory: what the host made or copied there. A
+        copy between the host and the loop's device that torch returned as its own source (on a CPU, nothing moves)
+        is made a copy, as on a device."""
+        if not isinstance(result, torch.Tensor):
+            return result
+        if func is torch.Tensor.to or func is torch.Tensor.cpu:
+            source = args[0]
+            to_host = func is torch.Tensor.cpu or self._to_host(args, kwargs)
+            if to_host and not self.is_host(source):
+                result = result.clone() if result is source else result
+                self._mark_host(result)
+            elif not to_host and self.is_host(source) and _to_target(args, kwargs) is not None:
+                result = result.clone() if result is source else result  # the host's tensor, now on the device
+            return result
+        if func is torch.Tensor.copy_:
+            return result
+        tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
+        if tensors and all(self.is_host(t) for t in tensors) or not tensors and _made_on_host(kwargs):
+            self._mark_host(result)
+        elif func is torch.Tensor.pin_memory:
+            self._mark_host(result)
+        return result
 
     @property
     def per_step_syncs(self) -> list[int]:
@@ -125,8 +186,30 @@ def _repeats_known(args, kwargs) -> bool:
     return not isinstance(repeats, torch.Tensor) or kwargs.get("output_size") is not None
 
 
-def _targets_cpu(args, kwargs) -> bool:
-    device = kwargs.get("device", args[1] if len(args) > 1 else None)
-    if isinstance(device, str):
-        device = torch.device(device)
-    return isinstance(device, torch.device) and device.type == "cpu"
+def _to_target(args, kwargs):
+    """Where a `Tensor.to(...)` call moves its tensor: a device (string or `torch.device`), a tensor (`.to(other)`:
+    where `other` is), or None (a dtype change alone)."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    for arg in args[1:]:
+        if isinstance(arg, (str, torch.device, torch.Tensor)):
+            return arg
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            return torch.device("cuda", arg)  # an int is a device index
+    return None
+
+
+def _made_on_host(kwargs) -> bool:
+    """Whether a call that reads no tensor (a factory) makes host memory: no device, the string "cpu", or pinned."""
+    if kwargs.get("pin_memory"):
+        return True
+    device = kwargs.get("device")
+    return device is None or isinstance(device, str) and torch.device(device).type == "cpu"
+
+
+def _flat(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
