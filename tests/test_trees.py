@@ -64,6 +64,23 @@ def test_sampled_trees_draw_distinct_siblings_from_known_distributions():
     assert torch.allclose(torch.stack(tree.draft_probs[1:]).sum(-1), torch.ones(len(tree) - 1))
 
 
+def test_sampled_trees_stop_a_nodes_children_where_its_law_has_no_tokens_left():
+    """A low temperature leaves a slot's law with fewer tokens than the shape has siblings (here 2 of 3): the third
+    child and what hangs below it are not drafted (they raised `invalid multinomial distribution` before), whatever
+    the first two drew, and the rest of the tree is as the shape says."""
+    probs = torch.zeros(2, 6)
+    probs[0, [2, 3]] = torch.tensor([0.9, 0.1])  # two tokens only
+    probs[1] = torch.softmax(torch.arange(6.0), -1)
+    shape = best_first_shape(probs.topk(3, -1).values, budget=12)
+    assert sum(len(path) == 1 for path, _ in shape) == 3  # the shape asks for three children of the root
+    for seed in range(20):
+        torch.manual_seed(seed)
+        tree = build_best_first_tree(5, probs, budget=12, sample=True, max_children=3)
+        assert sorted(tree.children[0]) == [2, 3]
+        assert all(torch.isclose(q.sum(), torch.tensor(1.0)) for q in tree.draft_probs[1:])
+        assert len(tree) == 1 + len([p for p, _ in shape if p[0] < 2])
+
+
 def _tree_drafter(target, budget=8, width=3, **kw):
     drafter = tiny_drafter(target, block_size=5, **kw)
     drafter.config.draft_tree_budget = budget
@@ -260,3 +277,16 @@ def test_accepted_paths_stay_in_place_and_hidden_nodes_are_dropped_in_batches(mo
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1  # the last token is not cached yet
     following = target.generate(out.sequences, cache=out.cache, max_new_tokens=10, do_sample=False)
     assert torch.equal(following, reference[:, : following.shape[1]])
+
+
+def test_a_sampled_prefix_tree_skips_a_branch_whose_law_holds_only_the_main_draft():
+    """D²SD, sampling: where the second drafter puts all its mass on the main draft (a low temperature), there is
+    no alternative to draw; the branch is left out (it raised `invalid multinomial distribution` before)."""
+    from hf_diffspec.runtime.prefix_tree import build_prefix_tree
+
+    first = torch.zeros(3, 6)
+    first[:, 2] = 1.0  # the main chain: 2, 2, 2
+    branch = torch.zeros(2, 6)
+    branch[:, 2] = 1.0  # the second drafter agrees: nothing else to draft
+    tree = build_prefix_tree(5, first, torch.tensor([2, 2, 2]), [0], [branch], budget=8, sample=True)
+    assert tree.tokens.tolist() == [5, 2, 2, 2] and tree.is_chain

@@ -69,10 +69,18 @@ def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, nod
     drawn: dict[tuple, list[int]] = {}  # parent rank path -> tokens of its children drawn so far
     for path, score in shape:
         parent, depth = path[:-1], len(path) - 1
+        if parent not in index:
+            continue  # below a child that could not be drawn
         if sample:  # the next child of this parent: drawn from q without its earlier siblings
             q = probs[depth].clone()
             q[drawn.setdefault(parent, [])] = 0
-            q /= q.sum().clamp(min=1e-12)
+            mass = q.sum()
+            if not mass > 0:
+                # every token q gives mass to is an earlier sibling (a low temperature leaves few): no more children
+                # here. That happens after as many siblings as q has such tokens, whichever were drawn, so the
+                # tree's shape still does not depend on the drawn tokens.
+                continue
+            q /= mass
             token = int(torch.multinomial(q, 1))
             drawn[parent].append(token)
             node_probs.append(q)

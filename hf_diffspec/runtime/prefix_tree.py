@@ -62,7 +62,10 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
         probs = branch_probs[row]                          # second drafter: slots i+1, i+2, ...
         alternative_probs = probs[0].clone()
         alternative_probs[main[i]] = 0                     # the alternative to draft i+1: any token but that one
-        alternative_probs /= alternative_probs.sum().clamp(min=1e-12)
+        mass = alternative_probs.sum()
+        if not mass > 0:  # the second drafter puts all its mass on the main draft: no alternative to draft
+            continue
+        alternative_probs /= mass
         score = float(boundary[i]) * float(alternative_probs.max())
         path = main[:i] + (draw(alternative_probs, sample),)
         add(path, score, alternative_probs)

@@ -28,6 +28,9 @@ def choose_token_among_drafts(scores: torch.Tensor, children: list[tuple[int, to
         q = q.to(p.device, p.dtype)
         if float(torch.rand(())) * float(q[token]) < float(p[token]):  # accept with probability min(1, p/q)
             return torch.tensor([token], device=scores.device)
-        p = (p - q).clamp(min=0)
-        p = p / p.sum()
+        residual = (p - q).clamp(min=0)
+        mass = residual.sum()
+        if not mass > 0:  # p equals q up to rounding: a rejection had probability ~0, and p is what is left
+            continue
+        p = residual / mass
     return torch.multinomial(p, num_samples=1)
