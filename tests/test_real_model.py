@@ -25,15 +25,20 @@ def drafter_for(target):
     return hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=16)
 
 
-def test_greedy_identical_on_smollm2(real_target):
+@pytest.mark.every_step_speculates("asserts the shipped drafter's tau, which the gates' timings would change")
+def test_greedy_identical_on_smollm2_and_the_shipped_drafter_keeps_its_tau(real_target):
     target, tok = real_target
+    assert (SHIPPED_DRAFTERS["smollm2-135m-instruct"] / "config.json").exists()  # checkpoints/ is in the repository
     drafter = drafter_for(target)
     inputs = chat_inputs(tok, "Write a Python function that returns the sum of a list.")
     ref = target.generate(**inputs, max_new_tokens=48, do_sample=False)
     out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=48, do_sample=False,
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    assert out.speculation_stats.tau >= 1.0
+    # measured 3.13 every run (47 tokens in 15 steps; fp32, every step drafting at a fixed length, no profile): the
+    # band leaves room for other CPUs' rounding; with randomised weights the drafter reaches 1.07, with its weights
+    # scaled by 30% noise 2.35
+    assert 2.7 <= out.speculation_stats.tau <= 3.6
     if drafter.config.prompt_lookup_num_tokens:  # the shipped drafter also verifies prompt-lookup drafts
         assert out.speculation_stats.lookup_tokens > 0
 
