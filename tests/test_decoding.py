@@ -209,7 +209,8 @@ def test_sampling_is_exactly_the_targets_distribution(monkeypatch):
         plain_counts[target.generate(ids, **kwargs)[0, -1]] += 1
         spec_counts[out.sequences[0, -1]] += 1
     assert accepted > 50, "the check is only meaningful if drafts get accepted"
-    assert same >= 0.97 * n
+    # same seed, same samples: 400 of 400 measured (a sampling temperature 1% off leaves 7 of 400 different)
+    assert same == n
     # two-sample chi-square on the last token's marginal (df <= 15); 40 is beyond the 0.999 quantile (~37.7)
     chi2 = two_sample_chi2(plain_counts, spec_counts)
     assert chi2 < 40, f"chi2={chi2:.1f}"
