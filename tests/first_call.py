@@ -5,11 +5,12 @@ Run in a fresh process on an empty cache directory (`tests/test_first_call.py` d
 
 It builds a tiny random fp32 target of the case's class and a tiny random drafter with the runtime's defaults (best-
 first trees, prompt lookup), then checks, greedily:
-1. the first speculative call measures the verify-cost profile (none is cached yet) and returns plain `generate`'s
-   output;
+1. the first speculative call measures the verify-cost profile (none is cached yet), caches it in the cache directory
+   (unless the measurement was disturbed: a busy machine), speculates, and returns plain `generate`'s output;
 2. a second call, after `reset_speculation_state()` (what a new process starts from: the cached profile, no gates),
    reads the cached profile without measuring again and returns plain `generate`'s output.
-It prints one JSON line: the case, the class, whether each call was identical, the profile's state, the steps.
+It prints one JSON line: the case, the class, whether each call was identical, the profile's state (where it was
+cached, what the first call logged about it), the steps and drafts of each call.
 """
 
 import json
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `helpers` when run a
 import torch  # noqa: E402
 
 import hf_diffspec  # noqa: E402
-from hf_diffspec.runtime import cost_model  # noqa: E402
+from hf_diffspec.runtime import cost_model, policy  # noqa: E402
 from hf_diffspec.runtime.state import reset_speculation_state  # noqa: E402
 from helpers import (FAMILIES, MULTIMODAL, random_ids, tiny_family_target, tiny_hybrid_target,  # noqa: E402
                      tiny_multimodal_target, tiny_target)
@@ -41,12 +42,27 @@ CASES = {
 }
 
 
+class Warnings(logging.Handler):
+    """The runtime's warnings, as a user's log shows them."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def run(case: str) -> dict:
     if os.environ.get("HF_DIFFSPEC_AUTO_PROFILE") is not None:
         raise SystemExit("HF_DIFFSPEC_AUTO_PROFILE is set: this check runs with nothing switched off")
-    measured = []
+    measured, node_counts = [], []
     original = cost_model.measure_verify_cost
     cost_model.measure_verify_cost = lambda *a, **kw: measured.append(1) or original(*a, **kw)
+    best_node_count = policy.best_node_count  # the cost model's choice of slots to verify, every time it chooses
+    policy.best_node_count = lambda *a, **kw: node_counts.append(best_node_count(*a, **kw)) or node_counts[-1]
+    warnings = Warnings()
+    logging.getLogger("hf_diffspec").addHandler(warnings)
     target = CASES[case]()
     torch.manual_seed(0)
     drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8,
@@ -58,17 +74,23 @@ def run(case: str) -> dict:
     plain = target.generate(ids, **settings)
     result = {"case": case, "class": type(target).__name__}
     path = cost_model.profile_path(target)
+    result["profile_path"] = str(path)
     for call in ("first", "second"):
         if call == "second":
             reset_speculation_state()
-            measured.clear()
             result["profile_cached"] = path.is_file()  # by the first call (not on a busy machine)
+            result["cached_profile_problem"] = cost_model.read_profile(path)[1] if path.is_file() else None
             mtime = path.stat().st_mtime_ns if path.is_file() else None
+        measured.clear()
+        node_counts.clear()
+        warnings.messages.clear()
         out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **settings)
         stats = out.speculation_stats
         result[call] = {"identical": torch.equal(out.sequences, plain), "profile_measurements": len(measured),
                         "steps": len(stats.committed_per_step), "tau": round(stats.tau, 3),
-                        "plain_steps": stats.plain_steps}
+                        "plain_steps": stats.plain_steps, "draft_forwards": stats.draft_forwards,
+                        "drafted_tokens": stats.drafted_tokens, "lookup_tokens": stats.lookup_tokens,
+                        "node_counts": list(node_counts), "warnings": list(warnings.messages)}
     result["profile_rewritten_by_second_call"] = path.is_file() and path.stat().st_mtime_ns != mtime
     return result
 

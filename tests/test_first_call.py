@@ -1,7 +1,9 @@
 """The first call a user makes, on every family, in the configuration users run: a fresh process, an empty cache
 directory, nothing switched off (the first-use verify-cost profile is measured, the live gates choose each step, the
 drafter runs the runtime's default trees and prompt lookup). Greedy fp32 output must equal plain `generate`'s on the
-first call and on a second one that reads the cached profile (`tests/first_call.py`). And each published target of
+first call and on a second one that reads the cached profile (`tests/first_call.py`); the first call speculates and
+caches its profile in the user's cache directory, or says that the machine was too busy to (no assertion depends on
+a quiet machine). And each published target of
 the README, rehearsed end to end from folders laid out like the real checkpoints (`tests/published_rehearsal.py`)
 through the README's own command, `examples/published_drafter.py`."""
 
@@ -27,18 +29,26 @@ def users_environment(cache: Path) -> dict:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_first_and_second_call_identical_to_plain_generate(case, tmp_path):
+def test_first_call_speculates_caches_its_profile_and_both_calls_equal_plain_generate(case, tmp_path):
     run = subprocess.run([sys.executable, str(TESTS / "first_call.py"), case], env=users_environment(tmp_path),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["first"]["identical"] and result["second"]["identical"], result
-    assert result["first"]["profile_measurements"] >= 1, "the first call measures the verify-cost profile"
-    if result["profile_cached"]:  # not cached only when the machine was busy (the log says so)
-        assert result["second"]["profile_measurements"] == 0 and not result["profile_rewritten_by_second_call"]
-    else:
-        assert "busy machine" in run.stderr, run.stderr[-3000:]
-    assert result["first"]["steps"] > 0
+    first, second = result["first"], result["second"]
+    assert first["identical"] and second["identical"], result
+    # the gates try speculation before they have measured it: the first call's first step drafts, whatever the load
+    assert first["steps"] - first["plain_steps"] >= 1, result
+    # and it verifies drafts (its own or prompt lookup's), unless the measured costs said no draft pays, every time
+    assert first["draft_forwards"] >= 1 or first["node_counts"] and max(first["node_counts"]) == 1, result
+    assert first["profile_measurements"] >= 1, "the first call measures the verify-cost profile"
+    assert Path(result["profile_path"]).parent == tmp_path / "profiles"  # in the user's cache directory
+    busy = [w for w in first["warnings"] if "measured on a busy machine" in w and "not cached" in w]
+    if result["profile_cached"]:  # a good profile, read by the second call without measuring again
+        assert Path(result["profile_path"]).is_file() and result["cached_profile_problem"] is None, result
+        assert second["profile_measurements"] == 0 and not result["profile_rewritten_by_second_call"], result
+    else:  # only on a busy machine (other processes took the cores): the first call said so, the second measures
+        assert busy, result
+        assert second["profile_measurements"] >= 1, result
 
 
 @pytest.mark.parametrize("name", ["Qwen3.6-35B-A3B", "Qwen3-8B", "gemma-4-31B-it", "gpt-oss-20b"])
