@@ -134,7 +134,7 @@ def _attention_configs(model) -> list:
     for config in configs:
         if config is not None and id(config) not in seen:
             seen.add(id(config))
-            if config.__dict__.get("_attn_implementation_internal") in SWITCHED_IMPLEMENTATIONS:
+            if _own_attributes(config).get("_attn_implementation_internal") in SWITCHED_IMPLEMENTATIONS:
                 out.append(config)
     return out
 
@@ -145,11 +145,17 @@ def _switched_name(config) -> str | None:
     current = _CURRENT.get()
     if current is not None and id(config) in current.config_ids:
         return VERIFY_ATTENTION
-    return config.__dict__.get("_attn_implementation_internal")
+    return _own_attributes(config).get("_attn_implementation_internal")
 
 
 def _set_name(config, value) -> None:
-    config.__dict__["_attn_implementation_internal"] = value
+    _own_attributes(config)["_attn_implementation_internal"] = value
+
+
+def _own_attributes(config) -> dict:
+    # past the config's own __getattribute__ / __setattr__ (attribute maps, strict dataclass checks): they cost
+    # microseconds, and these run in every attention layer of a verify forward
+    return object.__getattribute__(config, "__dict__")
 
 
 _CONTEXTUAL_CONFIG_CLASSES: dict[type, type] = {}  # a config class -> its context-aware subclass (made once)
@@ -173,7 +179,7 @@ def _held(configs: list):
     with _HOLDS_LOCK:
         for config in configs:
             if _HOLDS.setdefault(id(config), 0) == 0:
-                config.__class__ = _contextual_class(type(config))
+                object.__setattr__(config, "__class__", _contextual_class(type(config)))
             _HOLDS[id(config)] += 1
     try:
         yield
@@ -183,7 +189,7 @@ def _held(configs: list):
                 _HOLDS[id(config)] -= 1
                 if _HOLDS[id(config)] == 0:
                     del _HOLDS[id(config)]
-                    config.__class__ = type(config)._hf_diffspec_base
+                    object.__setattr__(config, "__class__", type(config)._hf_diffspec_base)
 
 
 @contextlib.contextmanager
