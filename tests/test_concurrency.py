@@ -95,12 +95,17 @@ def test_concurrent_speculative_calls_match_plain_generate(monkeypatch, case):
     assert accepted > 0  # drafts were verified and accepted while other threads ran forwards
 
 
-def test_models_are_freed_after_speculative_calls():
+@pytest.mark.parametrize("case", ["trees", "hybrid_d2sd"])
+def test_models_are_freed_after_speculative_calls(case):
     """With the defaults on (a verify-cost profile measured and kept for later calls, gates kept), dropping the last
     reference to the target and the drafter frees them."""
-    # an architecture no other test measures: this target's own first call measures its profile
-    target = tiny_target("qwen3", seed=4, layers=3)
-    drafter = tiny_drafter(target, block_size=8, draft_tree_budget=10, draft_tree_width=3)
+    # architectures no other test measures: this target's own first call measures its profile
+    if case == "trees":
+        target = tiny_target("qwen3", seed=4, layers=3)
+        drafter = tiny_drafter(target, block_size=8, draft_tree_budget=10, draft_tree_width=3)
+    else:
+        target = tiny_hybrid_target(seed=4, layers=3)
+        drafter = tiny_dual_drafter(target, block_size=8, vp_seed=5, num_branches=2, tree_budget=8)
     ids = random_ids(0, 6)
     for _ in range(2):
         target.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
