@@ -110,11 +110,12 @@ class ShardWriter:
 
     def _remove_interrupted_writes(self) -> None:
         """Delete what a killed run left in this writer's shard set: `atomic_write`'s temporary files
-        (`.NAME.tmp-PID`) of processes that are gone, and arrays whose sidecar was never written (the next flush
+        (`.NAME.tmp-PID-THREAD`) of processes that are gone, and arrays whose sidecar was never written (the next flush
         writes that shard again). None of them is ever read, but they would pile up over kills. Other shard sets are
         left to their own writers, which may be writing them now."""
         for tmp in self.dir.glob(f".{self.prefix}-*.tmp-*"):
-            name, _, pid = tmp.name[1:].rpartition(".tmp-")
+            name, _, owner = tmp.name[1:].rpartition(".tmp-")
+            pid = owner.split("-")[0]
             if self._number(name) is not None and os.name == "posix" and pid.isdigit() and not _process_alive(int(pid)):
                 tmp.unlink(missing_ok=True)
         for arrays in self.dir.glob(f"{self.prefix}-*.npz"):

@@ -31,7 +31,8 @@ def atomic_write(path: str | os.PathLike[str], content: str | bytes | Callable[[
     """Write a file so that `path` holds either its old content or the complete new one, never a part.
 
     `content` is the text or bytes to write, or a function that writes the file at the path it is given. It is
-    written under a temporary name beside `path` (same file system) and renamed into place; on any error the
+    written under a temporary name beside `path` (same file system; `.NAME.tmp-PID-THREAD`, so writers in several
+    threads never share one) and renamed into place; on any error the
     temporary file is removed and `path` is left as it was.
     """
     path = Path(path)
