@@ -96,6 +96,7 @@ from helpers import (  # noqa: E402
     StopOnTokens,
     char_tokenizer,
     install_oracle,
+    run_in_threads,
     tiny_drafter,
     tiny_dual_drafter,
     tiny_family_target,
@@ -689,31 +690,13 @@ def _run_threads(case: Case, target, drafter, inputs: dict, ours_kwargs: dict, p
     others with fresh hooks of their own from `fresh_kwargs()`), beside one thread running the plain call again:
     (the first thread's result, a problem when another thread's sequences differ from `plain`, else None). An
     exception in a thread is raised here."""
-    import threading
-
     calls = [lambda: target.generate(**inputs, assistant_model=drafter, **ours_kwargs)]
     calls += [lambda kwargs=fresh_kwargs() | static_cache(case): target.generate(**inputs, assistant_model=drafter,
                                                                                  **kwargs)
               for _ in range(case.runtime["threads"] - 1)]
     plain_again = {k: v for k, v in plain_kwargs.items() if k != "streamer"}  # the streamer records the first call
     calls.append(lambda: target.generate(**inputs, **plain_again))
-    barrier, results = threading.Barrier(len(calls)), [None] * len(calls)
-
-    def run(i):
-        barrier.wait()
-        try:
-            results[i] = calls[i]()
-        except BaseException as error:  # noqa: BLE001 - raised below, in the case's thread
-            results[i] = error
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+    results = run_in_threads(calls)
     for i, result in enumerate(results[1:], start=1):
         sequences = sequences_of(result)
         if sequences.shape != plain.shape or not torch.equal(sequences, plain):

@@ -10,6 +10,7 @@ loop must be lossless for ANY proposals, so this is a fair test of verification,
 
 import random
 import string
+import threading
 
 import torch
 from transformers import (
@@ -426,3 +427,27 @@ def decoy_oracle_drafter_outputs(monkeypatch, drafter, target, reference, decoys
         return out
 
     monkeypatch.setattr(drafter, "forward", oracle_forward)
+
+
+def run_in_threads(calls) -> list:
+    """Run each of `calls` in a thread of its own, all released together (as the requests of a server arrive); their
+    results in order. An exception raised in a thread is raised here."""
+    barrier = threading.Barrier(len(calls))
+    results = [None] * len(calls)
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = calls[i]()
+        except BaseException as error:  # noqa: BLE001 - raised below, in the caller's thread
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results

@@ -9,14 +9,13 @@ the live gates choose each step.
 """
 
 import gc
-import threading
 import weakref
 
 import pytest
 import torch
 
-from helpers import oracle_drafter_outputs, random_ids, tiny_drafter, tiny_dual_drafter, tiny_family_target, \
-    tiny_hybrid_target, tiny_target
+from helpers import oracle_drafter_outputs, random_ids, run_in_threads, tiny_drafter, tiny_dual_drafter, \
+    tiny_family_target, tiny_hybrid_target, tiny_target
 
 THREADS = 4
 ROUNDS = 3
@@ -50,29 +49,6 @@ def _prompts(count: int) -> list[torch.Tensor]:
     return [random_ids(seed, 4 + seed % 3).repeat(1, 3) for seed in range(count)]
 
 
-def _run_threads(calls) -> list:
-    """Run each call in a thread of its own, all released together; their results in order (an exception raised)."""
-    barrier = threading.Barrier(len(calls))
-    results = [None] * len(calls)
-
-    def run(i, call):
-        barrier.wait()
-        try:
-            results[i] = call()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
-            results[i] = error
-
-    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
-
-
 @pytest.mark.parametrize("case", ["chains", "trees", "lookup", "d2sd", "hybrid", "sliding_window"])
 def test_concurrent_speculative_calls_match_plain_generate(monkeypatch, case):
     target, drafter, kwargs = _setup(case)
@@ -88,7 +64,7 @@ def test_concurrent_speculative_calls_match_plain_generate(monkeypatch, case):
                                                                 **kwargs)
                        for i in chosen]
         # and one plain call at the same time, on the same target
-        outs = _run_threads([*speculative, lambda: target.generate(prompts[-1], max_new_tokens=NEW_TOKENS,
+        outs = run_in_threads([*speculative, lambda: target.generate(prompts[-1], max_new_tokens=NEW_TOKENS,
                                                                     do_sample=False)])
         for i, out in zip(chosen, outs):
             assert torch.equal(out.sequences, plain[i]), f"round {round_}, prompt {i}"
