@@ -50,7 +50,7 @@ from hf_diffspec.bench.host_time import ForwardClock
 from hf_diffspec.bench.long_context import verify_plain_ratios
 from hf_diffspec.bench.oracle import OracleRunner, oracle_drafts_for
 from hf_diffspec.runtime import device_clock
-from hf_diffspec.runtime.cost_model import measure_verify_cost
+from hf_diffspec.runtime.control_profiles import measure_verify_cost
 
 # seconds each section may start new work in, per target (GPU); the whole call stops starting work at --budget-s
 SECTION_SECONDS = {"identity": 20, "bf16": 8, "runs": 30, "gates": 12, "sampling": 8, "kernels": 6, "capture": 20,

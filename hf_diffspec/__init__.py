@@ -7,14 +7,14 @@
 
 Importing the package registers the drafter with the Auto classes and routes `generate(assistant_model=drafter)` to
 the speculative loop (see `hf_diffspec.generation`). What the loop measures outlives a call (speculation gates,
-verify-cost corrections; `hf_diffspec.runtime.state`); `hf_diffspec.reset_speculation_state()` forgets it.
+verify-cost corrections; `hf_diffspec.runtime.control_state`); `hf_diffspec.reset_speculation_state()` forgets it.
 """
 
 from .modeling import DiffusionDrafter, DiffusionDrafterConfig, DualDiffusionDrafter, DualDiffusionDrafterConfig
 from .runtime.tree import CandidateTree
 from .runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
-from .runtime.policy import DraftLengthPolicy, FixedLength
-from .runtime.state import reset_speculation_state
+from .runtime.control_policy import DraftLengthPolicy, FixedLength
+from .runtime.control_state import reset_speculation_state
 from .runtime.decoding import SpeculationStats, SpeculativeDecoderOnlyOutput, speculative_generate
 from . import generation  # noqa: F401  (installs the generate dispatcher)
 from .generation import assisted_generate_with_stock_loop

@@ -130,7 +130,8 @@ def cmd_bench(args) -> None:
     from .drafters import shipped_drafter
     from .machine import machine_description, machine_markdown
     from .prompts import load_prompts, load_prompts_file
-    from .runtime.cost_model import VerifyCost, measure_verify_cost
+    from .runtime.control_cost import VerifyCost
+    from .runtime.control_profiles import measure_verify_cost, verify_cost_for
 
     batch_sizes = comma_separated(args.batch_sizes, int, "--batch-sizes takes comma-separated integers")
     taus = []
@@ -140,6 +141,7 @@ def cmd_bench(args) -> None:
         raise SystemExit(f"--rounds takes a positive number of rounds, got {args.rounds}")
     torch.manual_seed(args.seed)
     target, tok = load_target_of(args)
+    verify_cost_for(target)  # the profile every call uses (measured now the first time), recorded with the machine
     machine = machine_description(target)
     print(machine_markdown(machine) + "\n")
     methods = [m for m in comma_separated(args.methods) if m != "ar"]
@@ -498,7 +500,7 @@ def add_profile_parser(sub) -> None:
 
 
 def cmd_profile(args) -> None:
-    from .runtime.cost_model import PROFILE_SIZES, measure_profile, save_profile
+    from .runtime.control_profiles import PROFILE_SIZES, measure_profile, save_profile
 
     if args.show or args.clear:
         show_or_clear_profiles(args.clear)
@@ -525,7 +527,7 @@ def cmd_profile(args) -> None:
 
 def show_or_clear_profiles(clear: bool) -> None:
     """`hf-diffspec profile --show | --clear`: the cached verify-cost profiles, one line each, or remove them."""
-    from .runtime.cost_model import profile_dir, read_profile
+    from .runtime.control_profiles import profile_dir, read_profile
 
     paths = sorted(profile_dir().glob("*.json"))
     if not paths:

@@ -48,12 +48,12 @@ def fast_bf16(device: str | torch.device | None = None) -> bool:
 
 
 def verify_cost_curve(target, sizes=CURVE_SIZES) -> dict | None:
-    """T_verify(1, n) / T_verify(1, 1) for n in `sizes` from the target's verify-cost profile (measured now, once,
-    when this machine has none), T_verify(1, 1) in ms and the profile's file (`hf-diffspec profile` re-measures it);
-    None when profiling is off and none is cached."""
-    from .runtime.cost_model import VerifyCost, profile_dir, profile_key
+    """T_verify(1, n) / T_verify(1, 1) for n in `sizes` from the target's verify-cost profile as this process has it
+    (describing the machine measures nothing: the bench obtains the profile before it runs), T_verify(1, 1) in ms
+    and the profile's file (`hf-diffspec profile` re-measures it); None when there is none."""
+    from .runtime.control_profiles import profile_dir, profile_key, verify_cost_for
 
-    cost = VerifyCost.for_target(target)
+    cost = verify_cost_for(target, measure=False)
     if cost is None:
         return None
     one = cost.profiled(1, 1)

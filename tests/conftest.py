@@ -52,7 +52,7 @@ def every_step_speculates_where_marked(request, monkeypatch):
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
     # and no profile that an earlier test measured on first use into the session's cache
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(cache_sharing_downloads()))
-    from hf_diffspec.runtime.gates import SpeculationGate
+    from hf_diffspec.runtime.control_gates import SpeculationGate
 
     monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: True)
 

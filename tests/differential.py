@@ -218,8 +218,8 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
     - except in first-use cases (gate "live"): then nothing is switched off, as in a user's first call: the profile
       is measured into the empty cache and the live gates choose each step."""
     import pytest
-    from hf_diffspec.runtime.cost_model import save_profile
-    from hf_diffspec.runtime.state import reset_speculation_state
+    from hf_diffspec.runtime.control_profiles import save_profile
+    from hf_diffspec.runtime.control_state import reset_speculation_state
 
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as cache:
         patch.setenv("HF_DIFFSPEC_CACHE", cache)
@@ -237,7 +237,7 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
             save_profile(target, {rows: {n: base + per_slot * n * rows for n in (1, 2, 4, 8, 16)}
                                   for rows in (1, 2, 4, 8)})
         try:
-            from hf_diffspec.runtime.gates import SpeculationGate
+            from hf_diffspec.runtime.control_gates import SpeculationGate
         except ImportError:  # a runtime without a gate speculates at every step
             SpeculationGate = None
         if SpeculationGate is not None:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `helpers` when run a
 import torch  # noqa: E402
 
 import hf_diffspec  # noqa: E402
-from hf_diffspec.runtime import cost_model, policy  # noqa: E402
-from hf_diffspec.runtime.state import reset_speculation_state  # noqa: E402
+from hf_diffspec.runtime import control_profiles as cost_model, control_policy as policy  # noqa: E402
+from hf_diffspec.runtime.control_state import reset_speculation_state  # noqa: E402
 from helpers import (FAMILIES, MULTIMODAL, random_ids, tiny_family_target, tiny_hybrid_target,  # noqa: E402
                      tiny_multimodal_target, tiny_target)
 

@@ -101,7 +101,7 @@ def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
     from itertools import cycle
 
     from transformers import RepetitionPenaltyLogitsProcessor
-    from hf_diffspec.runtime.gates import SpeculationGate
+    from hf_diffspec.runtime.control_gates import SpeculationGate
 
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=4)

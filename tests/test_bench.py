@@ -17,7 +17,7 @@ from hf_diffspec.bench import (
     oracle_methods, peer_methods, run_benchmark, summarize,
 )
 from hf_diffspec.machine import ISA_FLAGS, machine_description, machine_markdown
-from hf_diffspec.runtime.cost_model import VerifyCost, save_profile
+from hf_diffspec.runtime.control_profiles import VerifyCost, save_profile, verify_cost_for
 from helpers import tiny_drafter, tiny_target
 
 PROMPTS = [
@@ -179,7 +179,7 @@ def test_oracle_reaches_the_requested_tau_and_reports_an_efficiency(tmp_path, mo
     save_profile(target, {1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0}})
     methods = oracle_methods(target, [2, 4, 8])
     rows = summarize(run_benchmark(target, CharTokenizer(), methods, PROMPTS, max_new_tokens=96, progress=False))
-    table = oracle_efficiency(rows, methods, VerifyCost.for_target(target))
+    table = oracle_efficiency(rows, methods, verify_cost_for(target))
     assert [r["oracle_tau"] for r in table] == [2, 4, 8]
     for r in table:
         assert r["identical_to_ar"]  # any drafts, even corrupted ones: the target picks every token
@@ -187,7 +187,7 @@ def test_oracle_reaches_the_requested_tau_and_reports_an_efficiency(tmp_path, mo
         # a full block per step, shorter only where the tokens left to generate cap the drafts
         assert 0.85 * (r["drafts_per_step"] + 1) <= r["verified_per_step"] <= r["drafts_per_step"] + 1
         n = r["verified_per_step"]
-        cost = VerifyCost.for_target(target)
+        cost = verify_cost_for(target)
         assert r["predicted_speedup"] == pytest.approx(r["achieved_tau"] * cost(1, 1) / cost(n, 1), rel=1e-2)
         # the prefill (the same forward for both, measured by our loop) is out of the decode speedup
         run, ar = (next(x for x in rows if x["method"] == m and x["domain"] == "all") for m in (r_name(r), "ar"))

@@ -75,7 +75,7 @@ def test_comma_separated_lists_strip_blanks():
 def test_profile_on_a_busy_machine_fails_unless_scripts_ask_to_skip(tmp_path, monkeypatch, capsys):
     """A measurement disturbed by other processes is never saved; `--skip-if-busy` (what the examples pass) says so
     and succeeds, so a script on a busy laptop or runner goes on (generate measures on first use)."""
-    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime import control_profiles as cost_model
     from helpers import tiny_target
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))

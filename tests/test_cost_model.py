@@ -12,8 +12,9 @@ import torch
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
-from hf_diffspec.runtime.gates import SpeculationGates
-from hf_diffspec.runtime.cost_model import VerifyCost, best_node_count, measure_verify_cost, profile_key, save_profile
+from hf_diffspec.runtime.control_gates import SpeculationGates
+from hf_diffspec.runtime.control_cost import VerifyCost, best_node_count
+from hf_diffspec.runtime.control_profiles import measure_verify_cost, profile_key, save_profile, verify_cost_for
 from helpers import tiny_drafter, tiny_target
 
 
@@ -67,18 +68,18 @@ def test_profile_is_keyed_by_device_dtype_and_threads(tmp_path, monkeypatch, cap
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")  # nothing measured on the fly: the keys decide what is found
     target = tiny_target("llama")
-    assert VerifyCost.for_target(target) is None
+    assert verify_cost_for(target) is None
     costs = measure_verify_cost(target, sizes=(1, 2, 4), batches=(1, 3), context_length=16, repeats=2)
     assert set(costs) == {1, 3} and set(costs[3]) == {1, 2, 4} and all(t > 0 for t in costs[1].values())
     path = save_profile(target, costs)
-    assert VerifyCost.for_target(target).costs == costs
+    assert verify_cost_for(target).costs == costs
     key = profile_key(target)
     assert profile_key(target.to(torch.bfloat16)) != key  # another dtype is another profile: measured anew
-    assert VerifyCost.for_target(target) is None
+    assert verify_cost_for(target) is None
     target.to(torch.float32)
     path.write_text(json.dumps({"key": key, "verify_seconds": {"1": 0.1, "4": 0.2}}))  # the batch-1 format
     with caplog.at_level(logging.WARNING):
-        assert VerifyCost.for_target(target) is None
+        assert verify_cost_for(target) is None
     assert "older measurement" in caplog.text
 
 
@@ -115,24 +116,24 @@ def test_cost_model_lengths_stay_lossless(tmp_path, monkeypatch, dual):
 
 
 def test_a_missing_profile_is_measured_once(tmp_path, monkeypatch):
-    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime import control_profiles as cost_model
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     # whatever else this machine runs now: the guards against a busy machine have tests of their own
     monkeypatch.setattr(cost_model, "implausible_costs", lambda costs: None)
     monkeypatch.setattr(cost_model, "MAX_OTHERS_LOAD", float("inf"))
     target = tiny_target("llama")
-    cost = VerifyCost.for_target(target)
+    cost = verify_cost_for(target)
     assert cost is not None and set(cost.costs) == {1, 4, 16} and set(cost.costs[1]) == {1, 2, 4, 8, 16}
     assert (tmp_path / "profiles" / f"{profile_key(target)}.json").is_file()
     monkeypatch.setattr(cost_model, "measure_verify_cost", None)  # cached: measured once per process and machine
-    again = VerifyCost.for_target(target)
+    again = verify_cost_for(target)
     assert again is not cost and again.costs == cost.costs  # each call its own copy
 
 
 def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
     """A curve where 2 tokens cost 13x one token (seen here while another process held the cores) is re-measured."""
-    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime import control_profiles as cost_model
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "1")
@@ -141,13 +142,13 @@ def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
     assert cost_model.implausible_costs(disturbed) and cost_model.implausible_costs(quiet) is None
     measured = iter([disturbed, quiet])
     monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: next(measured))
-    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
-        cost = VerifyCost.for_target(tiny_target("llama"))
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.control_profiles"):
+        cost = verify_cost_for(tiny_target("llama"))
     assert cost.costs == quiet and "disturbed" in caplog.text
 
 
 def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
-    from hf_diffspec.runtime.gates import SpeculationGate
+    from hf_diffspec.runtime.control_gates import SpeculationGate
 
     def simulate(gate, steps, spec_tokens, spec_seconds, plain_seconds=0.25):
         """Decode `steps` steps (speculative ones commit `spec_tokens`); returns (choices, seconds, tokens)."""
@@ -209,7 +210,7 @@ def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
 
 
 def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
-    from hf_diffspec.runtime.gates import SpeculationGate
+    from hf_diffspec.runtime.control_gates import SpeculationGate
 
     gate = SpeculationGate()
     assert gate.should_speculate(4)
@@ -227,7 +228,7 @@ def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
 
 
 def test_every_gate_of_a_setup_probes_within_the_setups_budget():
-    from hf_diffspec.runtime.gates import SpeculationGates
+    from hf_diffspec.runtime.control_gates import SpeculationGates
 
     gates = SpeculationGates(probe_budget=0.005)
     made = [gates.drafter, gates.drafter_gate(3), gates.lookups_alone_gate(3), gates.lookups_alone_gate(1)]
@@ -238,7 +239,7 @@ def test_every_gate_of_a_setup_probes_within_the_setups_budget():
 def test_gate_probes_plain_decoding_while_speculation_wins():
     """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
     good: while speculation wins, plain steps are probed too, within the same budget."""
-    from hf_diffspec.runtime.gates import SpeculationGate
+    from hf_diffspec.runtime.control_gates import SpeculationGate
 
     gate, seconds, tokens, plain_steps = SpeculationGate(probe_budget=0.02), 0.0, 0, 0
     for step in range(3000):
@@ -266,7 +267,7 @@ def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
     """What one call measured (speculation loses here) is where the next call starts, so it does not pay for the
     probes again; another target, thread count or method starts afresh."""
     from hf_diffspec.runtime.drafting import candidate_generator_for
-    from hf_diffspec.runtime.gates import AlwaysSpeculate
+    from hf_diffspec.runtime.control_gates import AlwaysSpeculate
 
     target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, block_size=4)
@@ -293,7 +294,7 @@ def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, see
     context catches up on the tokens committed by plain steps."""
     import random
 
-    from hf_diffspec.runtime.gates import SpeculationGate
+    from hf_diffspec.runtime.control_gates import SpeculationGate
 
     rng = random.Random(seed)
     monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: rng.random() < 0.5)
@@ -323,7 +324,7 @@ def test_a_poisoned_profile_file_is_measured_again_on_load(tmp_path, monkeypatch
     """A profile cached while another process held the cores (T(1) 5x its quiet value; a 4-token forward at 0.48x a
     1-token one, as seen on a 2-core machine) is not trusted: the next call measures again and decides as the quiet
     profile does."""
-    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime import control_profiles as cost_model
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -335,8 +336,8 @@ def test_a_poisoned_profile_file_is_measured_again_on_load(tmp_path, monkeypatch
     save_profile(target, poisoned)
     assert decisions(VerifyCost(poisoned)) != decisions(VerifyCost(QUIET))  # the poison changes what is verified
     monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: QUIET)
-    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
-        cost = VerifyCost.for_target(target)
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.control_profiles"):
+        cost = verify_cost_for(target)
     assert "measuring it again" in caplog.text
     assert decisions(cost) == decisions(VerifyCost(QUIET))
     assert cost_model.read_profile(cost_model.profile_path(target)) == (QUIET, None)  # the quiet one is cached
@@ -345,7 +346,7 @@ def test_a_poisoned_profile_file_is_measured_again_on_load(tmp_path, monkeypatch
 def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monkeypatch, caplog):
     """A profile measured while the machine was busy all along (every forward 5x slower: a plausible curve) is caught
     by the loop: its steps run far faster than profiled, so it is measured again, once, with one log line."""
-    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime import control_profiles as cost_model
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     target = tiny_target("qwen3", seed=6, sharpen=4)
@@ -366,40 +367,40 @@ def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monk
                         record(self, step))
     drafter = tiny_drafter(target, block_size=8)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.control_profiles"):
         for _ in range(2):
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False)
             assert torch.equal(out, target.generate(ids, max_new_tokens=40, do_sample=False))
     assert len(measured) == 1 and caplog.text.count("live steps disagree") == 1
     assert max(step_seconds) < 0.9, "the re-measurement's time was charged to a step (and the gates)"
-    assert VerifyCost.for_target(target).costs == QUIET
+    assert verify_cost_for(target).costs == QUIET
     assert cost_model.read_profile(cost_model.profile_path(target)) == (QUIET, None)
 
 
 def test_a_profile_measured_under_load_is_not_cached(tmp_path, monkeypatch, caplog):
     """Two processes spinning on the cores while the first call measures: the profile is used by this process but
     not written, so the next process measures on a quieter machine."""
-    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime import control_profiles as cost_model
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     target = tiny_target("llama")
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         time.sleep(0.5)
-        with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
-            cost = VerifyCost.for_target(target)
+        with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.control_profiles"):
+            cost = verify_cost_for(target)
     finally:
         for spinner in spinners:
             spinner.kill()
     assert cost is not None and "busy machine" in caplog.text
     assert not cost_model.profile_path(target).exists()
     monkeypatch.setattr(cost_model, "measure_verify_cost", None)  # this process measures once
-    assert VerifyCost.for_target(target).costs == cost.costs
+    assert verify_cost_for(target).costs == cost.costs
 
 
 def test_other_processes_load_counts_other_processes_only(monkeypatch):
     """Machine-wide busy time minus this process's own CPU time, per second of wall time."""
-    from hf_diffspec.runtime import cost_model
+    from hf_diffspec.runtime import control_profiles as cost_model
 
     readings = {"busy": iter([100.0, 103.0]), "own": iter([10.0, 11.8]), "clock": iter([50.0, 52.0])}
     monkeypatch.setattr(cost_model, "_machine_busy_seconds", lambda: next(readings["busy"]))
@@ -432,8 +433,8 @@ def test_profile_show_and_clear(tmp_path, monkeypatch, capsys):
 def test_a_damaged_profile_file_is_reported_once_and_measured_again(tmp_path, monkeypatch, caplog, damage):
     """A profile cut short (a full disk), overwritten, from another program or emptied: the call logs one line
     naming the file, measures the profile again and decodes exactly as plain generate; the next call too."""
-    from hf_diffspec.runtime import cost_model
-    from hf_diffspec.runtime.state import reset_speculation_state
+    from hf_diffspec.runtime import control_profiles as cost_model
+    from hf_diffspec.runtime.control_state import reset_speculation_state
 
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     reset_speculation_state()  # as a new process: the profile is read from the file
@@ -448,7 +449,7 @@ def test_a_damaged_profile_file_is_reported_once_and_measured_again(tmp_path, mo
     monkeypatch.setattr(cost_model, "measure_verify_cost", lambda target, **kw: measured.append(1) or QUIET)
     drafter = tiny_drafter(target, block_size=8)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.control_profiles"):
         for _ in range(2):
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
             assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
@@ -460,8 +461,8 @@ def test_a_damaged_profile_file_is_reported_once_and_measured_again(tmp_path, mo
 def test_a_cache_folder_that_cannot_be_written_gives_identical_output(tmp_path, monkeypatch, caplog):
     """HF_DIFFSPEC_CACHE under a regular file (as a read-only home in a container): the profile is measured, cannot
     be saved (one log line), and every call decodes exactly as plain generate."""
-    from hf_diffspec.runtime import cost_model
-    from hf_diffspec.runtime.state import reset_speculation_state
+    from hf_diffspec.runtime import control_profiles as cost_model
+    from hf_diffspec.runtime.control_state import reset_speculation_state
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -474,7 +475,7 @@ def test_a_cache_folder_that_cannot_be_written_gives_identical_output(tmp_path, 
     target = tiny_target("llama", seed=7, sharpen=4)
     drafter = tiny_drafter(target, block_size=8)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(1))
-    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.control_profiles"):
         for _ in range(2):
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
             assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))

@@ -8,7 +8,7 @@ from transformers import AutoModel
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
-from hf_diffspec.runtime.prefix_tree import build_prefix_tree, plan_branches
+from hf_diffspec.runtime.drafting_prefix_tree import build_prefix_tree, plan_branches
 from helpers import (
     ProposalRecorder,
     decoy_oracle_drafter_outputs,
@@ -108,7 +108,7 @@ def test_dual_drafter_saves_and_loads_as_one_checkpoint(tmp_path):
     target = tiny_target("llama")
     dual = dual_for(target, num_branches=2, tree_budget=9)
     hf_diffspec.save_drafter(dual, tmp_path)
-    assert (tmp_path / "modeling_dual_drafter.py").exists() and (tmp_path / "custom_generate" / "prefix_tree.py").exists()
+    assert (tmp_path / "modeling_dual_drafter.py").exists() and (tmp_path / "custom_generate" / "drafting_prefix_tree.py").exists()
     loaded = hf_diffspec.DualDiffusionDrafter.from_pretrained(tmp_path, target=target)
     assert loaded.config.num_branches == 2 and loaded.config.tree_budget == 9 and loaded.vp is not None
     assert isinstance(AutoModel.from_pretrained(tmp_path), hf_diffspec.DualDiffusionDrafter)

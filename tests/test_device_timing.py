@@ -11,8 +11,8 @@ import torch
 from hf_diffspec.bench import run_benchmark
 from hf_diffspec.bench import runner
 from hf_diffspec.runtime import device_clock
-from hf_diffspec.runtime.batch import BatchState
-from hf_diffspec.runtime.policy import DraftLengthPolicy
+from hf_diffspec.runtime.verifier import TargetVerifier
+from hf_diffspec.runtime.control_policy import DraftLengthPolicy
 from helpers import random_ids, tiny_drafter, tiny_target
 
 
@@ -39,7 +39,7 @@ def fake_device(monkeypatch):
     return device
 
 
-VERIFY, KEEP, DRAFT = 2.0, 1.0, 0.25  # device seconds of a target forward, of keep_accepted, of a drafter forward
+VERIFY, KEEP, DRAFT = 2.0, 1.0, 0.25  # device seconds of a target forward, of the verifier's keep, of a drafter forward
 
 
 @pytest.mark.every_step_speculates("each step's draft time is that of one drafter forward")
@@ -48,14 +48,15 @@ def test_a_step_is_timed_with_the_device_work_it_launched(fake_device, monkeypat
     drafter = tiny_drafter(target, block_size=4, draft_tree_budget=4)  # best-first trees record every draft time
     target.register_forward_hook(lambda *_: fake_device.launch(VERIFY))
     drafter.register_forward_hook(lambda *_: fake_device.launch(DRAFT))
-    keep_accepted = BatchState.keep_accepted
+    keep = TargetVerifier.keep
 
     def keep_launching(self, *args, **kwargs):  # the cache gathers run on the device after the step's read
-        keep_accepted(self, *args, **kwargs)
+        kept = keep(self, *args, **kwargs)
         fake_device.launch(KEEP)
+        return kept
 
     draft_times = []
-    monkeypatch.setattr(BatchState, "keep_accepted", keep_launching)
+    monkeypatch.setattr(TargetVerifier, "keep", keep_launching)
     monkeypatch.setattr(DraftLengthPolicy, "record_draft_time", lambda self, seconds: draft_times.append(seconds))
     out = target.generate(random_ids(0, 6), max_new_tokens=12, do_sample=False, assistant_model=drafter,
                           return_dict_in_generate=True)
@@ -64,8 +65,8 @@ def test_a_step_is_timed_with_the_device_work_it_launched(fake_device, monkeypat
     assert steps >= 3 and stats.draft_forwards >= steps - 1  # the last step may have no room left to draft
     assert draft_times == [DRAFT] * stats.draft_forwards
     assert stats.draft_time_s == DRAFT * stats.draft_forwards
-    assert stats.verify_time_s == (VERIFY + KEEP) * steps  # keep_accepted is its own step's, not the next one's
-    assert stats.prefill_time_s == VERIFY  # the prefill forward; its keep_accepted is not the first step's
+    assert stats.verify_time_s == (VERIFY + KEEP) * steps  # keep is its own step's, not the next one's
+    assert stats.prefill_time_s == VERIFY  # the prefill forward; keep is not the first step's
     assert stats.total_time_s == stats.prefill_time_s + stats.draft_time_s + stats.verify_time_s
 
 

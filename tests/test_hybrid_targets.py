@@ -1,7 +1,7 @@
 """Qwen3.5 / Qwen3.6 targets (dense and MoE): Gated DeltaNet linear-attention layers beside full-attention ones.
 
 A verify forward advances the linear layers' recurrent and convolution states through every verified token; after a
-rejection the loop must leave them as if only the accepted tokens had been seen (`runtime/recurrent_state.py`).
+rejection the loop must leave them as if only the accepted tokens had been seen (`runtime/verify_recurrent.py`).
 The oracle drafts the target's own continuation with random corruptions, so steps both accept a whole chain and stop
 inside one; the tests check that both happen."""
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from hf_diffspec.runtime import decoding
+from hf_diffspec.runtime import verifier as verifier_module
 from hf_diffspec.runtime.drafting import (
     BestFirstTreeCandidateGenerator,
     DiffusionCandidateGenerator,
     PrefixTreeCandidateGenerator,
 )
-from hf_diffspec.runtime.kv_cache import select_rows
-from hf_diffspec.runtime.recurrent_state import RecurrentStates, _tree_forward
-from hf_diffspec.runtime.sliding_window import full_kv_cache
+from hf_diffspec.runtime.verify_cache import select_rows
+from hf_diffspec.runtime.verify_recurrent import RecurrentStates, _tree_forward
+from hf_diffspec.runtime.verify_cache import full_kv_cache
 from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 from helpers import (
     NoisyOracle,
@@ -42,13 +42,13 @@ KINDS = ["qwen3_5", "qwen3_5_moe"]
 
 def chains_verified(monkeypatch) -> list:
     """Records, for every verify forward of the loop, whether all of its trees were chains."""
-    seen, build = [], decoding.tree_forward_inputs
+    seen, build = [], verifier_module.tree_forward_inputs
 
     def recording(trees, *args):
         seen.append(all(tree.is_chain for tree in trees))
         return build(trees, *args)
 
-    monkeypatch.setattr(decoding, "tree_forward_inputs", recording)
+    monkeypatch.setattr(verifier_module, "tree_forward_inputs", recording)
     return seen
 
 

@@ -11,9 +11,10 @@ from transformers import AutoConfig, AutoModel, DynamicCache
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
-from hf_diffspec.runtime.kv_cache import gather_slots
+from hf_diffspec.runtime.verify_cache import gather_slots
 from hf_diffspec.modeling import default_target_layer_ids
-from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
+from hf_diffspec.runtime.tree import CandidateTree
+from hf_diffspec.runtime.verify_inputs import tree_forward_inputs
 from helpers import tiny_drafter, tiny_family_target, tiny_target
 
 

@@ -4,9 +4,9 @@ losslessness with them (grafted onto drafter trees and chains, and verified alon
 import pytest
 import torch
 
-from hf_diffspec.runtime.gates import AlwaysSpeculate, SpeculationGates, StepKind, StepRecord
-from hf_diffspec.runtime.lookup import PromptLookup, graft
-from hf_diffspec.runtime.policy import DraftLengthPolicy
+from hf_diffspec.runtime.control_gates import AlwaysSpeculate, SpeculationGates, StepKind, StepRecord
+from hf_diffspec.runtime.drafting_lookup import PromptLookup, graft
+from hf_diffspec.runtime.control_policy import DraftLengthPolicy
 from hf_diffspec.runtime.tree import CandidateTree
 from helpers import tiny_drafter, tiny_target
 
@@ -184,7 +184,7 @@ def test_sampling_does_not_look_up_and_bad_values_are_refused():
 
 
 def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_them_pay():
-    from hf_diffspec.runtime.cost_model import VerifyCost
+    from hf_diffspec.runtime.control_profiles import VerifyCost
 
     flat_at_one_row_steep_at_four = VerifyCost({1: {1: 1.0, 2: 1.0, 16: 1.0}, 4: {1: 1.0, 2: 2.0, 16: 16.0}})
     policy = DraftLengthPolicy(block_size=16, verify_cost=flat_at_one_row_steep_at_four)

@@ -2,8 +2,8 @@
 
 Two levels, both against EXACT laws (not against a second sample):
 - the rule itself (`choose_token_among_drafts`) on fixed (p, q) over 6 tokens, 100,000 calls per form: a chain's one
-  child, and siblings drawn without replacement as the runtime draws them (`prefix_tree.py`: a D²SD node's main
-  draft, then the alternative from the VP law without it; `best_first_tree.py`: child j from q without its earlier
+  child, and siblings drawn without replacement as the runtime draws them (`drafting_prefix_tree.py`: a D²SD node's main
+  draft, then the alternative from the VP law without it; `drafting_best_first.py`: child j from q without its earlier
   siblings). The committed token must follow p, and (accepted sibling or none, token) its exact law;
 - whole `generate` calls of tiny real targets over 6 tokens (Llama, Qwen3, Qwen3.5 Gated DeltaNet), drafts drawn
   from fixed laws that are not the target's (the drafter's `_distributions` replaced, so trees carry the very laws

@@ -85,7 +85,7 @@ def test_a_selector_is_added_to_a_dflash_checkpoint_as_a_no_op(tmp_path):
 def test_selector_trees_branch_coherently_and_greedy_stays_identical():
     """With a tree budget, the selector gives the branches: each node's children are its slot's candidates ranked
     by the selector given that node's own token."""
-    from hf_diffspec.runtime.best_first_tree import build_selector_tree
+    from hf_diffspec.runtime.drafting_best_first import build_selector_tree
 
     target = tiny_target("llama", seed=4)
     _, drafter = _with_selector(target, seed=4, scramble=True, block_size=6, draft_tree_budget=8, draft_tree_width=2)

@@ -1,5 +1,5 @@
-"""What the runtime keeps across `generate` calls (`hf_diffspec.runtime.state`): held weakly by the models it is
-about, and forgotten by `hf_diffspec.reset_speculation_state()`."""
+"""What the runtime keeps across `generate` calls (`hf_diffspec.runtime.control_state`): on the target, drafters held
+weakly, and forgotten by `hf_diffspec.reset_speculation_state()`."""
 
 import gc
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import hf_diffspec
-from hf_diffspec.runtime.cost_model import VerifyCost, save_profile
+from hf_diffspec.runtime.control_profiles import VerifyCost, save_profile, verify_cost_for
 from hf_diffspec.runtime.drafting import candidate_generator_for
-from hf_diffspec.runtime.gates import keep_speculation_gates, speculation_gates_for
-from hf_diffspec.runtime.state import SPECULATION_STATE
+from hf_diffspec.runtime.control_gates import keep_speculation_gates, speculation_gates_for
+from hf_diffspec.runtime.control_state import MEMORY_ATTRIBUTE, memory_of
 from helpers import tiny_drafter, tiny_target
 
 
@@ -46,7 +46,7 @@ def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
     out = target.generate(ids, **kwargs)
     stats = out.speculation_stats
     assert stats.plain_steps == stats.target_forwards - 1  # what was measured before the call held: no drafter step
-    cost = VerifyCost.for_target(target)
+    cost = verify_cost_for(target)
     assert cost.corrections  # the call's steps refined the profile, for the next call
     kept = candidate_generator_for(drafter, target).policy.gates
     assert kept is not policy.gates and kept.drafter.steps.keys() >= policy.gates.drafter.steps.keys()
@@ -54,7 +54,7 @@ def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
     hf_diffspec.reset_speculation_state()
     fresh = candidate_generator_for(drafter, target).policy.gates
     assert not fresh.drafter.steps
-    fresh_cost = VerifyCost.for_target(target)
+    fresh_cost = verify_cost_for(target)
     assert not fresh_cost.corrections and fresh_cost.costs == cost.costs
     out = target.generate(ids, **kwargs)
     stats = out.speculation_stats
@@ -62,23 +62,24 @@ def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
 
 
 def test_gates_are_held_weakly_by_drafter_and_target():
-    """A collected target's (or drafter's) measurements go with it: a model created later never starts from them,
-    whatever address it gets."""
+    """The measurements live on the target: a collected target's go with it (a model created later never starts
+    from them, whatever address it gets), and a collected drafter's entries leave the target's memory."""
     target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, block_size=4)
     for model in (target, other):
         gates = speculation_gates_for(drafter, model, "DiffusionCandidateGenerator")
         _speculation_loses(gates)
         keep_speculation_gates(drafter, model, "DiffusionCandidateGenerator", gates)
-    assert len(SPECULATION_STATE.gates[drafter]) == 2
+    assert len(memory_of(target).gates[drafter]) == 1 and len(memory_of(other).gates[drafter]) == 1
     assert speculation_gates_for(drafter, target, "DiffusionCandidateGenerator").drafter.steps == gates.drafter.steps
     assert not speculation_gates_for(drafter, target, "BestFirstTreeCandidateGenerator").drafter.steps
+    memory = memory_of(other)
     del other, model
     gc.collect()
-    assert list(SPECULATION_STATE.gates[drafter]) == [target]
+    assert len(memory.gates) == 1  # held by nothing but this test now: the target that kept it is gone
     del drafter
     gc.collect()
-    assert len(SPECULATION_STATE.gates) == 0
+    assert len(memory_of(target).gates) == 0 and len(memory.gates) == 0
 
 
 def test_a_fixed_length_keeps_no_state():
@@ -86,4 +87,4 @@ def test_a_fixed_length_keeps_no_state():
     drafter = tiny_drafter(target, block_size=4)
     policy = candidate_generator_for(drafter, target, num_draft_tokens=2).policy
     assert isinstance(policy, hf_diffspec.FixedLength) and policy.depth_limit(0, 10) == 2
-    assert drafter not in SPECULATION_STATE.gates and not SPECULATION_STATE.verify_costs
+    assert MEMORY_ATTRIBUTE not in target.__dict__  # a fixed length neither reads nor keeps anything

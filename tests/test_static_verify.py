@@ -1,4 +1,4 @@
-"""The capture-ready verify step (`cache_implementation="static"`, `hf_diffspec/runtime/static_verify.py`): the same
+"""The capture-ready verify step (`cache_implementation="static"`, `hf_diffspec/runtime/verify_graphs.py`): the same
 tokens as plain generate and as the default path, with every input of the verify forward in a buffer that keeps its
 address and shape from step to step, and no host read inside that forward (a CUDA graph could not be captured over
 one). The statistics asserted need every step to speculate: these tests carry `every_step_speculates`."""
@@ -8,8 +8,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hf_diffspec.bench.host_syncs import DEVICE_TO_HOST
-from hf_diffspec.runtime import batch as batch_module
-from hf_diffspec.runtime.static_verify import VERIFY_WIDTHS, verify_width
+from hf_diffspec.runtime import verifier as verifier_module
+from hf_diffspec.runtime.verify_inputs import VERIFY_WIDTHS, verify_width
 from helpers import (NoisyOracle, assert_sampling_matches_plain, install_oracle, random_ids, tiny_drafter,
                      tiny_family_target, tiny_hybrid_target, tiny_target)
 
@@ -71,7 +71,7 @@ def test_static_cache_is_identical_to_plain_generate_with_persistent_inputs(monk
     slots, or only at the end): plain generate's tokens; every verify forward at a bucketed width reads the
     preallocated cache (one address per layer while the batch keeps its rows) through a mask over all of it, with
     tokens, mask and positions in one buffer per (rows, width), and reads nothing on the host."""
-    monkeypatch.setattr(batch_module, "COMPACT_AFTER_HIDDEN_SLOTS", compact_after)
+    monkeypatch.setattr(verifier_module, "COMPACT_AFTER_HIDDEN_SLOTS", compact_after)
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=6)
     ids = random_ids(4, 8, rows=rows)
@@ -112,9 +112,9 @@ def test_static_cache_matches_the_default_path_when_rows_finish_early(monkeypatc
     reference = target.generate(ids, **kwargs)
     kwargs["prompt_lookup_num_tokens"] = 3
     rows_alive = []
-    select_rows = batch_module.select_rows
-    monkeypatch.setattr(batch_module, "select_rows", lambda cache, index: (rows_alive.append(len(index)),
-                                                                            select_rows(cache, index)))
+    select_rows = verifier_module.select_rows
+    monkeypatch.setattr(verifier_module, "select_rows", lambda cache, index: (rows_alive.append(len(index)),
+                                                                              select_rows(cache, index)))
     default = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
     static = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True,
                              cache_implementation="static", **kwargs)
@@ -211,11 +211,10 @@ def test_verify_graphs_replay_to_plain_generates_tokens(monkeypatch, rows, branc
     """`HF_DIFFSPEC_CUDA_GRAPHS=1` on a GPU: one graph per (rows, width), captured on its shape's first step and
     replayed after. Emulated here with graph semantics (static outputs overwritten by each replay, a capture that
     leaves the cache's lengths alone): plain generate's tokens, and most steps replayed."""
-    from hf_diffspec.runtime import decoding
 
     emulated = EmulatedGraphs()
-    monkeypatch.setattr(decoding, "graph_backend", lambda device: emulated)  # on a GPU: CudaGraphs
-    monkeypatch.setattr(batch_module, "COMPACT_AFTER_HIDDEN_SLOTS", 8)
+    monkeypatch.setattr(verifier_module, "graph_backend", lambda device: emulated)  # on a GPU: CudaGraphs
+    monkeypatch.setattr(verifier_module, "COMPACT_AFTER_HIDDEN_SLOTS", 8)
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=6)
     ids = random_ids(4, 8, rows=rows)

@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_diffspec.runtime import sliding_window
+from hf_diffspec.runtime import verify_inputs
 from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
-from hf_diffspec.runtime.sliding_window import AttentionLayout, verify_masks
-from hf_diffspec.runtime.tree import CandidateTree, TreeLayout, tree_forward_inputs
+from hf_diffspec.runtime.verify_inputs import AttentionLayout, verify_masks
+from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
+from hf_diffspec.runtime.verify_inputs import tree_forward_inputs
 from helpers import (
     FAMILIES,
     NoisyOracle,
@@ -178,7 +179,7 @@ def test_a_window_off_by_one_breaks_identity(monkeypatch, one_torch_thread):
     ref = target.generate(ids, attention_mask=mask, **kwargs)
     install_oracle(monkeypatch, NoisyOracle(references(ref, mask), vocab_size=128, noise=0.25, seed=1))
     layout = AttentionLayout.of(target.config)
-    monkeypatch.setattr(sliding_window.AttentionLayout, "of",
+    monkeypatch.setattr(verify_inputs.AttentionLayout, "of",
                         classmethod(lambda cls, config: cls(layout.sliding_window - 1, layout.mixed)))
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
     assert not torch.equal(out, ref)
@@ -215,7 +216,8 @@ def test_sliding_layers_hold_a_bounded_number_of_keys_over_a_thousand_tokens(mon
     """A sliding layer keeps the keys within some row's window (and the cache's tail of tree nodes not yet compacted),
     as plain generate keeps its window: its size does not grow with the output, and the output stays identical.
     Left-padded rows with trees, and chains of rows without padding, which see every slot until they diverge."""
-    from hf_diffspec.runtime.batch import COMPACT_AFTER_HIDDEN_SLOTS, BatchState
+    from hf_diffspec.runtime.verifier import COMPACT_AFTER_HIDDEN_SLOTS, TargetVerifier
+    from hf_diffspec.runtime.verify_cache import WindowedLayer
 
     window, block = 8, 6
     target = tiny_family_target(family, seed=3, window=window, sharpen=3)
@@ -229,15 +231,16 @@ def test_sliding_layers_hold_a_bounded_number_of_keys_over_a_thousand_tokens(mon
         drafter = tiny_drafter(target, block_size=block, draft_tree_budget=8, draft_tree_width=2)
         oracle_drafter_outputs(monkeypatch, drafter, target, references(ref, mask), margin=4.0)
     held, full = [], []
-    keep_accepted = BatchState.keep_accepted
+    keep = TargetVerifier.keep
 
     def recording(self, *args, **kwargs):
-        keep_accepted(self, *args, **kwargs)
+        kept = keep(self, *args, **kwargs)
         layers = self.cache.layers
-        held.append(max(layer.keys.shape[2] for layer in layers if isinstance(layer, sliding_window.WindowedLayer)))
+        held.append(max(layer.keys.shape[2] for layer in layers if isinstance(layer, WindowedLayer)))
         full.append(self.cache.get_seq_length())
+        return kept
 
-    monkeypatch.setattr(BatchState, "keep_accepted", recording)
+    monkeypatch.setattr(TargetVerifier, "keep", recording)
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
     assert torch.equal(out, ref)
     assert full[-1] > 1000 and len(held) > 100

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 import hf_diffspec
-from hf_diffspec.runtime.cost_model import save_profile
+from hf_diffspec.runtime.control_profiles import save_profile
 from hf_diffspec.trainers.block_diffusion import BlockDiffusionCollator, block_attention_mask
 from hf_diffspec.trainers.data import DrafterDataset, ShardWriter, write_generated_data
 from hf_diffspec.trainers.configs import DrafterTrainingArguments, LengthHeadConfig, OnPolicyDistillationConfig

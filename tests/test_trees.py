@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_diffspec.runtime.best_first_tree import best_first_shape, build_best_first_tree
+from hf_diffspec.runtime.drafting_best_first import best_first_shape, build_best_first_tree
 from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
 from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 from helpers import NoisyOracle, assert_sampling_matches_plain, install_oracle, random_ids, tiny_drafter, tiny_target
@@ -215,8 +215,8 @@ def test_trees_from_slot_by_slot_logits_are_the_trees_of_the_whole_block(monkeyp
 @pytest.mark.parametrize("sharpness", [8.0, 60.0])
 @pytest.mark.every_step_speculates("counts the slots each step computed")
 def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(monkeypatch, sharpness):
-    from hf_diffspec.runtime import drafting
-    from hf_diffspec.runtime.cost_model import VerifyCost
+    from hf_diffspec.runtime import control_policy, drafting
+    from hf_diffspec.runtime.control_cost import VerifyCost
     from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
 
     monkeypatch.setattr(drafting, "ONE_PASS_SLOTS", 0)  # growing chunks, as for a large batch
@@ -224,7 +224,7 @@ def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(m
     drafter = tiny_drafter(target, block_size=16, seed=2)
     # verifying costs little, so the chain length follows the drafter's confidences: a hesitant drafter (sharpness
     # 8) drafts short chains, a confident one (60) long ones
-    monkeypatch.setattr(VerifyCost, "for_target", classmethod(lambda cls, t: VerifyCost({1: {1: 1.0, 16: 1.3}})))
+    monkeypatch.setattr(control_policy, "verify_cost_for", lambda target: VerifyCost({1: {1: 1.0, 16: 1.3}}))
     monkeypatch.setattr(DiffusionCandidateGenerator, "_distributions",
                         lambda self, logits: (logits.float() * sharpness).softmax(-1))
     ids = torch.randint(2, 24, (2, 6), generator=torch.Generator().manual_seed(2))
@@ -246,21 +246,21 @@ def test_accepted_paths_stay_in_place_and_hidden_nodes_are_dropped_in_batches(mo
     that no row accepted: hidden per row, then dropped by a compaction every `compact_after` hidden slots (4: many
     times a call) or only at the end (10,000). Both are plain generate's tokens, two rows and one; the cache returned
     at batch 1 holds the committed tokens alone and goes on exactly like plain generate's."""
-    from hf_diffspec.runtime import batch as batch_module
+    from hf_diffspec.runtime import verifier as verifier_module
 
-    monkeypatch.setattr(batch_module, "COMPACT_AFTER_HIDDEN_SLOTS", compact_after)
+    monkeypatch.setattr(verifier_module, "COMPACT_AFTER_HIDDEN_SLOTS", compact_after)
     hidden, moves = [], []
-    compact = batch_module.BatchState.compact
+    compact = verifier_module.TargetVerifier.compact
 
-    def hidden_slots(batch):
-        return batch.cache_valid.shape[1] - batch._tail_start - max(batch._tail_counts, default=0)
+    def hidden_slots(verifier):
+        return verifier.valid.shape[1] - verifier._tail_start - max(verifier._tail_counts, default=0)
 
-    def recording_compact(self):
+    def recording_compact(self, *args):
         hidden.append(hidden_slots(self))
-        compact(self)
+        compact(self, *args)
         moves.append(hidden[-1] - hidden_slots(self))
 
-    monkeypatch.setattr(batch_module.BatchState, "compact", recording_compact)
+    monkeypatch.setattr(verifier_module.TargetVerifier, "compact", recording_compact)
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=6)
     for rows in (2, 1):
@@ -282,7 +282,7 @@ def test_accepted_paths_stay_in_place_and_hidden_nodes_are_dropped_in_batches(mo
 def test_a_sampled_prefix_tree_skips_a_branch_whose_law_holds_only_the_main_draft():
     """D²SD, sampling: where the second drafter puts all its mass on the main draft (a low temperature), there is
     no alternative to draw; the branch is left out (it raised `invalid multinomial distribution` before)."""
-    from hf_diffspec.runtime.prefix_tree import build_prefix_tree
+    from hf_diffspec.runtime.drafting_prefix_tree import build_prefix_tree
 
     first = torch.zeros(3, 6)
     first[:, 2] = 1.0  # the main chain: 2, 2, 2

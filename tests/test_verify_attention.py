@@ -9,7 +9,8 @@ import transformers.integrations.sdpa_attention as sdpa_attention
 from transformers import DynamicCache
 
 from hf_diffspec.runtime import verify_attention as va
-from hf_diffspec.runtime.tree import CandidateTree, tree_forward_inputs
+from hf_diffspec.runtime.tree import CandidateTree
+from hf_diffspec.runtime.verify_inputs import MASK_ALIGNMENT, packed_mask, tree_forward_inputs
 from helpers import (NoisyOracle, ProposalRecorder, install_oracle, random_ids, tiny_drafter, tiny_family_target,
                      tiny_target)
 
@@ -49,7 +50,7 @@ def test_verify_outputs_equal_sdpa_for_chains_trees_and_ragged_rows(family):
                                                   torch.float32)
     assert mask is not None
     if family != "llama":  # sliding layers take their window through the mask
-        from hf_diffspec.runtime.sliding_window import AttentionLayout, verify_masks
+        from hf_diffspec.runtime.verify_inputs import AttentionLayout, verify_masks
         from hf_diffspec.runtime.tree import TreeLayout
 
         mask = verify_masks(AttentionLayout.of(model.config), mask, TreeLayout.of(trees, tokens.device).depths, valid,
@@ -95,10 +96,10 @@ def test_packed_attention_takes_the_strided_output_cuda_kernels_return(monkeypat
 def test_packed_mask_rows_are_aligned_and_built_once_per_forward():
     mask = torch.zeros(3, 1, 4, 21)
     with va.verify_attention(tiny_target()):
-        first = va._packed_mask(mask, 2, 4, 21, None, torch.float32, mask.device)
-        again = va._packed_mask(mask, 2, 4, 21, None, torch.float32, mask.device)
+        first = packed_mask(mask, 2, 4, 21, None, torch.float32, mask.device, va._memo())
+        again = packed_mask(mask, 2, 4, 21, None, torch.float32, mask.device, va._memo())
     assert first is again and first.shape == (3, 1, 8, 21)
-    assert all(stride % va.MASK_ALIGNMENT == 0 for stride in first.stride()[:-1]) and first.stride(-1) == 1
+    assert all(stride % MASK_ALIGNMENT == 0 for stride in first.stride()[:-1]) and first.stride(-1) == 1
 
 
 @pytest.mark.parametrize("kind", ["chains", "ragged-trees"])

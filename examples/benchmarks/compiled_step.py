@@ -5,7 +5,8 @@ import time
 
 import torch
 
-from hf_diffspec.runtime.tree import CandidateTree, TreeLayout, tree_forward_inputs
+from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
+from hf_diffspec.runtime.verify_inputs import tree_forward_inputs
 
 
 def accept(choice, tokens, parents, depths, ancestors):

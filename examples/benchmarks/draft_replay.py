@@ -20,7 +20,7 @@ import torch
 from hf_diffspec import load_target
 from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime.best_first_tree import best_first_shape
+from hf_diffspec.runtime.drafting_best_first import best_first_shape
 from hf_diffspec.trainers.draft_vocabulary import count_response_tokens, special_token_ids, top_tokens
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

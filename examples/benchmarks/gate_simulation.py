@@ -19,7 +19,7 @@ decoding time each gate may spend probing the arm that loses (the library's defa
 import argparse
 import random
 
-from hf_diffspec.runtime.gates import SpeculationGate, SpeculationGates, StepKind, StepRecord
+from hf_diffspec.runtime.control_gates import SpeculationGate, SpeculationGates, StepKind, StepRecord
 
 ACCEPTED, PROBABILITIES = [1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1]
 

@@ -29,8 +29,8 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from hf_diffspec.bench.oracle import OracleCandidateGenerator, _loop_drafting, oracle_acceptance
 from hf_diffspec.modeling import DiffusionDrafter
-from hf_diffspec.runtime.recurrent_state import CONSUMED_PROJECTIONS, _advance
-from hf_diffspec.runtime.sliding_window import full_kv_cache
+from hf_diffspec.runtime.verify_recurrent import CONSUMED_PROJECTIONS, _advance
+from hf_diffspec.runtime.verify_cache import full_kv_cache
 from hf_diffspec.runtime.tree import CandidateTree
 
 SIZES = {

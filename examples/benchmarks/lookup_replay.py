@@ -1,6 +1,6 @@
 """Replay prompt lookup offline on the target's own greedy outputs: how many lookup drafts a step would get accepted,
-for the choices `hf_diffspec.runtime.lookup.PromptLookup` makes (which earlier occurrence to copy from, the longest
-suffix matched), how acceptance depends on depth, and on the length of the match.
+for the choices `hf_diffspec.runtime.drafting_lookup.PromptLookup` makes (which earlier occurrence to copy from, the
+longest suffix matched), how acceptance depends on depth, and on the length of the match.
 
     python examples/benchmarks/lookup_replay.py --prompts 10 --max-new-tokens 256 --outputs /tmp/greedy.json
 

@@ -23,7 +23,7 @@ from hf_diffspec import load_target
 from hf_diffspec.bench import encode_batches
 from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime.gates import SpeculationGates, StepKind
+from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import torch
 from hf_diffspec import load_target
 from hf_diffspec.bench import Method, build_method_drafters, encode_batches, run_method
 from hf_diffspec.prompts import load_prompts, load_prompts_file
-from hf_diffspec.runtime.gates import SpeculationGates, StepKind
+from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from hf_diffspec import load_target
 from hf_diffspec.bench import Method, run_benchmark, summarize
 from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime.cost_model import VerifyCost
+from hf_diffspec.runtime.control_profiles import verify_cost_for
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -42,7 +42,7 @@ for n in sizes:
 prompts = load_prompts(args.domains.split(","), n_per_domain=args.prompts, tokenizer=tokenizer)
 rows = {r["method"]: r for r in summarize(run_benchmark(target, tokenizer, methods, prompts, args.max_new_tokens))
         if r["domain"] == "all"}
-cost = VerifyCost.for_target(target)
+cost = verify_cost_for(target)
 
 print(f"plain generate: {rows['ar']['tokens_per_s']:.1f} tokens/s")
 print("| nodes per step | chain tau | chain tokens/s | tree tau | tree tokens/s | tree / chain speed | T(n)/T(1) |")

@@ -1,5 +1,5 @@
 """A CUDA graph captured over the capture-ready verify forward (`cache_implementation="static"`,
-`runtime/static_verify.py`): whether it can be captured, whether its replay computes what the eager forward computes,
+`runtime/verify_graphs.py`): whether it can be captured, whether its replay computes what the eager forward computes,
 and what replaying it saves per verify step.
 
 The forward is the loop's: a chain of `width` nodes per row (bucketed), verified over a preallocated cache of
@@ -16,10 +16,10 @@ import argparse
 import torch
 
 from ..runtime.device_clock import device_time
-from ..runtime.kv_cache import crop_attention
-from ..runtime.static_verify import CaptureReadyInputs, static_kv_cache, verify_width
-from ..runtime.tree import CandidateTree, TreeLayout, tree_forward_inputs
+from ..runtime.tree import CandidateTree, TreeLayout
 from ..runtime.verify_attention import verify_attention
+from ..runtime.verify_cache import crop_attention, target_cache
+from ..runtime.verify_inputs import CaptureReadyInputs, tree_forward_inputs, verify_width
 
 
 def _median_seconds(step, device, repeats: int) -> float:
@@ -37,7 +37,7 @@ def _verify_inputs(target, rows: int, context: int, nodes: int):
     device, dtype = target.device, target.dtype
     vocab = target.config.get_text_config().vocab_size
     width = verify_width(nodes)
-    cache = static_kv_cache(target.config, context + width)
+    cache = target_cache(target.config, static_length=context + width)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab, (rows, context), generator=generator).to(device)
     target(ids, position_ids=torch.arange(context, device=device).expand(rows, -1), cache=cache, use_cache=True)

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 import torch
 
 from ..modeling import DiffusionDrafter
-from ..runtime.drafting import DiffusionCandidateGenerator, default_policy
+from ..runtime.control_policy import speculation_policy
+from ..runtime.drafting import DiffusionCandidateGenerator
 from ..runtime.tree import CandidateTree
 from .counting import StepCounts
 from .method import Method
@@ -41,7 +42,7 @@ class OracleCandidateGenerator(DiffusionCandidateGenerator):
     row's anchor position indexes it directly."""
 
     def __init__(self, drafter, target, references: list[list[int]], acceptance: float, drafts: int, seed: int = 0):
-        super().__init__(drafter, target, default_policy(drafter, target, fixed=drafts))
+        super().__init__(drafter, target, speculation_policy(drafter, target, fixed=drafts))
         self.references = references
         self.acceptance = acceptance
         self.rows = list(range(len(references)))  # batch row of each row still decoding
@@ -71,18 +72,23 @@ class OracleCandidateGenerator(DiffusionCandidateGenerator):
 @contextmanager
 def _loop_drafting(make_generator):
     """Within the block, our loop drafts with `make_generator(drafter, target)` instead of the drafter's own
-    candidate generator (the loop resolves it by name in its module at each call)."""
+    candidate generator (the loop resolves `generator_class` by name in its module at each call)."""
     from ..runtime import decoding
 
-    if not hasattr(decoding, "candidate_generator_for"):
-        raise RuntimeError("the oracle benchmark replaces runtime.decoding.candidate_generator_for, which the loop no "
+    if not hasattr(decoding, "generator_class"):
+        raise RuntimeError("the oracle benchmark replaces runtime.decoding.generator_class, which the loop no "
                            "longer has: update bench.oracle._loop_drafting to the loop's new drafting hook")
-    original = decoding.candidate_generator_for
-    decoding.candidate_generator_for = lambda drafter, target, *args, **kwargs: make_generator(drafter, target)
+
+    class Oracle:  # what the loop builds its drafting from: the oracle, with its own fixed-length policy
+        def __new__(cls, drafter, target, *args, **kwargs):
+            return make_generator(drafter, target)
+
+    original = decoding.generator_class
+    decoding.generator_class = lambda drafter: Oracle
     try:
         yield
     finally:
-        decoding.candidate_generator_for = original
+        decoding.generator_class = original
 
 
 def _batch_key(inputs) -> tuple:

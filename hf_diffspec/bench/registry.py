@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..drafters import load_drafter, shipped_drafter
 from ..modeling import DiffusionDrafter, DualDiffusionDrafter
-from ..runtime.cost_model import VerifyCost
+from ..runtime.control_profiles import verify_cost_for
 from .method import PEER_METHODS, PROMPT_LOOKUP_TOKENS, SPECULATIVE_METHODS, Method
 from .peers import peer_methods
 
@@ -101,7 +101,7 @@ def _check_methods(methods: list[str]) -> None:
 
 def _check_profile(methods: list[str], target, target_name: str) -> None:
     """The methods that size drafts with the cost model need this target's verify-cost profile."""
-    if {"dflash", "adaflash", "tree", "tree-lookup"} & set(methods) and VerifyCost.for_target(target) is None:
+    if {"dflash", "adaflash", "tree", "tree-lookup"} & set(methods) and verify_cost_for(target) is None:
         dtype = str(target.dtype).replace("torch.", "")
         raise ValueError("dflash, adaflash and tree size drafts with the measured cost model: run "
                          f"`hf-diffspec profile --target {target_name} --dtype {dtype}` first (or leave "

@@ -1,10 +1,9 @@
-"""The state of a batch being decoded speculatively: its rows, what each committed, and the caches that follow them.
+"""The rows of a batch being decoded speculatively and their acceptance: what each row committed, and how.
 
-`BatchState` owns everything that must change together when rows accept different numbers of tokens or finish:
-the per-row committers (tokens, scores, stopping), the rows still decoding, their anchors, the validity of every
-cached slot per row (left padding, slots of drafts another row accepted and tree nodes off a row's accepted path are
-invisible to it), the target's KV cache and the drafter's context caches. The loop only calls `accept`,
-`keep_accepted`, `drop_finished` and, at the end, `compact`.
+`BatchState` owns the per-row committers (tokens, scores, stopping), the rows still decoding, their anchors and root
+positions, and the three ways a step's trees are accepted (on the device for every row and node at once, a plain
+step's rows by length, or token by token). The caches that follow the rows are the verifier's (`verifier.py`) and
+the drafting's: the loop hands them what `accept` and `drop_finished` decided.
 
 Stopping follows plain `generate` exactly (`_sample` in transformers 5.24): when the stopping criteria include an EOS
 criterion, a row that stops is padded with `pad_token_id` until the batch ends; without one, a stopped row goes on
@@ -30,8 +29,6 @@ from transformers import (
     SuppressTokensLogitsProcessor,
 )
 
-from .kv_cache import crop_attention, gather_slots, select_rows
-from .sliding_window import drop_old_keys
 from .tree import TreeLayout, host_to_device, index_range
 from .verification import choose_token, choose_token_among_drafts
 
@@ -41,10 +38,6 @@ PREFIX_FREE_PROCESSORS = (SuppressTokensLogitsProcessor, InfNanRemoveLogitsProce
 LENGTH_GATED_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
                            SuppressTokensAtBeginLogitsProcessor, ForcedBOSTokenLogitsProcessor,
                            ForcedEOSTokenLogitsProcessor)
-# hidden slots in the cache's tail (tree nodes off the accepted paths) that trigger a compaction: moving the accepted
-# nodes together every step costs a gather and a write per K/V tensor per step, a fixed cost per layer that an
-# 8B target's 36 layers pay on every step; a few dozen hidden slots cost the attention next to nothing
-COMPACT_AFTER_HIDDEN_SLOTS = 64
 
 
 def _inactive(processor, lengths: range) -> bool:
@@ -189,13 +182,10 @@ def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, log
 
 
 class BatchState:
-    """Rows of one speculative `generate` call and the caches that follow them (see the module docstring).
+    """Rows of one speculative `generate` call (see the module docstring).
 
     Args:
         committers: one `RowCommitter` per row, in batch order (sharing one `TokenStore`).
-        prompt_valid: (rows, prompt length) bool, the real (not padding) prompt tokens.
-        cache: the target's KV cache (prefilled with the prompts).
-        drafting: the candidate generator, whose drafter caches follow the rows.
         pads_stopped_rows: plain generate's `has_eos_stopping_criteria`: stopped rows are padded (and leave the
             batch) rather than generated on.
         logits_processor: the batch's processors (each committer holds its own row's view); steps without drafts
@@ -207,32 +197,20 @@ class BatchState:
     host; the others commit token by token (`_accept_path`), exactly as `_sample` would.
     """
 
-    def __init__(self, committers: list[RowCommitter], prompt_valid: torch.Tensor, cache, drafting,
-                 pads_stopped_rows: bool, logits_processor, sliding_window: int | None = None):
+    def __init__(self, committers: list[RowCommitter], pads_stopped_rows: bool, logits_processor):
         self.committers = committers
         self.store = committers[0].store
         self.logits_processor = logits_processor
         self.active = list(range(len(committers)))  # batch index of each row still decoding
         self.anchors: list[int] = []  # each active row's last committed token, not yet seen by the target
-        self.cache_valid = prompt_valid  # (active rows, cached slots): which slots each row may attend to
-        self.cache = cache
-        self.sliding_window = sliding_window  # the target's sliding layers drop keys out of every row's window
-        self.drafting = drafting
         self.pads_stopped_rows = pads_stopped_rows
         # on the device, each active row's anchor position (see `start`), advanced by what each step keeps
-        self.root_position_tensor = torch.zeros(prompt_valid.shape[0], dtype=torch.long, device=prompt_valid.device)
-        self.cache_all_valid = False  # known on the host: every active row may see every cached slot
-        # known on the host: every active row sees every slot it committed or was prompted with (no padding, rows in
-        # step); unlike `cache_all_valid`, blind to the tail's hidden tree nodes (the drafter's context has none)
-        self.rows_all_valid = False
-        # the cache's tail: from `_tail_start` on, slots may be hidden tree nodes; per active row, how many of them
-        # it sees (on the host)
-        self._tail_start = 0
-        self._tail_counts: list[int] = []
+        self.root_position_tensor: torch.Tensor | None = None
         self.root_shift: list[int] = []  # per row: root position - committed length (see `start`)
         self.cut_tokens: dict[int, int] = {}  # per row: committed tokens cut back when the batch ended
         self._room: torch.Tensor | None = None  # on the device, tokens each active row may still commit
-        self._accepted: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's (nodes, lengths), device
+        # the last step's (accepted nodes, counts) on the device, when it was accepted there
+        self.accepted: tuple[torch.Tensor, torch.Tensor] | None = None
         self._max_length_stops = False
         self.device_ok, self.eos_tokens, self._eos_host = self._device_acceptance(committers[0])
 
@@ -252,16 +230,21 @@ class BatchState:
         self._max_length_stops = any(type(c) is MaxLengthCriteria for c in committer.stopping_criteria)
         return True, eos, set(eos.tolist()) if eos is not None else set()
 
-    def start(self, position_offset: torch.Tensor, prompt_length: int) -> None:
-        """After the prefill: positions continue at `position_offset` + real cached tokens (the offset is 0, except
-        after a prompt that ends in a masked slot, where generate continues from that slot's position instead of the
-        count); the host keeps each row's root position as its committed length + a shift (one read, here), the
-        device as `root_position_tensor`."""
-        self.root_position_tensor = self.cache_valid.sum(-1) + position_offset
-        self.cache_all_valid = self.rows_all_valid = bool(self.cache_valid.all())
-        self._tail_start, self._tail_counts = self.cache_valid.shape[1], [0] * len(self.active)
-        self.root_shift = (self.root_position_tensor - 1 - prompt_length).tolist()
-        self._drop_old_keys()
+    def start(self, prompt_valid: torch.Tensor, position_offset: torch.Tensor) -> None:
+        """After the prefill of prompts whose real tokens are `prompt_valid` (rows, length): positions continue at
+        `position_offset` + real cached tokens (the offset is 0, except after a prompt that ends in a masked slot,
+        where generate continues from that slot's position instead of the count); the host keeps each row's root
+        position as its committed length + a shift (one read, here), the device as `root_position_tensor`."""
+        self.root_position_tensor = prompt_valid.sum(-1) + position_offset
+        self.root_shift = (self.root_position_tensor - 1 - prompt_valid.shape[1]).tolist()
+
+    def next_slots(self) -> list[int]:
+        """Each active row's next slot as plain `generate` counts them: its committed length - 1 (the anchor's)."""
+        return [self.committers[r].length - 1 for r in self.active]
+
+    def advance(self, counts: torch.Tensor) -> None:
+        """Each row's next anchor follows the `counts` (rows,) tokens the step kept."""
+        self.root_position_tensor = self.root_position_tensor + counts
 
     @property
     def root_positions(self) -> list[int]:
@@ -285,7 +268,7 @@ class BatchState:
         """Descend each active row's tree with the target's choices (`logits` (rows, nodes, vocab)), committing every
         chosen token; returns the accepted nodes per row (root first) and sets the next anchors. `layout`: the
         trees' `TreeLayout` when the caller has it."""
-        self._accepted = None
+        self.accepted = None
         depth = max(tree.max_depth for tree in trees)
         if self.device_ok and self._processors_act_alike(depth):
             return self._accept_on_device(trees, logits, layout or TreeLayout.of(trees, logits.device))
@@ -319,27 +302,7 @@ class BatchState:
             for processor in processors:
                 flat = processor(layout.tokens.reshape(-1, 1), flat)
             scores = flat.view(rows, nodes, -1)
-        choice = scores.argmax(-1)  # (rows, nodes)
-        if layout.uniform_chains:  # slot i is depth i: the path is the leading drafts that match their parent's choice
-            matches = layout.tokens[:, 1:] == choice[:, :-1]
-            reached = matches.cumprod(-1).sum(-1) + 1
-            path_nodes, committed = None, choice
-        else:
-            depths = layout.depths
-            # a drafted node is rejected when it does not carry its parent's choice (a padding slot, depth -1, is
-            # never the deepest: the root, depth 0, always qualifies)
-            rejected = (layout.tokens != choice.gather(1, layout.parents)) & (depths > 0)
-            on_accepted_path = ~(layout.ancestors & rejected[:, None, :]).any(-1)
-            # siblings carry distinct tokens: the deepest node on the accepted path is unique
-            deepest_depth, deepest = torch.where(on_accepted_path, depths, -1).max(-1)
-            reached = deepest_depth + 1
-            if layout.chains:
-                path_nodes = layout.levels.expand(rows, -1)
-            else:  # the deepest node's ancestors in node order (parents come first), then the last slot repeated
-                on_path = layout.ancestors[index_range(rows, device), deepest]  # (rows, nodes)
-                slots = torch.where(on_path, index_range(nodes, device), nodes - 1)
-                path_nodes = slots.sort(-1).values[:, : layout.max_depth + 1]
-            committed = choice.gather(1, path_nodes)  # (rows, max depth + 1)
+        reached, path_nodes, committed = _greedy_paths(layout, scores.argmax(-1))
         if self._room is None:
             self._room = host_to_device([self.committers[r].limit - self.committers[r].length for r in self.active],
                                         device)
@@ -350,7 +313,7 @@ class BatchState:
             first = torch.where(stops, levels[None], layout.max_depth + 1).min(-1).values + 1
             count = torch.minimum(count, first)
         self._room = self._room - count
-        self._accepted = (path_nodes, count)
+        self.accepted = (path_nodes, count)
         # chains need no nodes read back: a row's accepted path is its first `count` slots
         outcome = torch.cat([count[:, None], committed] + ([] if path_nodes is None else [path_nodes]), dim=1).tolist()
         width = layout.max_depth + 1
@@ -394,76 +357,6 @@ class BatchState:
             self._finished(self.committers[row])  # as `_accept_path` does after each token: may end the batch's rows
         return [[0] for _ in self.active]
 
-    def keep_accepted(self, paths: list[list[int]], hidden_states, num_slots: int) -> None:
-        """Keep each row's accepted path in the target's cache, mark its slots valid for that row only, and hand
-        their target features to the drafter.
-
-        The accepted nodes stay in the slots the tree forward wrote them to: the slots after the last accepted node
-        of every row are cropped, and the nodes before it that a row did not accept stay, hidden by its validity mask
-        (a node's key carries its own position, whatever its slot) until `compact` drops them."""
-        device = self.cache_valid.device
-        roots = self.root_position_tensor
-        lengths = [len(p) for p in paths]
-        kept = max(lengths)
-        span = max(p[-1] for p in paths) + 1  # slots up to the last accepted node (nodes follow their parents)
-        # a path whose last node is its length - 1 is its tree's first slots
-        prefixes = all(p[-1] == len(p) - 1 for p in paths)
-        if self._accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
-            nodes, counts = self._accepted
-            padded = None if prefixes else nodes[:, :kept]
-        else:
-            padded = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
-            counts = host_to_device(lengths, device)
-        if num_slots > span:
-            crop_attention(self.cache, num_slots - span)
-        offsets = index_range(kept, device)
-        accepted = offsets[None] < counts[:, None]
-        if prefixes:  # nothing hidden but a shorter row's tail
-            visible = accepted
-        else:  # a padding entry may point past `span`; it adds nothing
-            visible = torch.zeros(len(paths), span, dtype=torch.long, device=device).scatter_add_(
-                1, padded.clamp(max=span - 1), accepted.long()) > 0
-        self.rows_all_valid = self.rows_all_valid and min(lengths) == kept
-        self.cache_all_valid = self.cache_all_valid and self.rows_all_valid and prefixes
-        self.cache_valid = torch.cat([self.cache_valid, visible], dim=1)
-        self._tail_counts = [c + n for c, n in zip(self._tail_counts, lengths)]
-        index = slice(0, kept) if prefixes else padded
-        self.drafting.add_context(hidden_states, index, roots[:, None] + offsets, accepted,
-                                  all_valid=self.rows_all_valid)
-        self.root_position_tensor = roots + counts  # each row's next anchor follows the tokens it kept
-        tail = self.cache_valid.shape[1] - self._tail_start
-        # sliding layers drop only slots every row counts: rows' holes in the tail are closed up every so often
-        if (tail if self.sliding_window else tail - max(self._tail_counts)) >= COMPACT_AFTER_HIDDEN_SLOTS:
-            self.compact()
-        else:
-            self._drop_old_keys()
-
-    def _drop_old_keys(self) -> None:
-        """Sliding layers keep what plain generate keeps: the keys within some row's window (`sliding_window.py`).
-        Every cached slot counts for every row before the tail, or everywhere when every row sees every slot."""
-        if self.sliding_window is not None:
-            if self.cache_all_valid:  # the whole tail is every row's: compaction (if rows diverge) starts after it
-                self._tail_start, self._tail_counts = self.cache_valid.shape[1], [0] * len(self.active)
-            drop_old_keys(self.cache, self.sliding_window, [self.committers[r].length - 1 for r in self.active],
-                          self._tail_start)
-
-    def compact(self) -> None:
-        """Drop the slots of the cache's tail that no row sees: each row's visible tail slots move to the tail's
-        front in order, and the cache is cropped to the row that has the most (one gather and one write per K/V
-        tensor, every `COMPACT_AFTER_HIDDEN_SLOTS` hidden slots, and at the end of the call)."""
-        start, counts = self._tail_start, self._tail_counts
-        tail = self.cache_valid[:, start:]
-        if counts and tail.shape[1] == min(counts):  # every row sees every slot of the tail: nothing to move
-            self._tail_start, self._tail_counts = start + min(counts), [0] * len(counts)
-        elif counts and (tail.shape[1] > max(counts) or self.sliding_window):
-            # per row, its visible slots first, in order (a stable sort puts hidden after visible)
-            order = torch.sort((~tail).to(torch.uint8), dim=1, stable=True).indices[:, : max(counts)]
-            gather_slots(self.cache, start, order, self.cache_valid.shape[1])
-            self.cache_valid = torch.cat([self.cache_valid[:, :start], tail.gather(1, order)], dim=1)
-            self._tail_start, self._tail_counts = start + min(counts), [c - min(counts) for c in counts]
-            self.cache_all_valid = self.rows_all_valid
-        self._drop_old_keys()
-
     def _finished(self, committer: RowCommitter) -> bool:
         if (not self.pads_stopped_rows and committer.stopped_at is not None
                 and all(c.stopped_at is not None for c in self.committers)):
@@ -475,30 +368,28 @@ class BatchState:
                     self._room = None
         return committer.length >= committer.limit or (self.pads_stopped_rows and committer.stopped_at is not None)
 
-    def drop_finished(self) -> bool:
-        """Let finished rows leave the batch (and every cache); False when no row is left. A row that generated
-        past the batch's end (possible only when stopped rows generate on) is cut back to it (`cut_tokens`)."""
+    def drop_finished(self) -> tuple[list[int], torch.Tensor] | None:
+        """Let finished rows leave the batch; the rows kept (indices into the active rows before, on the host and
+        on the device) when some left and some remain, for every cache to keep them too; else None (`active` is
+        empty when no row is left). A row that generated past the batch's end (possible only when stopped rows
+        generate on) is cut back to it (`cut_tokens`)."""
         for c in self.committers:
             extra = c.cut(c.limit)
             if extra:
                 self.cut_tokens[c.row] = self.cut_tokens.get(c.row, 0) + extra
         keep = [i for i, row in enumerate(self.active) if not self._finished(self.committers[row])]
         if len(keep) == len(self.active):
-            return True
+            return None
         if not keep:
             self.active = []
-            return False
-        index = host_to_device(keep, self.cache_valid.device)
-        select_rows(self.cache, index)
-        self.drafting.select_rows(index)
-        self.cache_valid = self.cache_valid[index]
-        self._tail_counts = [self._tail_counts[i] for i in keep]
+            return None
+        index = host_to_device(keep, self.root_position_tensor.device)
         self.root_position_tensor = self.root_position_tensor[index]
         if self._room is not None:
             self._room = self._room[index]
         self.active = [self.active[i] for i in keep]
         self.anchors = [self.anchors[i] for i in keep]
-        return True
+        return keep, index
 
     def sequences(self, pad_token_id: int | None) -> torch.Tensor:
         """(rows, longest) committed tokens; rows that finished early are padded on the right (only possible when
@@ -532,3 +423,28 @@ def _accept_path(tree, committer: RowCommitter, logits: torch.Tensor, finished) 
             return path, token
         node = child
         path.append(node)
+
+
+def _greedy_paths(layout: TreeLayout, choice: torch.Tensor):
+    """Given the target's choice at every node (rows, nodes): per row, how deep its accepted path reaches (nodes),
+    the path's slots ((rows, max depth + 1), the last one repeated; None for uniform chains, whose path is their
+    first slots) and the choices along it (the tokens the row commits)."""
+    rows, nodes = layout.tokens.shape
+    device = choice.device
+    if layout.uniform_chains:  # slot i is depth i: the path is the leading drafts that match their parent's choice
+        matches = layout.tokens[:, 1:] == choice[:, :-1]
+        return matches.cumprod(-1).sum(-1) + 1, None, choice
+    depths = layout.depths
+    # a drafted node is rejected when it does not carry its parent's choice (a padding slot, depth -1, is never the
+    # deepest: the root, depth 0, always qualifies)
+    rejected = (layout.tokens != choice.gather(1, layout.parents)) & (depths > 0)
+    on_accepted_path = ~(layout.ancestors & rejected[:, None, :]).any(-1)
+    # siblings carry distinct tokens: the deepest node on the accepted path is unique
+    deepest_depth, deepest = torch.where(on_accepted_path, depths, -1).max(-1)
+    if layout.chains:
+        path_nodes = layout.levels.expand(rows, -1)
+    else:  # the deepest node's ancestors in node order (parents come first), then the last slot repeated
+        on_path = layout.ancestors[index_range(rows, device), deepest]  # (rows, nodes)
+        slots = torch.where(on_path, index_range(nodes, device), nodes - 1)
+        path_nodes = slots.sort(-1).values[:, : layout.max_depth + 1]
+    return deepest_depth + 1, path_nodes, choice.gather(1, path_nodes)  # committed: (rows, max depth + 1)

@@ -1,47 +1,48 @@
 """The speculative decoding loop: draft a tree per row, verify all of them in one target forward, commit what the
-target itself picks.
+target itself picks. It reads in one screen (`speculative_generate`, `_step`); its parts:
 
-    prefill (prompts) ──► first token per row (its anchor) ──► loop:
+    policy    = speculation_policy(...)        control: how many drafts, whether to speculate (`control_policy.py`,
+                                               `control_gates.py`, measured costs `control_profiles.py`)
+    drafting  = generator_class(drafter)(...)  one CandidateTree per row (`drafting*.py`)
+    verifier  = TargetVerifier(model, ...)     the target's forward over the trees and every cache it leaves
+                                               (`verifier.py`, `verify_*.py`)
+    batch     = BatchState(...)                rows, what each committed, acceptance (`batch.py`)
+
+    prefill (prompts) ──► first token per row (its anchor) ──► loop (`_step`):
         lookup.propose(batch)          ──► prompt-lookup drafts per row (free: copied from the row's own text),
                                            as many as the policy's cost model says pay
         gates.decide(rows, match)      ──► the step's kind: DRAFT (the drafter's trees, lookup drafts grafted on
                                            as one more branch), LOOKUP (lookup drafts alone, no drafter forward)
                                            or PLAIN (the anchors alone: a plain decode step)
-        drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch); how many
-                                           drafts: the policy (FixedLength, or the measured DraftLengthPolicy)
-        target(trees as a rectangle, 4D additive mask, depth positions, cached prefixes)
+        drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch)
+        verifier.forward(trees)        ──► one target forward: trees as a rectangle, 4D mask, depth positions
         batch.accept(trees, logits)    ──► descend each tree with the target's choices: greedy, for every row and
                                            node at once on the device, one read of the outcome per step (when the
                                            processors and criteria need no exact prefix per position); else token
                                            by token (logits processors, stopping criteria, streamer)
-        lookup.record_verified         ──► which lookup drafts were accepted, per depth and match length
-        batch.keep_accepted(paths)     ──► accepted paths kept in the KV cache where the forward wrote them (the
-                                           nodes off them hidden per row, dropped every few dozen slots: no
-                                           per-layer move each step); their target features become the drafter's
-                                           new context
-        recurrent.keep_accepted(paths) ──► linear-attention targets: where a row did not accept all its slots, the
-                                           saved recurrent states put back and advanced along each row's accepted
-                                           path (`recurrent_state.py`; trees go through those layers in a tree form)
+        verifier.keep(paths)           ──► accepted paths kept in the cache, visible to their row; recurrent states
+                                           rolled back and advanced along them; their target features become the
+                                           drafter's new context (`drafting.add_context`)
         gates.record / policy.record_step (a StepRecord)
                                        ──► tokens per second of each kind of step, and the verify cost observed
-                                           (it refines the profiled one)
-        batch.drop_finished()          ──► finished rows leave the batch and every cache
+        batch.drop_finished()          ──► finished rows leave the batch, the verifier's caches and the drafter's
 
 Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
 (`tests/test_sync_budget.py`): the committed tokens are copied to the host once per step (`TokenStore`), and prompt
 lookup, stopping and root positions work from that copy. Steps are timed on the host clock once the device has run
-what they launched (`device_clock.py`): each step ends after `keep_accepted` and the replay have run on the device, so
-their time is the step's and not the next one's.
+what they launched (`device_clock.py`): each step ends after `keep` and the replay have run on the device, so their
+time is the step's and not the next one's.
 
-The gates and the verify-cost profile in use outlive the call (`state.py`; `reset_speculation_state` forgets them):
-the call works on copies of its own and hands them back at its end, so calls in several threads at once share no
-state while they run (the verify attention and the recurrent-state recording are per thread too).
-It is the `custom_generate` callable that `generate()` runs once it has prepared logits processors, stopping
-criteria, the cache and the generation config (see `generation.py`), so every standard generate option applies.
-Lossless: every committed token is chosen by the target from its processed distribution given the exact committed
-prefix of its row (argmax when greedy, a sample otherwise); drafts only decide how many of those choices one forward
-can check. Rows of a batch accept different numbers of tokens (ragged): the cache keeps one slot column per accepted
-position of the longest row, and a per-row validity mask hides what a row did not accept (and its left padding).
+The gates and the verify-cost profile in use outlive the call, on the target (`control_state.py`;
+`reset_speculation_state` forgets them): the call works on copies of its own and hands them back at its end, so calls
+in several threads at once share no state while they run (the verify attention and the recurrent-state recording
+are per thread too). It is the `custom_generate` callable that `generate()` runs once it has prepared logits
+processors, stopping criteria, the cache and the generation config (see `generation.py`), so every standard generate
+option applies. Lossless: every committed token is chosen by the target from its processed distribution given the
+exact committed prefix of its row (argmax when greedy, a sample otherwise); drafts only decide how many of those
+choices one forward can check. Rows of a batch accept different numbers of tokens (ragged): the cache keeps one slot
+column per accepted position of the longest row, and a per-row validity mask hides what a row did not accept (and
+its left padding).
 """
 
 from dataclasses import dataclass, field
@@ -50,16 +51,14 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch import BatchState, RowCommitter, TokenStore, row_processors
+from .control_gates import StepKind, StepRecord
+from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import device_time
-from .drafting import candidate_generator_for
+from .drafting import DiffusionCandidateGenerator, generator_class
+from .drafting_lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .files import pad_token_id
-from .gates import StepKind, StepRecord
-from .lookup import NO_LOOKUP_DRAFTS, PromptLookup
-from .recurrent_state import RecurrentStates
-from .sliding_window import AttentionLayout, dropped_slots, drops_visible_keys, full_kv_cache, verify_masks
-from .static_verify import CaptureReadyInputs, VerifyGraphs, graph_backend, static_kv_cache, verify_width
-from .tree import CandidateTree, TreeLayout, tree_forward_inputs
-from .verify_attention import verify_attention
+from .tree import CandidateTree, host_to_device
+from .verifier import TargetVerifier
 
 
 @dataclass
@@ -70,7 +69,7 @@ class SpeculationStats:
     counts real tree nodes, `verified_slots` the rectangle the target computed (rows x longest tree, padding
     included). `plain_steps`: steps without a drafter forward, where the gates measured that it did not pay (plain,
     or lookup drafts alone). `linear_state_replays`: steps after which a linear-attention target's recurrent states
-    were put back and advanced through the accepted tokens only (`recurrent_state.py`)."""
+    were put back and advanced through the accepted tokens only (`verify_recurrent.py`)."""
 
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -178,50 +177,41 @@ def _check_batch(input_ids, attention_mask, generation_config, streamer, logits_
     return valid  # masked slots anywhere (right padding too) stay invisible to their row, as in plain generate
 
 
-def _start(model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer,
-           num_draft_tokens, model_kwargs):
-    """Everything before the loop: check the request, set up the cache, the drafting and the rows, and prefill the
-    prompts. Returns (cache, its attention layout, batch, drafting, recurrent states, stats, committers)."""
+def _check_context(model, input_ids) -> None:
+    """Refuse a prompt that leaves the target no room for new tokens, before anything runs."""
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_positions is not None and input_ids.shape[1] >= max_positions:
         raise ValueError(
             f"the prompt has {input_ids.shape[1]} tokens but the target's context holds {max_positions}; "
             "shorten the prompt so that there is room for new tokens."
         )
-    # verifying drafts needs the prefix cached; with use_cache=False the loop keeps a cache of its own and returns none
-    cache = model_kwargs.get("cache") if generation_config.use_cache else None
-    if generation_config.cache_implementation == "static":  # the capture-ready step (`static_verify.py`)
-        cache = static_kv_cache(model.config, generation_config.max_length)
-    elif cache is None or drops_visible_keys(cache):  # generate's own cache would drop keys the loop may need
-        cache = full_kv_cache(model.config)
-    attention_layout = AttentionLayout.of(model.config)
-    attention_mask = model_kwargs.get("attention_mask")
-    valid = _check_batch(input_ids, attention_mask, generation_config, streamer, logits_processor, stopping_criteria)
-    rows = input_ids.shape[0]
 
-    stats = SpeculationStats()
-    drafting = candidate_generator_for(drafter, model, num_draft_tokens, _draft_temperature(generation_config))
-    store = TokenStore(input_ids, generation_config.max_length)
-    committers = [RowCommitter(store, r, row_processors(logits_processor, [r], rows), stopping_criteria,
-                               generation_config, streamer, generation_config.max_length) for r in range(rows)]
-    # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
-    pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    batch = BatchState(committers, valid, cache, drafting, pads_stopped_rows, logits_processor,
-                       attention_layout.sliding_window)
-    recurrent = RecurrentStates(model, cache)  # linear-attention layers: their states follow the accepted tokens
 
-    # Prefill: the prompts, then the first token of every row (drafting needs an anchor). Positions as generate
-    # derives them from the mask (masked slots at 0), and new tokens continue from the last prompt position, as
-    # generate's do: both matter for a prompt that ends in a masked token (right padding).
-    positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 0)
-    out = model(input_ids, attention_mask=attention_mask, position_ids=positions,
-                cache=cache, use_cache=True, output_hidden_states=drafter.target_feature_layers, logits_to_keep=1)
-    batch.start(positions[:, -1] + 1 - valid.sum(-1), input_ids.shape[1])
-    stats.target_forwards += 1
-    drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=batch.cache_all_valid)
-    batch.anchors = [0] * rows
-    batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
-    return cache, attention_layout, batch, drafting, recurrent, stats, committers
+@dataclass
+class DecodingCall:
+    """One speculative `generate` call's parts, made before the loop (`_prefill`) and read by `_step` and
+    `_finish`."""
+
+    verifier: TargetVerifier
+    batch: BatchState
+    committers: list[RowCommitter]
+    drafting: DiffusionCandidateGenerator
+    policy: DraftLengthPolicy
+    lookup: PromptLookup
+    stats: SpeculationStats
+    generation_config: object
+    streamer: object
+    prompt_length: int
+    start_time: float
+
+    def drop_finished(self) -> bool:
+        """Finished rows leave the batch and every cache; False when no row is left."""
+        kept = self.batch.drop_finished()
+        if kept is not None:
+            keep, index = kept
+            self.verifier.select_rows(index, keep)
+            self.drafting.select_rows(index)
+        return bool(self.batch.active)
 
 
 def speculative_generate(
@@ -241,87 +231,104 @@ def speculative_generate(
     `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
     decoding only); None or 0: none."""
     start_time = device_time(input_ids.device)
-    cache, attention_layout, batch, drafting, recurrent, stats, committers = _start(
-        model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer, num_draft_tokens,
-        model_kwargs)
-    stats.prefill_time_s = device_time(input_ids.device) - start_time
-    layers = drafter.target_feature_layers  # the target hidden states the drafter reads
-
-    policy, gates = drafting.policy, drafting.policy.gates
+    _check_context(model, input_ids)
+    valid = _check_batch(input_ids, model_kwargs.get("attention_mask"), generation_config, streamer, logits_processor,
+                         stopping_criteria)
+    static = generation_config.cache_implementation == "static"  # the capture-ready step (`verify_graphs.py`)
+    verifier = TargetVerifier(model, model_kwargs.get("cache") if generation_config.use_cache else None,
+                              generation_config.max_length if static else None, drafter.target_feature_layers)
+    method = generator_class(drafter)
+    policy = speculation_policy(drafter, model, num_draft_tokens, method.__name__)  # control first, handed on
+    drafting = method(drafter, model, policy, _draft_temperature(generation_config))
     # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
     lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
-    dtype, device = model.dtype, input_ids.device  # dtype: a property that walks the parameters, read once
-    # cache_implementation="static": every verify input in a persistent buffer (`static_verify.py`)
-    capture = CaptureReadyInputs(cache.layers[0].max_cache_len) if generation_config.cache_implementation == "static" \
-        else None
-    backend = graph_backend(device) if capture else None
-    graphs = VerifyGraphs(backend) if backend else None  # opt-in CUDA graphs of the verify forward
-    step_end = device_time(device)
-    while batch.drop_finished():
-        rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
-        step_start = step_end  # the previous step's work has run on the device
-        found = lookup.propose(batch, root_positions, policy)
-        kind = gates.decide(rows, found.ngram)
-        if kind is StepKind.DRAFT:
-            trees = drafting.propose(batch.anchors, root_positions, batch.max_drafts())
-        else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
-            trees = [CandidateTree([anchor], [-1], device=input_ids.device) for anchor in batch.anchors]
-        lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
-        trees = lookups.graft(trees)
-
-        verify_start = device_time(device)  # the drafter's forward is the draft's time
-        layout = TreeLayout.of(trees, device, verify_width(max(map(len, trees))) if capture else 0)
-        tokens, tree_mask, tree_positions = tree_forward_inputs(trees, batch.cache_valid, batch.root_position_tensor,
-                                                                dtype, layout, batch.cache_all_valid and not capture)
-        tree_mask = verify_masks(attention_layout, tree_mask, layout.depths, batch.cache_valid, input_ids.shape[1],
-                                 dropped_slots(cache))
-        if capture:
-            tokens, tree_mask, tree_positions = capture.fill(tokens, tree_mask, tree_positions)
-
-        def verify():
-            return model(tokens, attention_mask=tree_mask, position_ids=tree_positions, cache=cache, use_cache=True,
-                         output_hidden_states=layers)
-
-        with recurrent.recording(layout), verify_attention(model):
-            out = graphs.run(verify, cache, *tokens.shape) if graphs else verify()
-        paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
-        lookup.record_verified(lookups, batch, paths)
-        batch.keep_accepted(paths, out.hidden_states, tokens.shape[1])
-        recurrent.keep_accepted(paths, tokens.shape[1])
-
-        step_end = device_time(device)  # after the device has run keep_accepted and the replay
-        step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths),
-                          seconds=step_end - step_start, slots=tokens.shape[1], verify_seconds=step_end - verify_start)
-        gates.record(step)
-        if policy.record_step(step):  # the profile was measured again: those seconds are no step's (nor the gates')
-            step_end = device_time(device)
-        stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
-
-    policy.keep_measurements()  # where the next call on this drafter and target starts
-    return _finish(batch, committers, stats, recurrent, cache, input_ids, generation_config, streamer, start_time)
+    with verifier:
+        call = _prefill(verifier, drafting, policy, lookup, input_ids, valid, logits_processor, stopping_criteria,
+                        generation_config, streamer, model_kwargs.get("attention_mask"), start_time)
+        step_end = device_time(input_ids.device)
+        while call.drop_finished():
+            step_end = _step(call, step_end)
+        policy.keep_measurements()  # where the next call on this drafter and target starts
+        return _finish(call)
 
 
-def _finish(batch, committers, stats, recurrent, cache, input_ids, generation_config, streamer, start_time):
+def _prefill(verifier, drafting, policy, lookup, input_ids, valid, logits_processor, stopping_criteria,
+             generation_config, streamer, attention_mask, start_time) -> DecodingCall:
+    """The rows and their prefill: the prompts, then the first token of every row (drafting needs an anchor).
+    Positions as generate derives them from the mask (masked slots at 0), and new tokens continue from the last
+    prompt position, as generate's do: both matter for a prompt that ends in a masked token (right padding)."""
+    rows = input_ids.shape[0]
+    store = TokenStore(input_ids, generation_config.max_length)
+    committers = [RowCommitter(store, r, row_processors(logits_processor, [r], rows), stopping_criteria,
+                               generation_config, streamer, generation_config.max_length) for r in range(rows)]
+    # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
+    pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    batch = BatchState(committers, pads_stopped_rows, logits_processor)
+    positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 0)
+    out = verifier.prefill(input_ids, attention_mask, positions, valid)
+    batch.start(valid, positions[:, -1] + 1 - valid.sum(-1))
+    drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=verifier.all_valid)
+    batch.anchors = [0] * rows
+    batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
+    stats = SpeculationStats(target_forwards=1, prefill_time_s=device_time(input_ids.device) - start_time)
+    return DecodingCall(verifier, batch, committers, drafting, policy, lookup, stats, generation_config, streamer,
+                        input_ids.shape[1], start_time)
+
+
+def _step(call: DecodingCall, step_start: float) -> float:
+    """One loop step (see the module docstring), from `step_start` (the previous step's end); returns its end."""
+    batch, policy, verifier = call.batch, call.policy, call.verifier
+    device = batch.root_position_tensor.device
+    rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
+    found = call.lookup.propose(batch, root_positions, policy)
+    kind = policy.gates.decide(rows, found.ngram)
+    if kind is StepKind.DRAFT:
+        trees = call.drafting.propose(batch.anchors, root_positions, batch.max_drafts())
+    else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
+        trees = [CandidateTree([anchor], [-1], device=device) for anchor in batch.anchors]
+    lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
+    trees = lookups.graft(trees)
+
+    verify_start = device_time(device)  # the drafter's forward is the draft's time
+    out, layout = verifier.forward(trees, batch.root_position_tensor)
+    paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
+    call.lookup.record_verified(lookups, batch, paths)
+    kept = verifier.keep(paths, batch.accepted, batch.next_slots())
+    call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
+                              kept.accepted, all_valid=kept.rows_all_valid)
+    batch.advance(kept.counts)
+
+    step_end = device_time(device)  # after the device has run keep and the replay
+    step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths), seconds=step_end - step_start,
+                      slots=verifier.slots, verify_seconds=step_end - verify_start)
+    policy.gates.record(step)
+    if policy.record_step(step):  # the profile was measured again: those seconds are no step's (nor the gates')
+        step_end = device_time(device)
+    call.stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
+    return step_end
+
+
+def _finish(call: DecodingCall):
     """After the loop: the sequences (padded as plain generate pads them), the statistics, and what
     `return_dict_in_generate` asks for."""
-    if streamer is not None:
-        streamer.end()
-    batch.compact()  # the returned cache holds no hidden tree nodes
-    sequences = batch.sequences(pad_token_id(generation_config))
+    config, stats, batch = call.generation_config, call.stats, call.batch
+    if call.streamer is not None:
+        call.streamer.end()
+    cache = call.verifier.finish(batch.next_slots())  # the returned cache holds no hidden tree nodes
+    sequences = batch.sequences(pad_token_id(config))
     for row, tokens in batch.cut_tokens.items():
         stats.cut_back(row, tokens)
-    stats.new_tokens = sum(c.length - input_ids.shape[1] for c in committers)
-    stats.linear_state_replays = recurrent.replays
-    stats.total_time_s = device_time(input_ids.device) - start_time
-
-    if not generation_config.return_dict_in_generate:
+    stats.new_tokens = sum(c.length - call.prompt_length for c in call.committers)
+    stats.linear_state_replays = call.verifier.recurrent.replays
+    stats.total_time_s = device_time(sequences.device) - call.start_time
+    if not config.return_dict_in_generate:
         return sequences
-    only = committers[0]
+    only = call.committers[0]
     return SpeculativeDecoderOnlyOutput(
         sequences=sequences,
-        scores=tuple(only.scores) if generation_config.output_scores else None,
-        logits=tuple(only.raw_logits) if generation_config.output_logits else None,
-        cache=cache if generation_config.use_cache else None,
+        scores=tuple(only.scores) if config.output_scores else None,
+        logits=tuple(only.raw_logits) if config.output_logits else None,
+        cache=cache if config.use_cache else None,
         speculation_stats=stats,
     )

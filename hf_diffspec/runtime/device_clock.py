@@ -1,10 +1,10 @@
 """Timing work on an asynchronous device: a host clock read only once the device has run what was launched.
 
 On a GPU a kernel launch returns at once; a timestamp taken right after launching a step's last kernels (the cache
-gathers of `keep_accepted`, a recurrent replay) leaves their device time out of that step and puts it into whichever
-later step first waits on the device. The gates and the draft-length policy compare such times, so every stamp the
-loop feeds them is taken with `device_time`. On the CPU work is done when launched: the synchronisation is free and
-the code path is the same (tests substitute a fake device clock through `synchronize` and `clock`).
+gathers of the verifier's `keep`, a recurrent replay) leaves their device time out of that step and puts it into
+whichever later step first waits on the device. The gates and the draft-length policy compare such times, so every
+stamp the loop feeds them is taken with `device_time`. On the CPU work is done when launched: the synchronisation is
+free and the code path is the same (tests substitute a fake device clock through `synchronize` and `clock`).
 """
 
 import time

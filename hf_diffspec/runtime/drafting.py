@@ -16,18 +16,14 @@ Like every runtime file that `custom_generate/` ships (see `hub.py`), it imports
 sibling modules, so it also runs from a Hub folder without hf_diffspec installed.
 """
 
-import functools
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .best_first_tree import best_first_shape, build_best_first_tree, build_selector_tree
-from .cost_model import VerifyCost
+from .drafting_best_first import best_first_shape, build_best_first_tree, build_selector_tree
+from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import device_time
-from .gates import keep_speculation_gates, speculation_gates_for
-from .policy import DraftLengthPolicy, FixedLength
-from .prefix_tree import build_prefix_tree, plan_branches
+from .drafting_prefix_tree import build_prefix_tree, plan_branches
 from .tree import CandidateTree, host_to_device, index_range
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
@@ -167,7 +163,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         self.first = DrafterContext(first_drafter(drafter))
         self.contexts = [self.first]  # every drafter cache that must see the committed tokens
         self.block_size = self.first.drafter.config.block_size
-        self.policy = policy or default_policy(drafter, target)
+        self.policy = policy or speculation_policy(drafter, target)
         self.sample_temperature = sample_temperature
         self.max_length = max_length
         self.length_head = getattr(self.first.drafter, "length_head", None)
@@ -403,7 +399,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
 
 
 class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
-    """A best-first draft tree per row from the same single drafter pass (DDTree-style, `best_first_tree.py`): token
+    """A best-first draft tree per row from the same single drafter pass (DDTree-style, `drafting_best_first.py`): token
     paths ranked by the product of their slot probabilities, at most `config.draft_tree_budget` nodes, the measured
     cost model choosing how many of them the target verifies."""
 
@@ -417,9 +413,11 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         rows = len(root_tokens)
         start = device_time(self.first.device)
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
-        drafter = self.first.drafter
         sample = self.sample_temperature is not None
-        selector = getattr(drafter, "selector", None)
+        if getattr(self.first.drafter, "selector", None) is not None and not sample:
+            trees = self._selector_trees(root_tokens, draft_hidden, limits)
+            self.policy.record_draft_time(device_time(self.first.device) - start)
+            return trees
         budget, width = config.draft_tree_budget, config.draft_tree_width
         reads = {}  # slots computed -> (distributions, every row's top-`width` probabilities and tokens per slot)
         shapes = {}  # (slots computed, row) -> the row's best-first shape over them
@@ -434,33 +432,24 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
                 reads[computed] = (probs, *torch.stack([top.values.double(), top.indices.double()]).tolist())
             return reads[computed]
 
-        if selector is not None and not sample:
-            logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
-        else:
-            # best-first closure: a node deeper than every node of the budget's tree scores below one of them, so
-            # deeper slots matter only when that tree already reaches the deepest slot computed
-            def needs_more(logits):
-                computed = logits.shape[1]
-                values = ranked(logits)[1]
-                for r in range(rows):
-                    if limits[r] > computed:  # kept: the row's tree has this shape when no more slots are computed
-                        shapes[computed, r] = best_first_shape(values[r], budget)
-                        if max(len(path) for path, _ in shapes[computed, r]) == computed:
-                            return True
-                return False
+        # best-first closure: a node deeper than every node of the budget's tree scores below one of them, so deeper
+        # slots matter only when that tree already reaches the deepest slot computed
+        def needs_more(logits):
+            computed = logits.shape[1]
+            values = ranked(logits)[1]
+            for r in range(rows):
+                if limits[r] > computed:  # kept: the row's tree has this shape when no more slots are computed
+                    shapes[computed, r] = best_first_shape(values[r], budget)
+                    if max(len(path) for path, _ in shapes[computed, r]) == computed:
+                        return True
+            return False
 
-            logits = self._slot_logits(draft_hidden, max(limits), needs_more)
-            limits = [min(k, logits.shape[1]) for k in limits]
+        logits = self._slot_logits(draft_hidden, max(limits), needs_more)
+        limits = [min(k, logits.shape[1]) for k in limits]
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
-        if selector is not None and not sample:  # DFlash 2: branches from the selector's candidates
-            trees = [build_selector_tree(root_tokens[r], draft_hidden[r, : limits[r]], logits[r, : limits[r]],
-                                         selector, drafter.config.selector_top_k, budget, node_count, width)
-                     if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
-            self.policy.record_draft_time(device_time(self.first.device) - start)
-            return trees
         # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
         probs, values, indices = ranked(logits)
         self.policy.record_draft_time(device_time(self.first.device) - start)
@@ -470,45 +459,42 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
                                                                        indices[r][: limits[r]]]))
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
+    def _selector_trees(self, root_tokens: list[int], draft_hidden: torch.Tensor, limits: list[int]):
+        """DFlash 2: each row's branches from the selector's candidates."""
+        drafter, rows = self.first.drafter, len(root_tokens)
+        config = drafter.config
+        logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
+
+        def node_count(reach):
+            return self.policy.tree_node_count(reach, rows)
+
+        return [build_selector_tree(root_tokens[r], draft_hidden[r, : limits[r]], logits[r, : limits[r]],
+                                    drafter.selector, config.selector_top_k, config.draft_tree_budget, node_count,
+                                    config.draft_tree_width)
+                if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
+
     def get_candidates(self, *args, **kwargs):
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for draft trees "
                          "(or set drafter.config.draft_tree_budget = None)")
 
 
-def default_policy(drafter, target: PreTrainedModel, fixed: int | None = None,
-                   method: str = "DiffusionCandidateGenerator") -> DraftLengthPolicy:
-    """The draft-length policy for `drafter` on `target`: `fixed` drafts per step when given, else the measured cost
-    model when this machine has a profile for the target, else the drafter's configured length. `method` names the
-    candidate generator, whose speculation gates persist across calls."""
-    config = first_drafter(drafter).config
-    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    if fixed is not None:
-        return FixedLength(fixed, config.block_size, max_positions)
-    # trees (D²SD, best-first) are sized by their node budget and the cost model, not by a chain length
-    tree_depth = drafter.config.max_depth if drafter.config.model_type == "dual_diffusion_drafter" else None
-    if getattr(config, "draft_tree_budget", None):
-        tree_depth = config.block_size - 1
-    return DraftLengthPolicy(
-        block_size=config.block_size, default_length=config.num_draft_tokens,
-        verify_cost=VerifyCost.for_target(target), tree_depth=tree_depth, max_positions=max_positions,
-        gates=speculation_gates_for(drafter, target, method),
-        keep_gates=functools.partial(keep_speculation_gates, drafter, target, method),
-    )
+def generator_class(drafter) -> type:
+    """The candidate generator of `drafter`'s method (chains for a DFlash drafter, prefix trees for a dual one)."""
+    if not is_diffusion_drafter(drafter):
+        raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
+    if drafter.config.model_type == "dual_diffusion_drafter":
+        return PrefixTreeCandidateGenerator
+    if getattr(drafter.config, "draft_tree_budget", None):
+        return BestFirstTreeCandidateGenerator
+    if getattr(first_drafter(drafter), "selector", None) is not None:
+        return SelectorCandidateGenerator
+    return DiffusionCandidateGenerator
 
 
 def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: int | None = None,
                             sample_temperature: float | None = None,
                             max_length: int | None = None) -> DiffusionCandidateGenerator:
-    """The candidate generator of `drafter`'s method (chains for a DFlash drafter, prefix trees for a dual one)."""
-    if not is_diffusion_drafter(drafter):
-        raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
-    if drafter.config.model_type == "dual_diffusion_drafter":
-        cls = PrefixTreeCandidateGenerator
-    elif getattr(drafter.config, "draft_tree_budget", None):
-        cls = BestFirstTreeCandidateGenerator
-    elif getattr(first_drafter(drafter), "selector", None) is not None:
-        cls = SelectorCandidateGenerator
-    else:
-        cls = DiffusionCandidateGenerator
-    policy = default_policy(drafter, target, num_draft_tokens, method=cls.__name__)
+    """The candidate generator of `drafter`'s method with its policy for one call (`speculation_policy`)."""
+    cls = generator_class(drafter)
+    policy = speculation_policy(drafter, target, num_draft_tokens, method=cls.__name__)
     return cls(drafter, target, policy, sample_temperature, max_length)

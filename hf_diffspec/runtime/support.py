@@ -6,8 +6,8 @@ Imports: torch/transformers only (this file travels in `custom_generate/`).
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .recurrent_state import ROLLBACK_MODEL_TYPES, linear_attention_supported
-from .sliding_window import drops_visible_keys
+from .verify_recurrent import ROLLBACK_MODEL_TYPES, linear_attention_supported
+from .verify_cache import drops_visible_keys
 from .verify_attention import SWITCHED_IMPLEMENTATIONS
 
 
@@ -23,8 +23,8 @@ def refuse_unsupported(model, generation_config, kwargs) -> None:
     - The loop feeds the target's own decoder hidden states to the drafter: decoder-only targets.
     - Rolling a step back is cropping KV: a target with other layers (chunked attention, linear attention of models
       we do not know) would continue from a state that saw rejected drafts. Sliding-window layers keep all their KV in
-      our cache and see their window through the mask (`sliding_window.py`): one window for all of them, causal only.
-      Linear-attention layers are rolled back by `recurrent_state.py`, for the models it knows (Qwen3.5 / Qwen3.6,
+      our cache and see their window through the mask (`verify_inputs.py`): one window for all of them, causal only.
+      Linear-attention layers are rolled back by `verify_recurrent.py`, for the models it knows (Qwen3.5 / Qwen3.6,
       dense and MoE).
     """
     for check in SUPPORT_CHECKS:
@@ -104,7 +104,7 @@ def _refuse_attention_backend(model, generation_config, kwargs) -> None:
 def _refuse_cache(model, generation_config, kwargs) -> None:
     """Caches the loop cannot crop and compact in place."""
     cache_implementation = kwargs.get("cache_implementation", generation_config.cache_implementation)
-    if cache_implementation == "static":  # the capture-ready verify step (`static_verify.py`)
+    if cache_implementation == "static":  # the capture-ready verify step (`verify_graphs.py`)
         layer_types = set(get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0])
         if layer_types != {"full_attention"}:
             raise ValueError(

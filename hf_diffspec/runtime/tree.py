@@ -7,9 +7,14 @@ A tree's shape (parents, depths) always lives on the host; its tokens live where
 the drafter drew them (chains), on the host when the host chose them (best-first trees, grafted lookup drafts). Nothing
 reads device tokens on the host unless it must (`token_list`), so building, verifying and accepting the trees of a
 whole batch costs a fixed number of host synchronisations (`TreeLayout`).
+
+The index tensors the loop reads every step (ranges, bit values, a fixed chain's shape) are built once per call and
+kept in the call's context (`call_indices`, entered by the call's `TargetVerifier`): read only, and nothing of them
+outlives the call or is seen by another thread. Outside a call they are built afresh.
 """
 
-import functools
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -120,17 +125,39 @@ class CandidateTree:
         return path[::-1]
 
 
-@functools.lru_cache(maxsize=128)
+# the running call's index tensors, {key: tensor}: see the module docstring
+_CALL_INDICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_diffspec_call_indices", default=None)
+
+
+@contextlib.contextmanager
+def call_indices():
+    """The block is one call: the index tensors it asks for are built once and kept until it ends."""
+    token = _CALL_INDICES.set({})
+    try:
+        yield
+    finally:
+        _CALL_INDICES.reset(token)
+
+
+def _call_cached(key: tuple, make):
+    cache = _CALL_INDICES.get()
+    if cache is None:
+        return make()
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
 def index_range(n: int, device: torch.device) -> torch.Tensor:
-    """`torch.arange(n)` on `device`, built once per size: the loop indexes slots, levels and rows with the same few
-    sizes every step (read only)."""
-    return torch.arange(n, device=device)
+    """`torch.arange(n)` on `device`, built once per size and call: the loop indexes slots, levels and rows with the
+    same few sizes every step (read only)."""
+    return _call_cached(("range", n, device), lambda: torch.arange(n, device=device))
 
 
-@functools.lru_cache(maxsize=64)
 def _bit_values(n: int, device: torch.device) -> torch.Tensor:
     """1 << j for j < n on `device` (read only)."""
-    return 1 << index_range(n, device)
+    return _call_cached(("bits", n, device), lambda: 1 << index_range(n, device))
 
 
 def host_to_device(data, device) -> torch.Tensor:
@@ -231,43 +258,16 @@ def _ancestor_bits(parents: list[int]) -> list[int]:
     return bits
 
 
-@functools.lru_cache(maxsize=32)
 def _uniform_chains_shape(rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """`TreeLayout`'s parents, depths, real, ancestors and levels of `rows` chains of `n` nodes: the same tensors
-    step after step at a fixed draft length, so they are built once (read only; a few hundred bytes each)."""
+    step after step at a fixed draft length, so they are built once per call (read only; a few hundred bytes each)."""
+    return _call_cached(("chains", rows, n, device), lambda: _chains_shape(rows, n, device))
+
+
+def _chains_shape(rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     index = index_range(n, device)
     parents = (index - 1).clamp(min=0).expand(rows, n)
     depths = index.expand(rows, n)
     real = torch.ones(rows, n, dtype=torch.bool, device=device)
     ancestors = (index[:, None] >= index[None, :]).expand(rows, n, n)
     return parents, depths, real, ancestors, index
-
-
-def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions,
-                        dtype: torch.dtype, layout: TreeLayout | None = None, past_all_valid: bool | None = None):
-    """Target inputs to verify one tree per row in one forward: `(tokens, attention_mask, position_ids)`.
-
-    tokens (rows, n) and position_ids (rows, n), with n the largest tree: a node at depth d sits at its row's root
-    position + d; shorter rows are padded with slots that see only themselves (their outputs are ignored).
-    attention_mask (rows, 1, n, past + n) is additive float in `dtype` (0 = attend, dtype min = blocked), never bool:
-    eager attention adds the mask, so a bool mask would be silently wrong there. `past_valid` (rows, past) marks
-    which cached slots each row may see (False: padding, or slots of drafts another row accepted).
-    When every row sees its whole cache and verifies a chain of the same length, the mask is the causal one aligned
-    bottom-right: `None` is returned for it, and the verify attention (`verify_attention.py`) runs a causal kernel
-    without a mask tensor. (SDPA's own path would not: for q > 1 over a cache transformers builds the mask itself.)
-
-    `root_positions`: (rows,) tensor (or list); `layout`: the trees' `TreeLayout` when the caller has it;
-    `past_all_valid`: whether `past_valid` is all True, when the caller knows it (else it is read from the device).
-    """
-    rows, past = past_valid.shape
-    device = past_valid.device
-    layout = layout or TreeLayout.of(trees, device)
-    if past_all_valid is None:
-        past_all_valid = bool(past_valid.all())
-    if layout.uniform_chains and past_all_valid:
-        return layout.tokens, None, layout.depths + past
-    roots = torch.as_tensor(root_positions, device=device)
-    positions = roots[:, None] + layout.depths.clamp(min=0)
-    allowed = torch.cat([past_valid[:, None, :] & layout.real[:, :, None], layout.ancestors], dim=-1)
-    mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill_(allowed, 0)
-    return layout.tokens, mask[:, None], positions

@@ -17,8 +17,9 @@ The function is switched in for the verify forward only (`verify_attention`), on
 FlashAttention (eager and flex_attention targets verify as they are), and only in the thread (or asyncio task) that
 runs that forward: the target's config answers `VERIFY_ATTENTION` there and its own implementation everywhere else,
 so other calls on the same model, speculative or plain, run meanwhile as they would alone. The switch and the
-masks its layers share live in a `contextvars.ContextVar`; while verify forwards run, the config's class is a
-subclass that reads that variable, and the last of them puts the config's own class back. A FlashAttention target prefills with its own
+masks its layers share live in a `contextvars.ContextVar`; while speculative calls run on a model, its config has a
+class of its own, a subclass that reads that variable and counts the calls holding it; the last call to end puts the
+config's own class back (`VerifyAttention.held`). The masks themselves come from `verify_inputs.py`. A FlashAttention target prefills with its own
 kernels; its steps run here, chains through SDPA's FlashAttention kernel (no mask), trees and ragged rows packed:
 transformers' FlashAttention path takes no 4D mask, and at batch 1 it reads the positions on the host in every
 layer to look for packed sequences. transformers builds no mask for an implementation it does not know, so
@@ -38,8 +39,9 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .verify_inputs import packed_mask
+
 VERIFY_ATTENTION = "hf_diffspec_verify"
-MASK_ALIGNMENT = 16  # elements: the memory-efficient kernel reads a mask in place when its rows are this aligned
 
 
 class _VerifyForward:
@@ -56,35 +58,10 @@ _CURRENT: contextvars.ContextVar[_VerifyForward | None] = contextvars.ContextVar
                                                                                  default=None)
 
 
-def _aligned(width: int) -> int:
-    return -(-width // MASK_ALIGNMENT) * MASK_ALIGNMENT
-
-
-def _packed_mask(mask: torch.Tensor | None, groups: int, q: int, kv: int, sliding_window: int | None,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(rows or 1, 1, groups * q, kv) additive mask for group-packed queries, in rows of `_aligned(kv)` elements;
-    `mask=None`: the chain's causal mask, aligned bottom-right (within `sliding_window` when given)."""
-    source = (id(mask), mask.shape if mask is not None else None, groups, q, kv, sliding_window, dtype)
+def _memo() -> dict:
+    """The masks the layers of this context's verify forward share (a fresh dict outside one)."""
     current = _CURRENT.get()
-    memo = current.packed if current is not None else {}
-    if source in memo:
-        return memo[source][1]
-    if mask is None:
-        query_slots = torch.arange(kv - q, kv, device=device)[:, None]
-        key_slots = torch.arange(kv, device=device)[None]
-        allowed = key_slots <= query_slots
-        if sliding_window is not None:
-            allowed &= key_slots > query_slots - sliding_window
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        mask = mask[None, None]
-    elif mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-    rows = mask.shape[0]
-    packed = torch.full((rows, 1, groups * q, _aligned(kv)), torch.finfo(dtype).min, dtype=dtype, device=device)
-    packed = packed[..., :kv]
-    packed.view(rows, 1, groups, q, kv).copy_(mask[:, :1, None, :, -kv:].to(dtype))
-    memo[source] = (mask, packed)  # the source is kept so that its id is not reused within the forward
-    return packed
+    return current.packed if current is not None else {}
 
 
 def _lower_right_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int) -> bool:
@@ -105,7 +82,7 @@ def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     others = ("position_bias", "softcap", "s_aux", "sinks")  # what SDPA's own path refuses or handles
     if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in others):
         if attention_mask is None:  # transformers built none: the implementation is not one it makes masks for
-            attention_mask = _packed_mask(None, 1, q, kv, sliding_window, query.dtype, query.device)
+            attention_mask = packed_mask(None, 1, q, kv, sliding_window, query.dtype, query.device, _memo())
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = heads // kv_heads
@@ -113,7 +90,7 @@ def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
         out = scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, kv), scale=scaling,
                                            enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None
-    mask = _packed_mask(attention_mask, groups, q, kv, sliding_window, query.dtype, query.device)
+    mask = packed_mask(attention_mask, groups, q, kv, sliding_window, query.dtype, query.device, _memo())
     packed = query.reshape(rows, kv_heads, groups * q, dim)  # head h = k * groups + g reads key/value head k
     out = scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     # reshape, not view: CUDA kernels return this output strided (heads outermost in memory)
@@ -158,49 +135,63 @@ def _own_attributes(config) -> dict:
     return object.__getattribute__(config, "__dict__")
 
 
-_CONTEXTUAL_CONFIG_CLASSES: dict[type, type] = {}  # a config class -> its context-aware subclass (made once)
 _HOLDS_LOCK = threading.Lock()
-_HOLDS: dict[int, int] = {}  # id of a config held by running verify forwards -> how many hold it
 
 
-def _contextual_class(cls: type) -> type:
-    """`cls` with `_attn_implementation_internal` read per context (`_switched_name`); same name and fields."""
-    if cls not in _CONTEXTUAL_CONFIG_CLASSES:
-        _CONTEXTUAL_CONFIG_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "_attn_implementation_internal": property(_switched_name, _set_name),
+def _hold(config) -> None:
+    """One more call holds `config`: the first gives it a class of its own whose `_attn_implementation_internal` is
+    read per context (`_switched_name`), same name and fields, and which counts the calls holding it."""
+    cls = type(config)
+    if "_hf_diffspec_holders" not in cls.__dict__:
+        cls = type(cls.__name__, (cls,), {
+            "_attn_implementation_internal": property(_switched_name, _set_name), "_hf_diffspec_holders": 0,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_hf_diffspec_base": cls})
-    return _CONTEXTUAL_CONFIG_CLASSES[cls]
+        object.__setattr__(config, "__class__", cls)
+    cls._hf_diffspec_holders += 1
 
 
-@contextlib.contextmanager
-def _held(configs: list):
-    """While any verify forward holds a config, its class is the context-aware one; the last to leave puts the
-    config's own class back (so nothing of the runtime stays on the user's model between calls)."""
-    with _HOLDS_LOCK:
-        for config in configs:
-            if _HOLDS.setdefault(id(config), 0) == 0:
-                object.__setattr__(config, "__class__", _contextual_class(type(config)))
-            _HOLDS[id(config)] += 1
-    try:
-        yield
-    finally:
-        with _HOLDS_LOCK:
-            for config in configs:
-                _HOLDS[id(config)] -= 1
-                if _HOLDS[id(config)] == 0:
-                    del _HOLDS[id(config)]
-                    object.__setattr__(config, "__class__", type(config)._hf_diffspec_base)
+def _release(config) -> None:
+    """One call less holds `config`: the last puts its own class back (nothing of the runtime stays on the model)."""
+    cls = type(config)
+    cls._hf_diffspec_holders -= 1
+    if cls._hf_diffspec_holders == 0:
+        object.__setattr__(config, "__class__", cls._hf_diffspec_base)
 
 
-@contextlib.contextmanager
-def verify_attention(model):
-    """Run the forwards inside with `verify_attention_forward` in place of the target's SDPA or FlashAttention
-    attention, in this thread (or task) only: other calls on the same model, speculative or plain, keep its own
+class VerifyAttention:
+    """`verify_attention_forward` in place of `model`'s SDPA or FlashAttention attention for one call's verify
+    forwards: `held()` around the call, `switched()` around each verify forward. Only forwards in the switched
+    context (thread or task) see it: other calls on the same model, speculative or plain, keep the model's own
     attention and masks meanwhile."""
-    configs = _attention_configs(model)
-    with _held(configs):
-        token = _CURRENT.set(_VerifyForward(frozenset(map(id, configs))))
+
+    def __init__(self, model):
+        self.configs = _attention_configs(model)
+        self.config_ids = frozenset(map(id, self.configs))
+
+    @contextlib.contextmanager
+    def held(self):
+        with _HOLDS_LOCK:
+            for config in self.configs:
+                _hold(config)
+        try:
+            yield self
+        finally:
+            with _HOLDS_LOCK:
+                for config in self.configs:
+                    _release(config)
+
+    @contextlib.contextmanager
+    def switched(self):
+        token = _CURRENT.set(_VerifyForward(self.config_ids))
         try:
             yield
         finally:
             _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def verify_attention(model):
+    """The forwards inside run the verify attention (a call's `held` and one forward's `switched` at once)."""
+    attention = VerifyAttention(model)
+    with attention.held(), attention.switched():
+        yield

@@ -6,27 +6,27 @@ plain decoding and otherwise decodes plainly, probing speculation again now and 
 text), so rarely that the probes cost at most ~2% of the decoding time. So a weak drafter, a slow verify (a CPU
 without native bf16) or a compute-bound batch never costs more than the probes.
 
-Steps whose rows have prompt-lookup drafts (`lookup.py`) are gated apart, per length of the suffix they matched (the
-longer, the likelier accepted). Without the drafter, such a step verifies its lookup drafts alone or decodes
-plainly, gated the same way: the cost model sizes them from estimates (acceptance so far, the profile's cost of a
-wider forward at this context length), and at 16 rows steps of lookup drafts alone were seen to lose to plain steps
-where the estimates said they paid (`examples/benchmarks/step_timing.py`).
+Steps whose rows have prompt-lookup drafts (`drafting_lookup.py`) are gated apart, per length of the suffix they
+matched (the longer, the likelier accepted). Without the drafter, such a step verifies its lookup drafts alone or
+decodes plainly, gated the same way: the cost model sizes them from estimates (acceptance so far, the profile's cost
+of a wider forward at this context length), and at 16 rows steps of lookup drafts alone were seen to lose to plain
+steps where the estimates said they paid (`examples/benchmarks/step_timing.py`).
 
-The gates of a drafter, target and setup outlive one call (`speculation_gates_for`, held in `state.py`), so a second
-call starts from what the first learned; each call measures in a copy of its own, handed back at its end.
+The gates of a drafter, target and setup outlive one call (`speculation_gates_for`, held on the target:
+`control_state.py`), so a second call starts from what the first learned; each call measures in a copy of its own,
+handed back at its end.
 Losslessness never depends on them: the target alone picks every token.
 """
 
 import copy
 import enum
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .cost_model import rows_bucket
-from .state import SPECULATION_STATE
+from .control_cost import rows_bucket
+from .control_state import memory_of
 
 
 class StepKind(enum.Enum):
@@ -245,13 +245,14 @@ def speculation_gates_for(drafter, target, method: str) -> SpeculationGates:
     generator's name) keeps across `generate` calls (fresh ones the first time); `keep_speculation_gates` hands them
     back at the call's end. Their measurements hold for one setup only: another target, dtype, device or thread
     count gets gates of its own."""
-    with SPECULATION_STATE.lock:
-        kept = SPECULATION_STATE.gates.get(drafter, {}).get(target, {}).get(_setup(target, method))
+    memory = memory_of(target)
+    with memory.lock:
+        kept = memory.gates.get(drafter, {}).get(_setup(target, method))
         return copy.deepcopy(kept) if kept is not None else SpeculationGates()
 
 
 def keep_speculation_gates(drafter, target, method: str, gates: SpeculationGates) -> None:
     """What a call's gates measured becomes what the next call on this drafter, target and setup starts from."""
-    with SPECULATION_STATE.lock:
-        setups = SPECULATION_STATE.gates.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
-        setups[_setup(target, method)] = gates
+    memory = memory_of(target)
+    with memory.lock:
+        memory.gates.setdefault(drafter, {})[_setup(target, method)] = gates

@@ -41,6 +41,36 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
     `sample`: draw every draft from its distribution instead of taking the argmax, and return those distributions
     as the tree's `draft_probs` (for rejection sampling). Scores then use only distribution maxima, never the drawn
     tokens, so which nodes are kept does not depend on their own values (required for losslessness)."""
+    main, scores, sources = _candidate_nodes(first_probs, drafts, picks, branch_probs, sample)
+    depth = first_probs.shape[0]
+    # keep the most probable nodes; a child is never more probable than its parent, so this keeps ancestors
+    effective = {p: min(scores[p[:j]] for j in range(1, len(p) + 1)) for p in scores}
+    keep = sorted(scores, key=lambda p: (-effective[p], len(p)))[: budget - 1]
+    if choose_count is not None:
+        keep = keep[: choose_count([effective[p] for p in keep]) - 1]
+    # children in the order they were drawn (a branch's alternative after the main draft it excludes)
+    main_paths = {main[: k + 1] for k in range(depth)}
+    keep.sort(key=lambda p: (len(p), p not in main_paths))
+    index = {(): 0}
+    tokens, parents, node_conf, node_probs = [root_token], [-1], [1.0], [None]  # the root's law: none
+    for path in keep:
+        if path[:-1] not in index:
+            continue  # its parent was pruned (only possible with equal scores)
+        index[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]])
+        node_conf.append(scores[path])
+        node_probs.append(sources[path])
+    if sample and len(node_probs) > 1:  # the tree's nodes' laws alone, in one copy (not every slot and branch)
+        node_probs = [None, *torch.stack(node_probs[1:]).unbind(0)]
+    return CandidateTree(tokens, parents, draft_probs=node_probs if sample else None,
+                         confidences=node_conf[1:], device=first_probs.device)
+
+
+def _candidate_nodes(first_probs: torch.Tensor, drafts: torch.Tensor, picks: list[int], branch_probs: list,
+                     sample: bool) -> tuple[tuple, dict, dict]:
+    """Every candidate node of `build_prefix_tree`, keyed by its token path from the root: the main chain's token
+    path, each node's reach score and the distribution it was drawn from."""
     depth = first_probs.shape[0]
     confidences = first_probs.max(-1).values
     reach = torch.cat([confidences.new_ones(1), torch.cumprod(confidences, 0)[:-1]])
@@ -73,26 +103,4 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
             score *= float(probs[slot].max())
             path = path + (draw(probs[slot], sample),)
             add(path, score, probs[slot])
-
-    # keep the most probable nodes; a child is never more probable than its parent, so this keeps ancestors
-    effective = {p: min(scores[p[:j]] for j in range(1, len(p) + 1)) for p in scores}
-    keep = sorted(scores, key=lambda p: (-effective[p], len(p)))[: budget - 1]
-    if choose_count is not None:
-        keep = keep[: choose_count([effective[p] for p in keep]) - 1]
-    # children in the order they were drawn (a branch's alternative after the main draft it excludes)
-    main_paths = {main[: k + 1] for k in range(depth)}
-    keep.sort(key=lambda p: (len(p), p not in main_paths))
-    index = {(): 0}
-    tokens, parents, node_conf, node_probs = [root_token], [-1], [1.0], [None]  # the root's law: none
-    for path in keep:
-        if path[:-1] not in index:
-            continue  # its parent was pruned (only possible with equal scores)
-        index[path] = len(tokens)
-        tokens.append(path[-1])
-        parents.append(index[path[:-1]])
-        node_conf.append(scores[path])
-        node_probs.append(sources[path])
-    if sample and len(node_probs) > 1:  # the tree's nodes' laws alone, in one copy (not every slot and branch)
-        node_probs = [None, *torch.stack(node_probs[1:]).unbind(0)]
-    return CandidateTree(tokens, parents, draft_probs=node_probs if sample else None,
-                         confidences=node_conf[1:], device=first_probs.device)
+    return main, scores, sources

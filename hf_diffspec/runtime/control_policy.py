@@ -9,33 +9,40 @@
 - `DraftLengthPolicy` without one: the drafter's configured `num_draft_tokens` (a one-time warning says how to
   measure a profile).
 
-Each holds the gates that decide whether a step speculates at all (`gates.py`; a fixed length always does). With
-prompt-lookup drafts (`lookup.py`), `lookup_lengths` sizes them with the same cost model. Every answer is capped by
-what is left to generate and by the target's context. Losslessness never depends on the answer: the target alone
-picks every committed token.
+Each holds the gates that decide whether a step speculates at all (`control_gates.py`; a fixed length always does).
+With prompt-lookup drafts (`drafting_lookup.py`), `lookup_lengths` sizes them with the same cost model. Every answer
+is capped by what is left to generate and by the target's context. Losslessness never depends on the answer: the
+target alone picks every committed token.
+
+`speculation_policy` builds a call's policy and gates at the loop's start (measuring the verify-cost profile there
+the first time a target needs one); the loop hands them to drafting and prompt lookup, and `keep_measurements` hands
+what they measured back to the target's memory at the call's end.
 """
 
-from .cost_model import VerifyCost, best_node_count
-from .gates import AlwaysSpeculate, SpeculationGates, StepRecord
+import functools
+
+from .control_cost import VerifyCost, best_node_count
+from .control_gates import AlwaysSpeculate, SpeculationGates, StepRecord, keep_speculation_gates, speculation_gates_for
+from .control_profiles import keep_verify_cost, verify_cost_for
 
 
 class DraftLengthPolicy:
     """Decides drafts per row from measurements. `block_size`: the drafter's block; `default_length`: its
     configured `num_draft_tokens` (or None); `verify_cost`: the measured T_verify(n, rows) or None; `tree_depth`:
     for draft trees, the deepest tree level; `max_positions`: the target's context; `gates`: the speculation gates
-    (fresh ones by default; `speculation_gates_for` gives a copy of the ones kept across calls, and `keep_gates`
-    hands them back: `keep_measurements`)."""
+    (fresh ones by default); `keep(gates, verify_cost)`: hands what the call measured back at its end
+    (`keep_measurements`; None: they are this call's alone)."""
 
     def __init__(self, block_size: int, default_length: int | None = None, verify_cost: VerifyCost | None = None,
                  tree_depth: int | None = None, max_positions: int | None = None,
-                 gates: "SpeculationGates | AlwaysSpeculate | None" = None, keep_gates=None):
+                 gates: "SpeculationGates | AlwaysSpeculate | None" = None, keep=None):
         self.block_size = block_size
         self.default_length = default_length
         self.verify_cost = verify_cost
         self.tree_depth = tree_depth
         self.max_positions = max_positions
         self.gates = gates if gates is not None else SpeculationGates()
-        self.keep_gates = keep_gates  # keep_gates(gates): they become the next call's (None: they are this call's)
+        self.keep = keep
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
 
     @property
@@ -95,10 +102,8 @@ class DraftLengthPolicy:
 
     def keep_measurements(self) -> None:
         """At the end of a call: what its gates and cost model measured becomes where the next call starts."""
-        if self.keep_gates is not None:
-            self.keep_gates(self.gates)
-        if self.verify_cost is not None:
-            self.verify_cost.keep()
+        if self.keep is not None:
+            self.keep(self.gates, self.verify_cost)
 
     def record_step(self, step: StepRecord) -> bool:
         """A step's measured verify time refines the profiled cost model; True when the profile was measured again
@@ -118,3 +123,28 @@ class FixedLength(DraftLengthPolicy):
 
     def most_drafts(self) -> int:
         return self.length
+
+
+def speculation_policy(drafter, target, fixed: int | None = None, method: str = "DiffusionCandidateGenerator"):
+    """The draft-length policy and gates of one call of `drafter` on `target`: `fixed` drafts per step when given,
+    else the measured cost model when this machine has a profile for the target (measured now the first time),
+    else the drafter's configured length. `method` names the drafting method, whose gates persist across calls."""
+    dual = drafter.config.model_type == "dual_diffusion_drafter"
+    config = drafter.first.config if dual else drafter.config
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if fixed is not None:
+        return FixedLength(fixed, config.block_size, max_positions)
+    # trees (D²SD, best-first) are sized by their node budget and the cost model, not by a chain length
+    tree_depth = drafter.config.max_depth if dual else None
+    if getattr(config, "draft_tree_budget", None):
+        tree_depth = config.block_size - 1
+    return DraftLengthPolicy(
+        block_size=config.block_size, default_length=config.num_draft_tokens, verify_cost=verify_cost_for(target),
+        tree_depth=tree_depth, max_positions=max_positions, gates=speculation_gates_for(drafter, target, method),
+        keep=functools.partial(_keep, drafter, target, method))
+
+
+def _keep(drafter, target, method: str, gates, verify_cost) -> None:
+    keep_speculation_gates(drafter, target, method, gates)
+    if verify_cost is not None:
+        keep_verify_cost(target, verify_cost)

@@ -21,11 +21,11 @@ window for each node is the node and its ancestors (the saved conv state above t
 node's state extends its parent's, slot by slot (parents come first). The cache's states are left as saved; the
 commit advances them along each row's accepted path, which is a chain, as above.
 
-The recording and the tree form belong to the call that runs them: while verify forwards run, the linear layers
-and their projections have a forward that looks up the recording of its own thread (or task) in a
-`contextvars.ContextVar` and otherwise runs the module's own forward, so a plain or speculative call on the same
-model in another thread meanwhile is neither recorded nor switched to the tree form. The last forward to finish
-puts the modules' own forwards back.
+The recording and the tree form belong to the call that runs them: while speculative calls run on the model
+(`RecurrentStates.held`), the linear layers and their projections have a forward that looks up the recording of its
+own thread (or task) in a `contextvars.ContextVar` and otherwise runs the module's own forward, so a plain or
+speculative call on the same model in another thread meanwhile is neither recorded nor switched to the tree form.
+The last call to end puts the modules' own forwards back.
 
 The recorded inputs are exact: a node's input depends only on its ancestors (the tree mask in the other layers).
 Left padding in a prompt enters no state: the prefill passes the 2D padding mask, which transformers hands the linear
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from .kv_cache import count_linear_tokens
+from .verify_cache import LinearStates, count_linear_tokens
 from .tree import host_to_device
 
 # text configs whose linear-attention layers (Qwen3.5 GatedDeltaNet) this module rolls back
@@ -78,9 +78,19 @@ class RecurrentStates:
         # Qwen3.5's GatedDeltaNet modules carry their layer's type and index
         self.layers = {module.layer_idx: module for module in model.modules()
                        if getattr(module, "layer_type", None) == "linear_attention" and hasattr(module, "layer_idx")}
-        self.saved: dict[int, tuple] = {}  # layer index: (conv state, recurrent state)
+        self.saved: LinearStates | None = None  # the layers' states before the verify forward
         self.consumed: dict[int, dict[str, torch.Tensor]] = {}  # layer index: projection name: its output
         self.replays = 0
+
+    def held(self):
+        """For the whole call: the linear layers and their projections get a forward that looks up this context's
+        recording (`_ContextualForward`); the last call holding them puts their own forwards back."""
+        if not self.layers:
+            return nullcontext()
+        patches = [(module, partial(_linear_layer_forward, module)) for module in self.layers.values()]
+        patches += [(getattr(module, name), partial(_recorded_projection, module, name))
+                    for module in self.layers.values() for name in CONSUMED_PROJECTIONS]
+        return _holding(patches)
 
     def recording(self, layout):
         """Around the verify forward of the trees laid out in `layout` (a `TreeLayout`): save every linear layer's
@@ -92,34 +102,28 @@ class RecurrentStates:
 
     @contextmanager
     def _recording(self, tree_layout):
-        for index in self.layers:
-            layer = self.cache.layers[index]
-            self.saved[index] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
-            self.consumed[index] = {}
-        patches = [(module, partial(_linear_layer_forward, module)) for module in self.layers.values()]
-        patches += [(getattr(module, name), partial(_recorded_projection, module, name))
-                    for module in self.layers.values() for name in CONSUMED_PROJECTIONS]
-        with _holding(patches):
-            token = _RECORDING.set(_Recording(self, tree_layout))
-            try:
-                yield
-            finally:
-                _RECORDING.reset(token)
+        self.saved = LinearStates(self.cache, self.layers)
+        self.consumed = {index: {} for index in self.layers}
+        token = _RECORDING.set(_Recording(self, tree_layout))
+        try:
+            yield
+        finally:
+            _RECORDING.reset(token)
 
     def keep_accepted(self, paths: list[list[int]], num_slots: int) -> None:
         """After each row verified its tree in a forward of `num_slots` slots per row and accepted the nodes
         `paths[row]` (its root and the drafts the target agreed with, a chain), leave the linear layers' states as if
         each row had seen only those. Every row accepting all its slots verified chains: its states are right."""
         counts, consumed, saved = [len(p) for p in paths], self.consumed, self.saved
-        self.consumed, self.saved = {}, {}
+        self.consumed, self.saved = {}, None
         if not self.layers or min(counts) == num_slots:
             return
         kept = max(counts)
-        device = next(iter(saved.values()))[0].device
+        device = self.cache.layers[next(iter(self.layers))].recurrent_states[0].device
         # per row: its count, then its path padded with its last node (one copy to the device)
         shape = host_to_device([[len(p), *p, *[p[-1]] * (kept - len(p))] for p in paths], device)
         for index, module in self.layers.items():
-            _advance(module, self.cache.layers[index], saved[index], consumed[index], shape[:, 1:], shape[:, 0])
+            _advance(module, self.cache.layers[index], saved.of(index), consumed[index], shape[:, 1:], shape[:, 0])
         self.replays += 1
 
 

@@ -1,0 +1,224 @@
+"""The verify step's one home: `TargetVerifier`, created once per call, owns everything the target's forward over the
+drafts needs and everything that forward leaves behind.
+
+    verifier = TargetVerifier(model, cache, static_length, feature_layers)
+    with verifier:                                   # the call holds the verify attention and the recording hooks
+        out = verifier.prefill(ids, mask, positions, valid)
+        loop:
+            out, layout = verifier.forward(trees, root_positions)   # inputs, masks, attention, recording, graphs
+            kept = verifier.keep(paths, accepted, next_slots)       # crop, validity, compaction, windows, rollback
+            verifier.select_rows(index, keep)                       # rows that finished leave every cache
+        cache = verifier.finish(next_slots)                         # what generate's output returns
+
+It owns:
+- the target's cache in every form (`verify_cache.py`: generate's own, windowed, static, linear states), and which
+  cached slot each row may see (`valid`: left padding, slots of drafts another row accepted and tree nodes off a row's
+  accepted path are invisible to it);
+- the verify inputs and every mask (`verify_inputs.py`), the verify attention (`verify_attention.py`);
+- the recurrent states' recording and rollback (`verify_recurrent.py`);
+- the static buffers and CUDA graphs of the capture-ready step (`verify_graphs.py`).
+
+The verify-cost profile times this same forward (`control_profiles.measure_verify_cost`): one recipe for both.
+
+Accepted nodes stay in the slots the tree forward wrote them to: the slots after the last accepted node of every row
+are cropped, and the nodes before it that a row did not accept stay, hidden by its validity mask (a node's key
+carries its own position, whatever its slot) until a compaction drops them (every `COMPACT_AFTER_HIDDEN_SLOTS`
+hidden slots, and at the end of the call).
+
+Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .tree import TreeLayout, call_indices, host_to_device, index_range
+from .verify_attention import VerifyAttention
+from .verify_cache import crop_attention, drop_old_keys, dropped_slots, gather_slots, select_rows, target_cache
+from .verify_graphs import VerifyGraphs, graph_backend
+from .verify_inputs import AttentionLayout, CaptureReadyInputs, tree_forward_inputs, verify_masks, verify_width
+from .verify_recurrent import RecurrentStates
+
+# hidden slots in the cache's tail (tree nodes off the accepted paths) that trigger a compaction: moving the accepted
+# nodes together every step costs a gather and a write per K/V tensor per step, a fixed cost per layer that an
+# 8B target's 36 layers pay on every step; a few dozen hidden slots cost the attention next to nothing
+COMPACT_AFTER_HIDDEN_SLOTS = 64
+
+
+@dataclass
+class KeptSlots:
+    """What `TargetVerifier.keep` kept of a step, for the drafter's context: `index` selects each row's accepted
+    nodes on the forward's slot dimension (a slice when they are every row's first slots, else (rows, longest)
+    slot indices); `offsets` (longest,) their depths; `accepted` (rows, longest) which of them the row accepted;
+    `counts` (rows,) how many, on the device; `rows_all_valid`: known on the host, every row sees every slot it
+    committed or was prompted with."""
+
+    index: slice | torch.Tensor
+    offsets: torch.Tensor
+    accepted: torch.Tensor
+    counts: torch.Tensor
+    rows_all_valid: bool
+
+
+class TargetVerifier:
+    """One call's verify step on `model` (see the module docstring).
+
+    Args:
+        model: the target.
+        cache: the cache `generate` prepared (None: the verifier makes one); kept when it can be cropped back.
+        static_length: with `cache_implementation="static"`, the call's max length: a preallocated cache, persistent
+            inputs, and CUDA graphs where opted in.
+        feature_layers: the target hidden states the drafter reads (`output_hidden_states`).
+        explicit_masks: every step with an explicit 4D mask, even for chains every row verifies in full (the
+            verify-cost profile: it prices the forwards of trees and ragged rows, which take one).
+    """
+
+    def __init__(self, model, cache=None, static_length: int | None = None, feature_layers=None,
+                 explicit_masks: bool = False):
+        self.model = model
+        self.cache = target_cache(model.config, cache, static_length)
+        self.attention_layout = AttentionLayout.of(model.config)
+        self.feature_layers = feature_layers
+        self.explicit_masks = explicit_masks
+        self.dtype = model.dtype  # a property that walks the parameters: read once
+        self.attention = VerifyAttention(model)
+        self.recurrent = RecurrentStates(model, self.cache)
+        self.capture = CaptureReadyInputs(self.cache.layers[0].max_cache_len) if static_length else None
+        backend = graph_backend(model.device) if static_length else None
+        self.graphs = VerifyGraphs(backend) if backend else None
+        self.valid: torch.Tensor | None = None  # (rows, cached slots): which slots each row may attend to
+        self.all_valid = False  # known on the host: every row may see every cached slot
+        # known on the host: every row sees every slot it committed or was prompted with (no padding, rows in step);
+        # unlike `all_valid`, blind to the tail's hidden tree nodes (the drafter's context has none)
+        self.rows_all_valid = False
+        self.prompt_length = 0
+        self.slots = 0  # the last forward's slots per row
+        # the cache's tail: from `_tail_start` on, slots may be hidden tree nodes; per row, how many of them it sees
+        self._tail_start = 0
+        self._tail_counts: list[int] = []
+        self._held = contextlib.ExitStack()
+
+    def __enter__(self) -> "TargetVerifier":
+        self._held.enter_context(call_indices())
+        self._held.enter_context(self.attention.held())
+        self._held.enter_context(self.recurrent.held())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._held.close()
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask, positions: torch.Tensor, valid: torch.Tensor):
+        """The prompts' forward (the model's own attention and masks, the last position's logits); `valid`
+        (rows, length) marks the real prompt tokens."""
+        out = self.model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, output_hidden_states=self.feature_layers, logits_to_keep=1)
+        self.valid, self.prompt_length = valid, input_ids.shape[1]
+        self.all_valid = self.rows_all_valid = bool(valid.all())
+        self._tail_start, self._tail_counts = valid.shape[1], [0] * valid.shape[0]
+        self._drop_old_keys([self.prompt_length - 1] * valid.shape[0])
+        return out
+
+    def forward(self, trees, root_positions: torch.Tensor):
+        """Verify one tree per row (`root_positions` (rows,): each root's position, on the device) in one target
+        forward over the cache; returns the model's output and the trees' `TreeLayout`."""
+        layout = TreeLayout.of(trees, root_positions.device, verify_width(max(map(len, trees))) if self.capture else 0)
+        no_mask = self.all_valid and not (self.capture or self.explicit_masks)
+        tokens, mask, positions = tree_forward_inputs(trees, self.valid, root_positions, self.dtype, layout, no_mask)
+        mask = verify_masks(self.attention_layout, mask, layout.depths, self.valid, self.prompt_length,
+                            dropped_slots(self.cache))
+        if self.capture:
+            tokens, mask, positions = self.capture.fill(tokens, mask, positions)
+
+        model, cache, layers = self.model, self.cache, self.feature_layers
+
+        def verify():  # what a CUDA graph captures: every tensor it reads is one of its closure's
+            return model(tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                         output_hidden_states=layers)
+
+        with self.recurrent.recording(layout), self.attention.switched():
+            out = self.graphs.run(verify, cache, *tokens.shape) if self.graphs else verify()
+        self.slots = tokens.shape[1]
+        return out, layout
+
+    def rewind(self) -> None:
+        """Undo the last forward's K/V (the profile's forwards leave the cache as it was; linear-attention states
+        are put back by the caller's `verify_cache.LinearStates`)."""
+        crop_attention(self.cache, self.slots)
+
+    def keep(self, paths: list[list[int]], accepted, next_slots: list[int]) -> KeptSlots:
+        """Keep each row's accepted path (`paths`: its nodes, root first) in the cache, visible to that row only,
+        and leave linear-attention states as if each row had seen only those. `accepted`: (nodes, counts) on the
+        device when the batch accepted there, else None; `next_slots`: each row's committed length - 1."""
+        device = self.valid.device
+        lengths = [len(p) for p in paths]
+        kept = max(lengths)
+        span = max(p[-1] for p in paths) + 1  # slots up to the last accepted node (nodes follow their parents)
+        prefixes = all(p[-1] == len(p) - 1 for p in paths)  # every path is its tree's first slots
+        if accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
+            nodes, counts = accepted
+            padded = None if prefixes else nodes[:, :kept]
+        else:
+            padded = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
+            counts = host_to_device(lengths, device)
+        if self.slots > span:
+            crop_attention(self.cache, self.slots - span)
+        offsets = index_range(kept, device)
+        accepted_slots = offsets[None] < counts[:, None]
+        if prefixes:  # nothing hidden but a shorter row's tail
+            visible = accepted_slots
+        else:  # a padding entry may point past `span`; it adds nothing
+            visible = torch.zeros(len(paths), span, dtype=torch.long, device=device).scatter_add_(
+                1, padded.clamp(max=span - 1), accepted_slots.long()) > 0
+        self.rows_all_valid = self.rows_all_valid and min(lengths) == kept
+        self.all_valid = self.all_valid and self.rows_all_valid and prefixes
+        self.valid = torch.cat([self.valid, visible], dim=1)
+        self._tail_counts = [c + n for c, n in zip(self._tail_counts, lengths)]
+        self.recurrent.keep_accepted(paths, self.slots)
+        self._compact_or_drop(next_slots)
+        return KeptSlots(slice(0, kept) if prefixes else padded, offsets, accepted_slots, counts, self.rows_all_valid)
+
+    def _compact_or_drop(self, next_slots: list[int]) -> None:
+        tail = self.valid.shape[1] - self._tail_start
+        # sliding layers drop only slots every row counts: rows' holes in the tail are closed up every so often
+        window = self.attention_layout.sliding_window
+        if (tail if window else tail - max(self._tail_counts)) >= COMPACT_AFTER_HIDDEN_SLOTS:
+            self.compact(next_slots)
+        else:
+            self._drop_old_keys(next_slots)
+
+    def _drop_old_keys(self, next_slots: list[int]) -> None:
+        """Sliding layers keep what plain generate keeps: the keys within some row's window (`verify_cache.py`).
+        Every cached slot counts for every row before the tail, or everywhere when every row sees every slot."""
+        if self.attention_layout.sliding_window is not None:
+            if self.all_valid:  # the whole tail is every row's: compaction (if rows diverge) starts after it
+                self._tail_start, self._tail_counts = self.valid.shape[1], [0] * len(self._tail_counts)
+            drop_old_keys(self.cache, self.attention_layout.sliding_window, next_slots, self._tail_start)
+
+    def compact(self, next_slots: list[int]) -> None:
+        """Drop the slots of the cache's tail that no row sees: each row's visible tail slots move to the tail's
+        front in order, and the cache is cropped to the row that has the most (one gather and one write per K/V
+        tensor)."""
+        start, counts = self._tail_start, self._tail_counts
+        tail = self.valid[:, start:]
+        if counts and tail.shape[1] == min(counts):  # every row sees every slot of the tail: nothing to move
+            self._tail_start, self._tail_counts = start + min(counts), [0] * len(counts)
+        elif counts and (tail.shape[1] > max(counts) or self.attention_layout.sliding_window):
+            # per row, its visible slots first, in order (a stable sort puts hidden after visible)
+            order = torch.sort((~tail).to(torch.uint8), dim=1, stable=True).indices[:, : max(counts)]
+            gather_slots(self.cache, start, order, self.valid.shape[1])
+            self.valid = torch.cat([self.valid[:, :start], tail.gather(1, order)], dim=1)
+            self._tail_start, self._tail_counts = start + min(counts), [c - min(counts) for c in counts]
+            self.all_valid = self.rows_all_valid
+        self._drop_old_keys(next_slots)
+
+    def select_rows(self, index: torch.Tensor, keep: list[int]) -> None:
+        """Keep only the rows `keep` (`index`: the same on the device) in the cache and its bookkeeping."""
+        select_rows(self.cache, index)
+        self.valid = self.valid[index]
+        self._tail_counts = [self._tail_counts[i] for i in keep]
+
+    def finish(self, next_slots: list[int]):
+        """The cache as `generate`'s output returns it: no hidden tree nodes left in it."""
+        self.compact(next_slots)
+        return self.cache

@@ -1,0 +1,176 @@
+"""The verify forward's inputs: its tokens and positions, and every attention mask the target sees while it
+verifies (one module builds them all).
+
+- `tree_forward_inputs`: one tree per row as a rectangle, with the additive 4D mask of the trees over each row's
+  visible cached slots (`None` for chains every row verifies in full: the causal mask, aligned bottom-right);
+- `verify_masks`: sliding-window targets (Gemma 3 / 4, gpt-oss, Mistral, ...): the window lives in the mask. A query
+  sees a key when `kv_idx > q_idx - sliding_window`, both counted in the slots plain `generate` gives them (a row's
+  prompt slots, padding included, then one slot per generated token), exactly as transformers'
+  `sliding_window_overlay` hides them. Rows of a ragged batch leave holes in our cache (slots of drafts another row
+  accepted), so slots are renumbered per row before the window is applied; the columns a windowed layer dropped
+  (`verify_cache.WindowedLayer`) are then left out of its mask;
+- `CaptureReadyInputs`: the capture-ready step's persistent buffers (widths bucketed to `VERIFY_WIDTHS`), the mask
+  blocked past the cache's used slots (`verify_graphs.py`);
+- `packed_mask`: the mask the verify attention reads (`verify_attention.py`), for queries packed by key/value head,
+  and the chain's causal mask when transformers built none.
+
+Imports: torch, transformers and sibling runtime modules only (this file travels in `custom_generate/`).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from .tree import CandidateTree, TreeLayout
+
+MASK_ALIGNMENT = 16  # elements: the memory-efficient kernel reads a mask in place when its rows are this aligned
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Which attention masks a target's layers take. `sliding_window`: the window of its sliding layers (None: full
+    attention only); `mixed`: full and sliding layers both, so the model takes a dict of masks by layer type."""
+
+    sliding_window: int | None
+    mixed: bool
+
+    @classmethod
+    def of(cls, config) -> "AttentionLayout":
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        windows = {kw["sliding_window"] for kind, kw in zip(layer_types, layer_kwargs) if kind == "sliding_attention"}
+        if len(windows) > 1:  # refused before the first forward (support.py)
+            raise ValueError(f"sliding layers with different windows {sorted(windows)}")
+        window = next(iter(windows), None)
+        return cls(sliding_window=window, mixed=window is not None and "full_attention" in layer_types)
+
+
+def verify_masks(layout: AttentionLayout, mask: torch.Tensor | None, depths: torch.Tensor, past_valid: torch.Tensor,
+                 prompt_length: int, dropped: int = 0):
+    """The `attention_mask` to verify a batch of trees with, from `tree_forward_inputs`' full-attention `mask`;
+    `depths` (rows, n): each node's depth in its tree, -1 for padding slots (`TreeLayout.depths`).
+
+    Full attention only: `mask` itself. Sliding layers only: `mask` within the window. Both: a dict by layer type (the
+    form Gemma 3 / 4 and gpt-oss take). `None` (every row sees its whole cache and verifies a chain of one length)
+    stays `None`: the verify attention then applies each sliding layer's window itself, counted bottom-right over the
+    cache's slots, which is plain generate's window (no row has holes or padding then; `verify_attention.py`).
+    `dropped`: the slots the windowed layers dropped (`dropped_slots`), left out of the sliding layers' mask."""
+    if mask is None or layout.sliding_window is None:
+        return mask
+    windowed = mask.masked_fill(~_within_window(layout.sliding_window, depths, past_valid, prompt_length)[:, None],
+                                torch.finfo(mask.dtype).min)[..., dropped:]
+    if not layout.mixed:
+        return windowed
+    return {"full_attention": mask, "sliding_attention": windowed}
+
+
+def _within_window(window: int, depths: torch.Tensor, past_valid: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """(rows, n, past + n) bool: whether each tree node (query) is within `window` of each key, counting slots as plain
+    `generate` would have them: prompt slots as they are, then the row's own accepted tokens one after the other."""
+    counted = past_valid.clone()
+    counted[:, :prompt_length] = True
+    past_slots = counted.long().cumsum(-1) - 1  # a hole repeats its neighbour's number: it is masked anyway
+    node_slots = counted.sum(-1, keepdim=True) + depths.clamp(min=0)  # the anchor takes the row's next slot; padding
+    key_slots = torch.cat([past_slots, node_slots], dim=1)              # nodes see only themselves anyway
+    return key_slots[:, None, :] > node_slots[:, :, None] - window
+
+
+def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, root_positions,
+                        dtype: torch.dtype, layout: TreeLayout | None = None, past_all_valid: bool | None = None):
+    """Target inputs to verify one tree per row in one forward: `(tokens, attention_mask, position_ids)`.
+
+    tokens (rows, n) and position_ids (rows, n), with n the largest tree: a node at depth d sits at its row's root
+    position + d; shorter rows are padded with slots that see only themselves (their outputs are ignored).
+    attention_mask (rows, 1, n, past + n) is additive float in `dtype` (0 = attend, dtype min = blocked), never bool:
+    eager attention adds the mask, so a bool mask would be silently wrong there. `past_valid` (rows, past) marks
+    which cached slots each row may see (False: padding, or slots of drafts another row accepted).
+    When every row sees its whole cache and verifies a chain of the same length, the mask is the causal one aligned
+    bottom-right: `None` is returned for it, and the verify attention (`verify_attention.py`) runs a causal kernel
+    without a mask tensor. (SDPA's own path would not: for q > 1 over a cache transformers builds the mask itself.)
+
+    `root_positions`: (rows,) tensor (or list); `layout`: the trees' `TreeLayout` when the caller has it;
+    `past_all_valid`: whether `past_valid` is all True, when the caller knows it (else it is read from the device).
+    """
+    rows, past = past_valid.shape
+    device = past_valid.device
+    layout = layout or TreeLayout.of(trees, device)
+    if past_all_valid is None:
+        past_all_valid = bool(past_valid.all())
+    if layout.uniform_chains and past_all_valid:
+        return layout.tokens, None, layout.depths + past
+    roots = torch.as_tensor(root_positions, device=device)
+    positions = roots[:, None] + layout.depths.clamp(min=0)
+    allowed = torch.cat([past_valid[:, None, :] & layout.real[:, :, None], layout.ancestors], dim=-1)
+    mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill_(allowed, 0)
+    return layout.tokens, mask[:, None], positions
+
+
+VERIFY_WIDTHS = (4, 8, 16, 32, 64)
+
+
+def verify_width(nodes: int) -> int:
+    """The bucketed width a step of `nodes` (its largest tree) is verified at: the smallest of `VERIFY_WIDTHS` that
+    holds it, else the next multiple of the largest."""
+    for width in VERIFY_WIDTHS:
+        if nodes <= width:
+            return width
+    return -(-nodes // VERIFY_WIDTHS[-1]) * VERIFY_WIDTHS[-1]
+
+
+class CaptureReadyInputs:
+    """Persistent inputs of the verify forward, one set per (rows, width): tokens and positions (rows, width), the
+    additive mask (rows, 1, width, capacity). `fill` copies a step's inputs into them in place."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def fill(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+        """`tokens`, `positions` (rows, width) and `mask` (rows, 1, width, used) over the `used` cached slots and the
+        step's nodes, as `tree_forward_inputs` makes them: the same tensors in the step's persistent buffers, the
+        mask blocked past `used`."""
+        rows, width = tokens.shape
+        used = mask.shape[-1]
+        if used > self.capacity:
+            raise RuntimeError(f"the static cache holds {self.capacity} slots and this step needs {used}: "
+                               "verify_cache.HEADROOM is too small for this call")
+        key = (rows, width)
+        if key not in self.buffers:
+            self.buffers[key] = (torch.empty_like(tokens), torch.empty_like(positions),
+                                 mask.new_empty(rows, 1, width, self.capacity))
+        token_buffer, position_buffer, mask_buffer = self.buffers[key]
+        token_buffer.copy_(tokens)
+        position_buffer.copy_(positions)
+        mask_buffer[..., :used].copy_(mask)
+        mask_buffer[..., used:].fill_(torch.finfo(mask.dtype).min)
+        return token_buffer, mask_buffer, position_buffer
+
+
+def aligned(width: int) -> int:
+    return -(-width // MASK_ALIGNMENT) * MASK_ALIGNMENT
+
+
+def packed_mask(mask: torch.Tensor | None, groups: int, q: int, kv: int, sliding_window: int | None,
+                dtype: torch.dtype, device: torch.device, memo: dict) -> torch.Tensor:
+    """(rows or 1, 1, groups * q, kv) additive mask for group-packed queries, in rows of `aligned(kv)` elements;
+    `mask=None`: the chain's causal mask, aligned bottom-right (within `sliding_window` when given). `memo`: the
+    masks built in this forward, shared by its layers."""
+    source = (id(mask), mask.shape if mask is not None else None, groups, q, kv, sliding_window, dtype)
+    if source in memo:
+        return memo[source][1]
+    if mask is None:
+        query_slots = torch.arange(kv - q, kv, device=device)[:, None]
+        key_slots = torch.arange(kv, device=device)[None]
+        allowed = key_slots <= query_slots
+        if sliding_window is not None:
+            allowed &= key_slots > query_slots - sliding_window
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = mask[None, None]
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    rows = mask.shape[0]
+    packed = torch.full((rows, 1, groups * q, aligned(kv)), torch.finfo(dtype).min, dtype=dtype, device=device)
+    packed = packed[..., :kv]
+    packed.view(rows, 1, groups, q, kv).copy_(mask[:, :1, None, :, -kv:].to(dtype))
+    memo[source] = (mask, packed)  # the source is kept so that its id is not reused within the forward
+    return packed
