@@ -203,6 +203,7 @@ class DecodingCall:
     streamer: object
     prompt_length: int
     start_time: float
+    device: torch.device
 
     def drop_finished(self) -> bool:
         """Finished rows leave the batch and every cache; False when no row is left."""
@@ -273,13 +274,12 @@ def _prefill(verifier, drafting, policy, lookup, input_ids, valid, logits_proces
     batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
     stats = SpeculationStats(target_forwards=1, prefill_time_s=device_time(input_ids.device) - start_time)
     return DecodingCall(verifier, batch, committers, drafting, policy, lookup, stats, generation_config, streamer,
-                        input_ids.shape[1], start_time)
+                        input_ids.shape[1], start_time, input_ids.device)
 
 
 def _step(call: DecodingCall, step_start: float) -> float:
     """One loop step (see the module docstring), from `step_start` (the previous step's end); returns its end."""
-    batch, policy, verifier = call.batch, call.policy, call.verifier
-    device = batch.root_position_tensor.device
+    batch, policy, verifier, device = call.batch, call.policy, call.verifier, call.device
     rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
     found = call.lookup.propose(batch, root_positions, policy)
     kind = policy.gates.decide(rows, found.ngram)
@@ -294,7 +294,7 @@ def _step(call: DecodingCall, step_start: float) -> float:
     out, layout = verifier.forward(trees, batch.root_position_tensor)
     paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
     call.lookup.record_verified(lookups, batch, paths)
-    kept = verifier.keep(paths, batch.accepted, batch.next_slots())
+    kept = verifier.keep(paths, batch.accepted, batch.next_slots)
     call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
                               kept.accepted, all_valid=kept.rows_all_valid)
     batch.advance(kept.counts)
@@ -315,7 +315,7 @@ def _finish(call: DecodingCall):
     config, stats, batch = call.generation_config, call.stats, call.batch
     if call.streamer is not None:
         call.streamer.end()
-    cache = call.verifier.finish(batch.next_slots())  # the returned cache holds no hidden tree nodes
+    cache = call.verifier.finish(batch.next_slots)  # the returned cache holds no hidden tree nodes
     sequences = batch.sequences(pad_token_id(config))
     for row, tokens in batch.cut_tokens.items():
         stats.cut_back(row, tokens)

@@ -93,6 +93,7 @@ class TargetVerifier:
         # unlike `all_valid`, blind to the tail's hidden tree nodes (the drafter's context has none)
         self.rows_all_valid = False
         self.prompt_length = 0
+        self.device: torch.device | None = None  # the inputs' device (the prefill's)
         self.slots = 0  # the last forward's slots per row
         # the cache's tail: from `_tail_start` on, slots may be hidden tree nodes; per row, how many of them it sees
         self._tail_start = 0
@@ -113,16 +114,16 @@ class TargetVerifier:
         (rows, length) marks the real prompt tokens."""
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=self.cache,
                          use_cache=True, output_hidden_states=self.feature_layers, logits_to_keep=1)
-        self.valid, self.prompt_length = valid, input_ids.shape[1]
+        self.valid, self.prompt_length, self.device = valid, input_ids.shape[1], input_ids.device
         self.all_valid = self.rows_all_valid = bool(valid.all())
         self._tail_start, self._tail_counts = valid.shape[1], [0] * valid.shape[0]
-        self._drop_old_keys([self.prompt_length - 1] * valid.shape[0])
+        self._drop_old_keys(lambda: [self.prompt_length - 1] * valid.shape[0])
         return out
 
     def forward(self, trees, root_positions: torch.Tensor):
         """Verify one tree per row (`root_positions` (rows,): each root's position, on the device) in one target
         forward over the cache; returns the model's output and the trees' `TreeLayout`."""
-        layout = TreeLayout.of(trees, root_positions.device, verify_width(max(map(len, trees))) if self.capture else 0)
+        layout = TreeLayout.of(trees, self.device, verify_width(max(map(len, trees))) if self.capture else 0)
         no_mask = self.all_valid and not (self.capture or self.explicit_masks)
         tokens, mask, positions = tree_forward_inputs(trees, self.valid, root_positions, self.dtype, layout, no_mask)
         mask = verify_masks(self.attention_layout, mask, layout.depths, self.valid, self.prompt_length,
@@ -146,10 +147,11 @@ class TargetVerifier:
         are put back by the caller's `verify_cache.LinearStates`)."""
         crop_attention(self.cache, self.slots)
 
-    def keep(self, paths: list[list[int]], accepted, next_slots: list[int]) -> KeptSlots:
+    def keep(self, paths: list[list[int]], accepted, next_slots) -> KeptSlots:
         """Keep each row's accepted path (`paths`: its nodes, root first) in the cache, visible to that row only,
         and leave linear-attention states as if each row had seen only those. `accepted`: (nodes, counts) on the
-        device when the batch accepted there, else None; `next_slots`: each row's committed length - 1."""
+        device when the batch accepted there, else None; `next_slots()`: each row's committed length - 1 (read
+        only where a sliding window needs it)."""
         device = self.valid.device
         lengths = [len(p) for p in paths]
         kept = max(lengths)
@@ -178,7 +180,7 @@ class TargetVerifier:
         self._compact_or_drop(next_slots)
         return KeptSlots(slice(0, kept) if prefixes else padded, offsets, accepted_slots, counts, self.rows_all_valid)
 
-    def _compact_or_drop(self, next_slots: list[int]) -> None:
+    def _compact_or_drop(self, next_slots) -> None:
         tail = self.valid.shape[1] - self._tail_start
         # sliding layers drop only slots every row counts: rows' holes in the tail are closed up every so often
         window = self.attention_layout.sliding_window
@@ -187,15 +189,15 @@ class TargetVerifier:
         else:
             self._drop_old_keys(next_slots)
 
-    def _drop_old_keys(self, next_slots: list[int]) -> None:
+    def _drop_old_keys(self, next_slots) -> None:
         """Sliding layers keep what plain generate keeps: the keys within some row's window (`verify_cache.py`).
         Every cached slot counts for every row before the tail, or everywhere when every row sees every slot."""
         if self.attention_layout.sliding_window is not None:
             if self.all_valid:  # the whole tail is every row's: compaction (if rows diverge) starts after it
                 self._tail_start, self._tail_counts = self.valid.shape[1], [0] * len(self._tail_counts)
-            drop_old_keys(self.cache, self.attention_layout.sliding_window, next_slots, self._tail_start)
+            drop_old_keys(self.cache, self.attention_layout.sliding_window, next_slots(), self._tail_start)
 
-    def compact(self, next_slots: list[int]) -> None:
+    def compact(self, next_slots) -> None:
         """Drop the slots of the cache's tail that no row sees: each row's visible tail slots move to the tail's
         front in order, and the cache is cropped to the row that has the most (one gather and one write per K/V
         tensor)."""
@@ -218,7 +220,7 @@ class TargetVerifier:
         self.valid = self.valid[index]
         self._tail_counts = [self._tail_counts[i] for i in keep]
 
-    def finish(self, next_slots: list[int]):
+    def finish(self, next_slots):
         """The cache as `generate`'s output returns it: no hidden tree nodes left in it."""
         self.compact(next_slots)
         return self.cache
