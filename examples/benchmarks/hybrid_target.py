@@ -7,7 +7,7 @@ linear layers' rollback costs, what trees buy, and speed against plain `generate
 
 - `rollback`: one linear layer's rollback after a verify of `--verified` tokens that accepted `--accepted`: before
   (the layer re-run on its recorded inputs, projections included, as the loop did before the state-only rollback)
-  and now (the convolution and the recurrence alone, `recurrent_state._advance`). Prints the projection weight bytes
+  and now (the convolution and the recurrence alone, `verify_recurrent._advance`). Prints the projection weight bytes
   each one reads per layer and per step (counted), and the seconds (timed: run it on a quiet machine).
 - `tau`: tokens per step of our loop with an oracle that keeps each draft right with probability `--acceptance`:
   a chain of `--depth` drafts, a tree with one more sibling per depth (right where the chain's draft is wrong, with
