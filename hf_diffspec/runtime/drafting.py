@@ -25,6 +25,7 @@ from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import device_time
 from .drafting_prefix_tree import build_prefix_tree, plan_branches
 from .tree import CandidateTree, host_to_device, index_range
+from .verify_inputs import additive_mask
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
 # rows x slots up to which a step's drafter logits take one pass of the LM head (beyond: growing chunks, which also
@@ -127,8 +128,7 @@ class DrafterContext:
         block_of = index_range(width, device) // block_size
         sees = torch.cat([(self.valid if not self.all_valid else is_mask.new_ones(rows, self.length))[:, None]
                           .expand(-1, width, -1), (block_of[:, None] == block_of[None]).expand(rows, -1, -1)], dim=-1)
-        dtype = noise.dtype
-        mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, torch.finfo(dtype).min)
+        mask = additive_mask(sees, noise.dtype)
         out = self.drafter(noise_embeds=noise, position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
                            mask_positions=is_mask, extend_cache=False)
         hidden = out.last_hidden_state.view(rows, width // block_size, block_size, -1)

@@ -27,6 +27,13 @@ from .tree import CandidateTree, TreeLayout
 MASK_ALIGNMENT = 16  # elements: the memory-efficient kernel reads a mask in place when its rows are this aligned
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `allowed`, `dtype`'s lowest value elsewhere: the form every attention takes (eager attention adds the
+    mask, so a bool mask would be silently wrong there)."""
+    blocked = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return blocked.masked_fill_(allowed, 0)
+
+
 @dataclass(frozen=True)
 class AttentionLayout:
     """Which attention masks a target's layers take. `sliding_window`: the window of its sliding layers (None: full
@@ -101,8 +108,7 @@ def tree_forward_inputs(trees: list[CandidateTree], past_valid: torch.Tensor, ro
     roots = torch.as_tensor(root_positions, device=device)
     positions = roots[:, None] + layout.depths.clamp(min=0)
     allowed = torch.cat([past_valid[:, None, :] & layout.real[:, :, None], layout.ancestors], dim=-1)
-    mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill_(allowed, 0)
-    return layout.tokens, mask[:, None], positions
+    return layout.tokens, additive_mask(allowed, dtype)[:, None], positions
 
 
 VERIFY_WIDTHS = (4, 8, 16, 32, 64)
@@ -164,10 +170,9 @@ def packed_mask(mask: torch.Tensor | None, groups: int, q: int, kv: int, sliding
         allowed = key_slots <= query_slots
         if sliding_window is not None:
             allowed &= key_slots > query_slots - sliding_window
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        mask = mask[None, None]
+        mask = additive_mask(allowed, dtype)[None, None]
     elif mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+        mask = additive_mask(mask, dtype)
     rows = mask.shape[0]
     packed = torch.full((rows, 1, groups * q, aligned(kv)), torch.finfo(dtype).min, dtype=dtype, device=device)
     packed = packed[..., :kv]
