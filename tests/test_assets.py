@@ -283,3 +283,21 @@ def test_greedy_answer_is_sensible(real_target):
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_long_context_prompts_put_each_question_after_the_material():
+    """`hf-diffspec bench --context-tokens N`: each prompt's text is about N tokens (the chat template included),
+    material from the built-in prompts first, the question last and never in its own material."""
+    from hf_diffspec.prompts import with_context
+
+    _, tok = load_target(SMOL)
+    records = load_prompts(["code", "chat"], n_per_domain=2, tokenizer=tok)
+    long = with_context(records, 3000, tok)
+    for record, original in zip(long, records):
+        assert abs(record["context_tokens"] - 3000) <= 8
+        assert len(tok(record["text"], add_special_tokens=False)["input_ids"]) == record["context_tokens"]
+        assert record["id"] == f"{original['id']}@3000" and record["prompt"] == original["prompt"]
+        material, question = record["text"].split("Task:\n")
+        assert question.startswith(original["prompt"]) and original["prompt"] not in material
+    with pytest.raises(ValueError, match="positive"):
+        with_context(records, 0, tok)
