@@ -285,7 +285,8 @@ MACHINE = ["cpu", "cpu_count", "isa_flags", "avx512", "native_bf16", "amx", "gpu
            "torch", "transformers", "platform", "target_device", "dtype", "verify_cost_curve"]
 CONFIG = {"command", "target", "drafter", "methods", "assistant_model", "pld_tokens", "oracle_taus", "oracle_drafts",
           "vp_drafter", "branches", "tree_budget", "tree_depth", "branch_length", "domains", "prompts", "prompts_file",
-          "max_new_tokens", "batch_sizes", "rounds", "dflash_length", "dtype", "device", "seed", "json", "plot"}
+          "max_new_tokens", "context_tokens", "batch_sizes", "rounds", "dflash_length", "dtype", "device", "seed",
+          "json", "plot"}
 ORACLE_ROW = ["oracle_tau", "drafts_per_step", "acceptance", "batch_size", "achieved_tau", "verified_per_step",
               "tokens_per_s", "speedup_vs_ar", "decode_speedup_vs_ar", "predicted_speedup", "efficiency",
               "identical_to_ar"]

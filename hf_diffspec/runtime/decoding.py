@@ -189,7 +189,7 @@ def _check_context(model, input_ids) -> None:
 
 @dataclass
 class DecodingCall:
-    """One speculative `generate` call's parts, made before the loop (`_prefill`) and read by `_step` and
+    """One speculative `generate` call's parts, made before the loop and read by `_prefill`, `_step` and
     `_finish`."""
 
     verifier: TargetVerifier
@@ -244,9 +244,11 @@ def speculative_generate(
     # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
     lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
     lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
+    batch, committers = _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    call = DecodingCall(verifier, batch, committers, drafting, policy, lookup, SpeculationStats(target_forwards=1),
+                        generation_config, streamer, input_ids.shape[1], start_time, input_ids.device)
     with verifier:
-        call = _prefill(verifier, drafting, policy, lookup, input_ids, valid, logits_processor, stopping_criteria,
-                        generation_config, streamer, model_kwargs.get("attention_mask"), start_time)
+        _prefill(call, input_ids, valid, model_kwargs.get("attention_mask"))
         step_end = device_time(input_ids.device)
         while call.drop_finished():
             step_end = _step(call, step_end)
@@ -254,27 +256,29 @@ def speculative_generate(
         return _finish(call)
 
 
-def _prefill(verifier, drafting, policy, lookup, input_ids, valid, logits_processor, stopping_criteria,
-             generation_config, streamer, attention_mask, start_time) -> DecodingCall:
-    """The rows and their prefill: the prompts, then the first token of every row (drafting needs an anchor).
-    Positions as generate derives them from the mask (masked slots at 0), and new tokens continue from the last
-    prompt position, as generate's do: both matter for a prompt that ends in a masked token (right padding)."""
+def _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer):
+    """The batch's rows and their committers (one `TokenStore` for all)."""
     rows = input_ids.shape[0]
     store = TokenStore(input_ids, generation_config.max_length)
     committers = [RowCommitter(store, r, row_processors(logits_processor, [r], rows), stopping_criteria,
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    batch = BatchState(committers, pads_stopped_rows, logits_processor)
+    return BatchState(committers, pads_stopped_rows, logits_processor), committers
+
+
+def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask) -> None:
+    """The prompts' forward, then the first token of every row (drafting needs an anchor). Positions as generate
+    derives them from the mask (masked slots at 0), and new tokens continue from the last prompt position, as
+    generate's do: both matter for a prompt that ends in a masked token (right padding)."""
+    batch, verifier = call.batch, call.verifier
     positions = (valid.long().cumsum(-1) - 1).masked_fill_(~valid, 0)
     out = verifier.prefill(input_ids, attention_mask, positions, valid)
     batch.start(valid, positions[:, -1] + 1 - valid.sum(-1))
-    drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=verifier.all_valid)
-    batch.anchors = [0] * rows
-    batch.accept([CandidateTree([0], [-1])] * rows, out.logits[:, -1:])  # the first token of every row
-    stats = SpeculationStats(target_forwards=1, prefill_time_s=device_time(input_ids.device) - start_time)
-    return DecodingCall(verifier, batch, committers, drafting, policy, lookup, stats, generation_config, streamer,
-                        input_ids.shape[1], start_time, input_ids.device)
+    call.drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=verifier.all_valid)
+    batch.anchors = [0] * input_ids.shape[0]
+    batch.accept([CandidateTree([0], [-1])] * input_ids.shape[0], out.logits[:, -1:])  # every row's first token
+    call.stats.prefill_time_s = device_time(call.device) - call.start_time
 
 
 def _step(call: DecodingCall, step_start: float) -> float:
