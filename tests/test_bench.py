@@ -17,7 +17,7 @@ from hf_diffspec.bench import (
     oracle_methods, peer_methods, run_benchmark, summarize,
 )
 from hf_diffspec.machine import ISA_FLAGS, machine_description, machine_markdown
-from hf_diffspec.runtime.control_profiles import VerifyCost, save_profile, verify_cost_for
+from hf_diffspec.runtime.control_profiles import save_profile, verify_cost_for
 from helpers import tiny_drafter, tiny_target
 
 PROMPTS = [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_diffspec
-from hf_diffspec.runtime.control_profiles import VerifyCost, save_profile, verify_cost_for
+from hf_diffspec.runtime.control_profiles import save_profile, verify_cost_for
 from hf_diffspec.runtime.drafting import candidate_generator_for
 from hf_diffspec.runtime.control_gates import keep_speculation_gates, speculation_gates_for
 from hf_diffspec.runtime.control_state import MEMORY_ATTRIBUTE, memory_of

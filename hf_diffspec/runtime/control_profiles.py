@@ -17,7 +17,6 @@ configured length and a warning says how to measure one.
 `verify_cost_for(target)` is the one way a call, the bench and the CLI obtain a target's profile.
 """
 
-import copy
 import functools
 import hashlib
 import json

@@ -57,7 +57,7 @@ from .device_clock import device_time
 from .drafting import DiffusionCandidateGenerator, generator_class
 from .drafting_lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .files import pad_token_id
-from .tree import CandidateTree, host_to_device
+from .tree import CandidateTree
 from .verifier import TargetVerifier
 
 
