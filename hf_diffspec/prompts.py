@@ -155,8 +155,8 @@ def load_prompts(
 
 def with_context(records: list[dict], context_tokens: int, tokenizer) -> list[dict]:
     """The same prompts, each after about `context_tokens` tokens of reference material: the other built-in prompts,
-    its own domain's first (from the one after it, in file order), then the other domains', so that a long prompt
-    reads like a task set with the question last. Each record's ``"text"`` is the whole user turn through the chat
+    its own domain's first (in file order, itself left out), then the other domains', so that a long prompt reads
+    like a task set with the question last. Each record's ``"text"`` is the whole user turn through the chat
     template, cut to `context_tokens` tokens of material; ``"context_tokens"`` says how many its text has."""
     if context_tokens <= 0:
         raise ValueError(f"context_tokens must be positive, got {context_tokens}")
