@@ -7,10 +7,11 @@ profiles, `--clear` removes them). It is measured with the decoding loop's own v
 loop will pay. A profile measured while other processes took the cores would steer every later call on the machine,
 so it is guarded three ways: a measurement whose curve is impossible on a quiet machine (a forward over more tokens
 cheaper than one over fewer, or far more than proportionally dearer) is taken again; one taken while other processes
-kept the machine busy is used by this process but never cached; and when the loop's steps run `STALE_FACTOR` times
-faster than the profile says a bare forward takes, the profile is measured again, once per target, with one log
-line. A cached file that cannot be read (cut short, not JSON, another layout) is reported and measured again; one
-that cannot be written is reported, and the profile is used by this process. With HF_DIFFSPEC_AUTO_PROFILE=0 nothing
+kept the machine busy is used by the target it was measured for (that model object) but never cached; and when
+the loop's steps run `STALE_FACTOR` times faster than the profile says a bare forward takes, the profile is measured
+again, once per target, with one log line. A cached file that cannot be read (cut short, not JSON, another layout)
+is reported and measured again; one
+that cannot be written is reported, and the profile is used by that target. With HF_DIFFSPEC_AUTO_PROFILE=0 nothing
 is measured automatically: a cached profile is used as it is, and without one drafts are verified at the drafter's
 configured length and a warning says how to measure one.
 
@@ -214,8 +215,9 @@ def verify_cost_for(target, measure: bool = True) -> VerifyCost | None:
     call on the target kept (`keep_verify_cost`), else the cached file's, measured once (a few seconds) when missing,
     unreadable or implausible; None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0), or `measure` is
     False, and none is cached. A measurement taken while other processes kept the machine busy, or that cannot be
-    saved, is used by this process but not cached. Calls that need a missing profile at once wait for one
-    measurement. The object returned is the call's own (no other call observes into it); it holds the target only to
+    saved, is used by this target object but not cached (another instance measures again). Calls that need a missing
+    profile at once wait for one measurement. The object returned is the call's own (no other call observes into
+    it); it holds the target only to
     measure again."""
     path = profile_path(target)
     remeasure = functools.partial(_remeasure_stale, target, path) if _automatic() else None
@@ -286,7 +288,7 @@ def read_profile(path: Path) -> tuple[dict[int, dict[int, float]] | None, str | 
 
 
 def _measure_and_keep(target) -> dict[int, dict[int, float]]:
-    """Measure the quick profile; cache it unless it is disturbed (then this process alone uses it)."""
+    """Measure the quick profile; cache it unless it is disturbed (then this target object alone uses it)."""
     path, header = profile_path(target), profile_header(target)
     measured = measure_profile(target, **QUICK_PROFILE)
     if measured.problem is None:
@@ -294,11 +296,11 @@ def _measure_and_keep(target) -> dict[int, dict[int, float]]:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(path, json.dumps({**header, **measured.fields}, indent=2))
         except OSError as error:  # a read-only home, a cache path that is a file, a full disk
-            logger.warning("the verify-cost profile cannot be cached (%s: %s); used by this process, measured again "
+            logger.warning("the verify-cost profile cannot be cached (%s: %s); used by this model, measured again "
                            "by the next. Set HF_DIFFSPEC_CACHE to a writable folder to keep it.",
                            type(error).__name__, error)
     else:
-        logger.warning("the verify-cost profile was measured on a busy machine (%s); used by this process, not "
+        logger.warning("the verify-cost profile was measured on a busy machine (%s); used by this model, not "
                        "cached. `hf-diffspec profile` measures one on a quiet machine.", measured.problem)
     return measured.costs
 
