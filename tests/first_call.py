@@ -59,8 +59,20 @@ def run(case: str) -> dict:
     measured, node_counts = [], []
     original = cost_model.measure_verify_cost
     cost_model.measure_verify_cost = lambda *a, **kw: measured.append(1) or original(*a, **kw)
-    best_node_count = policy.best_node_count  # the cost model's choice of slots to verify, every time it chooses
-    policy.best_node_count = lambda *a, **kw: node_counts.append(best_node_count(*a, **kw)) or node_counts[-1]
+    # the cost model's choice of slots for the drafter's drafts (chains and trees, root included), every time it
+    # chooses; the sizing of prompt-lookup drafts is not counted (steps without a drafter forward verify those)
+    tree_node_count, chain_lengths = policy.DraftLengthPolicy.tree_node_count, policy.DraftLengthPolicy.chain_lengths
+
+    def counted_tree(self, *args, **kwargs):
+        node_counts.append(tree_node_count(self, *args, **kwargs))
+        return node_counts[-1]
+
+    def counted_chains(self, *args, **kwargs):
+        lengths = chain_lengths(self, *args, **kwargs)
+        node_counts.append(1 + max(lengths, default=0))
+        return lengths
+
+    policy.DraftLengthPolicy.tree_node_count, policy.DraftLengthPolicy.chain_lengths = counted_tree, counted_chains
     warnings = Warnings()
     logging.getLogger("hf_diffspec").addHandler(warnings)
     target = CASES[case]()
