@@ -42,13 +42,12 @@ def test_first_call_speculates_caches_its_profile_and_both_calls_equal_plain_gen
     assert first["draft_forwards"] >= 1 or first["node_counts"] and max(first["node_counts"]) == 1, result
     assert first["profile_measurements"] >= 1, "the first call measures the verify-cost profile"
     assert Path(result["profile_path"]).parent == tmp_path / "profiles"  # in the user's cache directory
-    busy = [w for w in first["warnings"] if "measured on a busy machine" in w and "not cached" in w]
+    busy = [w for w in first["warnings"] if "measured on a busy machine" in w and "not cached for others" in w]
     if result["profile_cached"]:  # a good profile, read by the second call without measuring again
         assert Path(result["profile_path"]).is_file() and result["cached_profile_problem"] is None, result
         assert second["profile_measurements"] == 0 and not result["profile_rewritten_by_second_call"], result
-    else:  # only on a busy machine (other processes took the cores): the first call said so, the second measures
+    else:  # only on a busy machine (other processes took the cores): the first call said so
         assert busy, result
-        assert second["profile_measurements"] >= 1, result
 
 
 @pytest.mark.parametrize("name", ["Qwen3.6-35B-A3B", "Qwen3-8B", "gemma-4-31B-it", "gpt-oss-20b"])

@@ -7,7 +7,8 @@ profiles, `--clear` removes them). It is measured with the decoding loop's own v
 loop will pay. A profile measured while other processes took the cores would steer every later call on the machine,
 so it is guarded three ways: a measurement whose curve is impossible on a quiet machine (a forward over more tokens
 cheaper than one over fewer, or far more than proportionally dearer) is taken again; one taken while other processes
-kept the machine busy is used by the target it was measured for (that model object) but never cached; and when
+kept the machine busy is cached marked as the measuring process's (its targets use it; another process measures
+again); and when
 the loop's steps run `STALE_FACTOR` times faster than the profile says a bare forward takes, the profile is measured
 again, once per target, with one log line. A cached file that cannot be read (cut short, not JSON, another layout)
 is reported and measured again; one
@@ -214,8 +215,8 @@ def verify_cost_for(target, measure: bool = True) -> VerifyCost | None:
     """The verify-cost profile for this target/device/dtype/threads, for one call: the costs and corrections the last
     call on the target kept (`keep_verify_cost`), else the cached file's, measured once (a few seconds) when missing,
     unreadable or implausible; None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0), or `measure` is
-    False, and none is cached. A measurement taken while other processes kept the machine busy, or that cannot be
-    saved, is used by this target object but not cached (another instance measures again). Calls that need a missing
+    False, and none is cached. A measurement taken while other processes kept the machine busy is used by this process
+    alone (`_measure_and_keep`); one that cannot be saved, by this target object alone. Calls that need a missing
     profile at once wait for one measurement. The object returned is the call's own (no other call observes into
     it); it holds the target only to
     measure again."""
@@ -284,24 +285,33 @@ def read_profile(path: Path) -> tuple[dict[int, dict[int, float]] | None, str | 
     except (OSError, UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError) as error:
         # cut short (a full disk), written by another program or version, edited by hand
         return None, f"cannot be read ({type(error).__name__}: {error})"
+    if "disturbed" in data:  # this process's own measurement, on a busy machine (`_measure_and_keep`)
+        if data.get("measured_by") == _this_process():
+            return costs, None
+        return costs, f"was measured on a busy machine by another process ({data['disturbed']})"
     return costs, implausible_costs(costs)
 
 
 def _measure_and_keep(target) -> dict[int, dict[int, float]]:
-    """Measure the quick profile; cache it unless it is disturbed (then this target object alone uses it)."""
+    """Measure the quick profile and cache it. A disturbed one (a busy machine) is cached marked as this process's:
+    every target of the architecture in this process uses it (no measurement per model instance), and another
+    process measures again (`read_profile`)."""
     path, header = profile_path(target), profile_header(target)
     measured = measure_profile(target, **QUICK_PROFILE)
-    if measured.problem is None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, json.dumps({**header, **measured.fields}, indent=2))
-        except OSError as error:  # a read-only home, a cache path that is a file, a full disk
-            logger.warning("the verify-cost profile cannot be cached (%s: %s); used by this model, measured again "
-                           "by the next. Set HF_DIFFSPEC_CACHE to a writable folder to keep it.",
-                           type(error).__name__, error)
-    else:
-        logger.warning("the verify-cost profile was measured on a busy machine (%s); used by this model, not "
-                       "cached. `hf-diffspec profile` measures one on a quiet machine.", measured.problem)
+    fields = {**header, **measured.fields}
+    if measured.problem is not None:
+        logger.warning("the verify-cost profile was measured on a busy machine (%s); used in this process, not "
+                       "cached for others. `hf-diffspec profile` measures one on a quiet machine.", measured.problem)
+        if path.is_file() and read_profile(path)[1] is None:
+            return measured.costs  # a re-measurement: the quiet profile on disk stays for other processes
+        fields.update(disturbed=measured.problem, measured_by=_this_process())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(fields, indent=2))
+    except OSError as error:  # a read-only home, a cache path that is a file, a full disk
+        logger.warning("the verify-cost profile cannot be cached (%s: %s); used by this model, measured again "
+                       "by the next. Set HF_DIFFSPEC_CACHE to a writable folder to keep it.",
+                       type(error).__name__, error)
     return measured.costs
 
 
@@ -318,6 +328,16 @@ def _remeasure_stale(target, path: Path, why: str) -> dict[int, dict[int, float]
         costs = _measure_and_keep(target)
         memory.keep_costs(path, costs)
         return costs
+
+
+def _this_process() -> str:
+    """This process, as a disturbed profile names the one that may use it: its pid and start time (a later process
+    given the same pid is another one)."""
+    try:
+        started = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{os.getpid()}@{started}"
 
 
 # what a first run measures before speculating (seconds); `hf-diffspec profile` measures the full grid
