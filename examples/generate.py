@@ -35,4 +35,5 @@ new_tokens = out.sequences[0, inputs["input_ids"].shape[1]:]
 print(tok.decode(new_tokens, skip_special_tokens=True))
 stats = out.speculation_stats  # a SpeculationStats: what the speculative loop did in this call
 print(f"\n{stats.new_tokens} new tokens, {stats.target_forwards} target forwards; tau {stats.tau:.2f} tokens committed "
-      f"per speculative step (plain generate: 1); {stats.plain_steps} plain steps, where drafting would not pay")
+      f"per speculative step (plain generate: 1); steps with the drafter {stats.draft_steps}, with prompt-lookup "
+      f"drafts alone {stats.lookup_steps}, plain {stats.plain_steps} (where drafting would not pay)")

@@ -308,7 +308,8 @@ def default_path(name, target, args, sample: bool) -> dict:
     stats = out.speculation_stats
     return {"target": name, "section": "sampling" if sample else "gates", "speedup_vs_plain":
             round(plain_seconds / seconds, 3), "peak_mib": peak, "target_forwards": stats.target_forwards,
-            "plain_steps": stats.plain_steps, "draft_forwards": stats.draft_forwards, "tau": round(stats.tau, 3)}
+            "draft_steps": stats.draft_steps, "lookup_steps": stats.lookup_steps, "plain_steps": stats.plain_steps,
+            "draft_forwards": stats.draft_forwards, "tau": round(stats.tau, 3)}
 
 
 def kernels(name, target, args) -> dict:

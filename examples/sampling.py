@@ -52,4 +52,4 @@ print("speculative sample:\n" + tok.decode(speculative.sequences[0, prompt_lengt
 print("\nplain sample, same seed:\n" + tok.decode(plain[0, prompt_length:], skip_special_tokens=True))
 stats = speculative.speculation_stats
 print(f"\ntemperature {args.temperature}, top-p {args.top_p}, seed {args.seed}: tau {stats.tau:.2f} tokens committed per "
-      f"step (plain generate: 1), {stats.plain_steps} plain steps")
+      f"step (plain generate: 1), {stats.plain_steps} plain steps (no drafter forward)")

@@ -101,6 +101,7 @@ def run(case: str) -> dict:
         stats = out.speculation_stats
         result[call] = {"identical": torch.equal(out.sequences, plain), "profile_measurements": len(measured),
                         "steps": len(stats.committed_per_step), "tau": round(stats.tau, 3),
+                        "draft_steps": stats.draft_steps, "lookup_steps": stats.lookup_steps,
                         "plain_steps": stats.plain_steps, "draft_forwards": stats.draft_forwards,
                         "drafted_tokens": stats.drafted_tokens, "lookup_tokens": stats.lookup_tokens,
                         "node_counts": list(node_counts), "warnings": list(warnings.messages)}

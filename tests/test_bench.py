@@ -279,7 +279,7 @@ def test_bench_cli_prints_the_machine_first_and_reports_peers(tiny_cli, tmp_path
 JSON_SECTIONS = ["results", "machine", "config"]
 RESULT_ROW = ["method", "batch_size", "domain", "prompts", "tau", "tokens_per_s", "speedup_vs_ar",
               "first_round_speedup_vs_ar", "identical_to_ar", "identical_fraction", "nodes_per_step",
-              "slots_per_forward", "new_tokens", "seconds", "prefill_seconds"]
+              "slots_per_forward", "new_tokens", "seconds", "prefill_seconds", "steps_by_kind"]
 SKIPPED_ROW = ["method", "batch_size", "domain", "skipped"]
 MACHINE = ["cpu", "cpu_count", "isa_flags", "avx512", "native_bf16", "amx", "gpu", "device", "torch_threads", "python",
            "torch", "transformers", "platform", "target_device", "dtype", "verify_cost_curve"]

@@ -117,6 +117,8 @@ def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkey
     assert torch.equal(out.sequences, ref)
     stats = out.speculation_stats
     assert stats.lookup_tokens > 0 and stats.draft_forwards < stats.target_forwards - 1
+    assert stats.lookup_steps > 0  # steps by kind: every step after the prefill is counted once
+    assert stats.draft_steps + stats.lookup_steps + stats.plain_steps == stats.target_forwards - 1
 
 
 def test_steps_without_the_drafter_decode_plainly_where_lookup_drafts_alone_were_measured_to_lose(monkeypatch):

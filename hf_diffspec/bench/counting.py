@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields
 class StepCounts:
     """What decoding did, per row and step: tokens committed after the prefill's, loop steps (row-steps at batch > 1),
     tokens verified (real candidates, anchors included), slots the target computed (padding included), target
-    forwards after the prefill, and the prefill's seconds (our loop only: 0 where unknown). Calls add up with `+`."""
+    forwards after the prefill, and the prefill's seconds; and our loop's steps by kind: with a drafter forward, with
+    prompt-lookup drafts alone, plain (0 where unknown). Calls add up with `+`."""
 
     committed: int = 0
     steps: int = 0
@@ -17,13 +18,17 @@ class StepCounts:
     slots: int = 0
     forwards: int = 0
     prefill_seconds: float = 0.0
+    draft_steps: int = 0
+    lookup_steps: int = 0
+    plain_steps: int = 0
 
     @classmethod
     def of(cls, stats) -> "StepCounts":
         """From our loop's `SpeculationStats`."""
         return cls(committed=sum(stats.committed_per_step), steps=len(stats.committed_per_step),
                    verified=stats.verified_tokens, slots=stats.verified_slots, forwards=stats.target_forwards - 1,
-                   prefill_seconds=stats.prefill_time_s)
+                   prefill_seconds=stats.prefill_time_s, draft_steps=stats.draft_steps,
+                   lookup_steps=stats.lookup_steps, plain_steps=stats.plain_steps)
 
     def __add__(self, other: "StepCounts") -> "StepCounts":
         return StepCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

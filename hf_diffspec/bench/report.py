@@ -46,6 +46,8 @@ def summarize(results: dict[tuple[str, int, str], MethodRun]) -> list[dict]:
                     "slots_per_forward": round(counts.slots / counts.forwards, 1) if counts.forwards else float(batch),
                     "new_tokens": run.new_tokens, "seconds": round(run.seconds, 2),
                     "prefill_seconds": round(counts.prefill_seconds, 3),
+                    "steps_by_kind": {"draft": counts.draft_steps, "lookup": counts.lookup_steps,
+                                      "plain": counts.plain_steps},
                 })
     return rows
 

@@ -67,8 +67,9 @@ class SpeculationStats:
     included); `committed_per_step` has one entry per row and step. `drafted_tokens` counts every candidate after the
     anchors, `lookup_tokens` those copied by prompt lookup (some may coincide with the drafter's). `verified_tokens`
     counts real tree nodes, `verified_slots` the rectangle the target computed (rows x longest tree, padding
-    included). `plain_steps`: steps without a drafter forward, where the gates measured that it did not pay (plain,
-    or lookup drafts alone). `linear_state_replays`: steps after which a linear-attention target's recurrent states
+    included). Steps by kind (`control_gates.StepKind`): `draft_steps` ran the drafter (lookup drafts grafted on),
+    `lookup_steps` verified prompt-lookup drafts alone, `plain_steps` the anchors alone (a plain decode step).
+    `linear_state_replays`: steps after which a linear-attention target's recurrent states
     were put back and advanced through the accepted tokens only (`verify_recurrent.py`)."""
 
     target_forwards: int = 0
@@ -78,6 +79,8 @@ class SpeculationStats:
     verified_tokens: int = 0
     verified_slots: int = 0
     new_tokens: int = 0
+    draft_steps: int = 0
+    lookup_steps: int = 0
     plain_steps: int = 0
     linear_state_replays: int = 0
     committed_per_step: list[int] = field(default_factory=list)
@@ -98,7 +101,9 @@ class SpeculationStats:
         `rows`."""
         self.target_forwards += 1
         self.draft_forwards += step.kind is StepKind.DRAFT and any(len(t) > 1 for t in trees)
-        self.plain_steps += step.kind is not StepKind.DRAFT
+        self.draft_steps += step.kind is StepKind.DRAFT
+        self.lookup_steps += step.kind is StepKind.LOOKUP
+        self.plain_steps += step.kind is StepKind.PLAIN
         self.drafted_tokens += sum(len(t) - 1 for t in trees)
         self.lookup_tokens += lookup_tokens
         self.verified_tokens += sum(len(t) for t in trees)
