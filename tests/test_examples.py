@@ -34,7 +34,7 @@ def run(*command, check: bool = True, auto_profile: bool = False) -> subprocess.
 
 def test_generate_prints_the_answer_and_its_speculation_stats():
     out = run("python", "examples/generate.py", "--prompt", "What is 2 + 2?", "--max-new-tokens", "8").stdout
-    assert "8 new tokens" in out and "tau" in out and "plain steps" in out
+    assert "8 new tokens" in out and "tau" in out and "steps with the drafter" in out and "plain" in out
 
 
 def test_batched_is_identical_to_plain_generate_in_fp32():
