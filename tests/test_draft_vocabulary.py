@@ -1,11 +1,13 @@
 """A reduced draft vocabulary: saved and loaded with the weights, never drafts outside itself, keeps generation
 lossless, trains over its V' logits only, and is chosen from the response tokens of drafter data."""
 
+import collections
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModel, TrainingArguments
 
 import hf_diffspec
@@ -227,3 +229,31 @@ def test_convert_reduces_a_saved_drafter_and_export_drops_the_subset(tmp_path, c
         main(["convert", str(tmp_path / "full"), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--data"):
         main(["convert", str(tmp_path / "full"), "--reduce-vocab", "8", "--out", str(tmp_path / "x")])
+
+
+class _AtenCalls(TorchDispatchMode):
+    """Counts the aten operators run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_draft_head_runs_as_one_matrix_product_in_the_loop():
+    """The drafter's head (its draft-vocabulary rows of the target's LM head) takes a 2-D matmul at every drafting
+    step. With a 3-D input the matmul took a batched path that copied the head's weight at every step of the loop
+    (SmolLM2 in bf16 on a CPU: 11.4 ms a call against 2.1 ms): one `aten.bmm` per drafting step."""
+    target = tiny_target("llama", seed=0)
+    drafter = tiny_drafter(target, block_size=8)
+    drafter.set_draft_vocabulary(torch.arange(0, target.config.vocab_size, 2))
+    ids = torch.randint(2, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    settings = dict(max_new_tokens=16, do_sample=False, num_assistant_tokens=4)  # every step drafts
+    with _AtenCalls() as counted:
+        out = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=16, do_sample=False))
+    assert out.speculation_stats.draft_steps > 0
+    assert counted.calls["aten.bmm.default"] == 0, counted.calls["aten.bmm.default"]
