@@ -73,7 +73,8 @@ class SpeculationGate:
     While speculation loses, it is probed again only after enough plain steps that probing costs at most
     `probe_budget` of the decoding time, shared equally by the gates that probe the same arm (`budget_shared_with`):
     a speculative step that costs `extra` seconds more than plain steps committing as many tokens (on average) is
-    followed by extra / (budget share x plain step time) plain steps (at least 1, at most `max_wait`). A near tie is probed often (each probe costs little), a clear loss rarely. While
+    followed by extra / (budget share x plain step time) plain steps (at least 1, at most `max_wait`). A near tie is
+    probed often (each probe costs little), a clear loss rarely. While
     speculation wins, plain decoding is probed the same way: without it, a plain measurement taken once (early, on
     a short context, or while the machine was busy) would keep a losing speculation on for good. Batch
     sizes share measurements within powers of two (rows leave a batch one by one as they finish; measuring 64, 63,
