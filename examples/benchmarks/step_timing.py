@@ -1,6 +1,6 @@
 """Where a batched call's time goes, step by step: plain `generate` against one of our methods on the same batch, and
 for ours the loop's steps by kind (drafter steps, steps verifying prompt-lookup drafts alone, plain steps) with their
-mean time and tokens committed.
+mean rows, time and tokens committed (rows leave the batch as they finish, so kinds chosen late run on fewer).
 
     python examples/benchmarks/step_timing.py --rows 16 --reps 3 --method tree-lookup [--dtype float32]
         [--prompts-file examples/benchmarks/prompts/unseen_families.jsonl]
@@ -58,11 +58,13 @@ def main() -> None:
         print(f"repetition {rep}: {args.method} against ar over the repetitions so far: "
               f"{totals['ar'] / totals[args.method]:.3f}x")
         for kind in StepKind:
-            chosen = [(step.seconds, step.committed) for step in steps if step.kind is kind]
+            chosen = [step for step in steps if step.kind is kind]
             if chosen:
-                seconds, tokens = sum(s for s, _ in chosen), sum(c for _, c in chosen)
-                print(f"  {kind.value:12s} steps {len(chosen):4d}  {1000 * seconds / len(chosen):6.1f} ms/step  "
-                      f"{tokens / len(chosen):5.2f} tokens/step  {tokens / seconds:6.1f} tokens/s")
+                seconds, tokens = sum(s.seconds for s in chosen), sum(s.committed for s in chosen)
+                rows = sum(s.rows for s in chosen) / len(chosen)
+                print(f"  {kind.value:12s} steps {len(chosen):4d}  {rows:5.1f} rows  "
+                      f"{1000 * seconds / len(chosen):6.1f} ms/step  {tokens / len(chosen):5.2f} tokens/step  "
+                      f"{tokens / seconds:6.1f} tokens/s")
 
 
 if __name__ == "__main__":
