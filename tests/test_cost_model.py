@@ -227,6 +227,27 @@ def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
     assert choices[:3] == [True, True, True] and not choices[3] and sum(choices) <= 6
 
 
+def test_one_unlucky_first_speculative_step_does_not_turn_speculation_off_for_dozens_of_steps():
+    from hf_diffspec.runtime.control_gates import SpeculationGate
+
+    gate = SpeculationGate()
+    assert gate.should_speculate(1)
+    gate.record(True, 1, committed=1, seconds=1.3)  # unlucky: 1 token where speculation usually commits 3
+    choices = []
+    for _ in range(8):
+        speculate = gate.should_speculate(1)
+        gate.record(speculate, 1, *((3, 1.3) if speculate else (1, 1.0)))
+        choices.append(speculate)
+    # a probe costs 0.3 of a plain step: speculation is measured again at once (the budget alone waited 15 steps),
+    # and wins
+    assert choices[:2] == [False, True] and all(choices[2:])
+    # a clear loss (a drafter step of 16 rows costing 3 plain steps for a plain step's tokens) is not probed sooner
+    slow = SpeculationGate()
+    slow.record(True, 16, committed=16, seconds=3.0)
+    slow.record(False, 16, committed=16, seconds=1.0)
+    assert not any(slow.should_speculate(16) for _ in range(50))
+
+
 def test_every_gate_of_a_setup_probes_within_the_setups_budget():
     from hf_diffspec.runtime.control_gates import SpeculationGates
 
