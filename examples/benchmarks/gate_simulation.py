@@ -26,21 +26,10 @@ from hf_diffspec.runtime.control_gates import SpeculationGate, SpeculationGates,
 ACCEPTED, PROBABILITIES = [1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1]
 
 
-def throughput(spec_cost: float, seed: int, budget: float, tokens_wanted: int = 3000) -> float:
-    rng, gate, seconds, tokens = random.Random(seed), SpeculationGate(budget), 0.0, 0
-    while tokens < tokens_wanted:
-        speculate = gate.should_speculate(1)
-        committed = rng.choices(ACCEPTED, PROBABILITIES)[0] if speculate else 1
-        took = (spec_cost if speculate else 1.0) * rng.uniform(0.9, 1.1)
-        gate.record(speculate, 1, committed, took)
-        seconds, tokens = seconds + took, tokens + committed
-    return tokens / seconds
-
-
-def first_calls_throughput(spec_cost: float, seed: int, budget: float, calls: int = 5, tokens: int = 128,
-                           gates_sharing: int = 5) -> float:
-    """A fresh process's first calls: `calls` of `tokens` tokens each on one gate that keeps its measurements across
-    them and shares the budget with `gates_sharing` gates (the drafter's, as `SpeculationGates` shares it)."""
+def throughput(spec_cost: float, seed: int, budget: float, calls: int = 1, tokens: int = 3000,
+               gates_sharing: int = 1) -> float:
+    """One gate deciding `calls` calls of `tokens` tokens each, its measurements kept across them, its budget shared
+    with `gates_sharing` gates (5: the drafter's, as `SpeculationGates` shares it)."""
     rng, gate, seconds, total = random.Random(seed), SpeculationGate(budget), 0.0, 0
     gate.budget_shared_with = [gate] * gates_sharing
     for _ in range(calls):
@@ -89,7 +78,8 @@ def main() -> None:
           "gate vs plain (200 seeds) |")
     print("|---|---|---|")
     for spec_cost in (1.2, 1.3, 1.5, 2.0):
-        gate = sum(first_calls_throughput(spec_cost, seed, budget) for seed in range(200)) / 200
+        gate = sum(throughput(spec_cost, seed, budget, calls=5, tokens=128, gates_sharing=5)
+                   for seed in range(200)) / 200
         print(f"| {spec_cost} | {mean / spec_cost:.2f}x | {gate:.3f}x |")
 
     print("\n| 16 rows: lookup-only tokens a row (cost 1.8) | gates vs plain | best choice vs plain "
