@@ -136,11 +136,12 @@ class TargetVerifier:
         built-in prompts, 1,646 tokens padded to 2,896: 1.9 s against 2.6 s), on a cache of plain full-attention
         layers. A GPU runs the padded batch in about the time of its longest row."""
         rows, length = valid.shape
+        if (valid.device.type != "cpu" or rows == 1 or self.capture is not None or self.recurrent.layers
+                or any(type(layer) is not DynamicLayer for layer in self.cache.layers)):
+            return False  # decided without reading `valid`
         counts = valid.sum(-1)
-        left_padded = bool((valid == (torch.arange(length, device=valid.device) >= length - counts[:, None])).all())
-        return (valid.device.type == "cpu" and rows > 1 and self.capture is None and not self.recurrent.layers
-                and all(type(layer) is DynamicLayer for layer in self.cache.layers) and left_padded
-                and bool((counts > 0).all()) and int(counts.sum()) <= PACKED_PREFILL_SHARE * rows * length)
+        left_padded = bool((valid == (torch.arange(length) >= length - counts[:, None])).all())
+        return left_padded and bool((counts > 0).all()) and int(counts.sum()) <= PACKED_PREFILL_SHARE * rows * length
 
     def _prefill_rows_apart(self, input_ids: torch.Tensor, valid: torch.Tensor):
         """The prompts' forward one row at a time, each without its padding, laid out as the padded batch's forward
