@@ -151,7 +151,7 @@ def test_lookup_drafts_alone_are_verified_only_while_they_beat_plain_steps():
     gates.record(_step(StepKind.PLAIN, 16, 1, 16, 0.1))
     assert verified == [True, False]
     decisions = []
-    for _ in range(60):  # 90 tokens/s alone against 160 plain: plain, probing lookup drafts now and then
+    for _ in range(250):  # 90 tokens/s alone against 160 plain: plain, probing lookup drafts now and then
         verify = alone.should_speculate(16)
         decisions.append(verify)
         gates.record(_step(StepKind.LOOKUP, 16, 1, 18, 0.2, slots=5) if verify
@@ -238,12 +238,12 @@ def _drafter_probes(match_lengths: list[int], steps: int = 2000) -> int:
     return drafted
 
 
-def test_the_gates_of_several_match_lengths_share_one_probe_budget():
-    """Each match length has its own drafter gate. Probing at the whole budget each, the gates of four match lengths
-    together probed a losing drafter more often than one gate alone (27 drafter steps in 2,000 against 22); sharing
-    the budget, they probe less (11). `examples/benchmarks/gate_simulation.py`, 16 rows: 0.974x -> 0.990x plain
-    decoding where lookup drafts alone do not pay (0.977x -> 0.991x, 1.002x -> 1.015x, 1.085x -> 1.109x where they
-    pay more and more)."""
+def test_a_drafter_that_clearly_loses_is_probed_rarely_by_the_gates_of_every_match_length():
+    """At 16 rows a drafter step here commits 1.2 tokens a row for 3 plain steps' time: a probe costs 1.8 plain steps
+    more than plain steps committing as much, and the next waits 1.8^2 / 0.004 steps, capped at 256. One gate alone
+    probed it 22 times in 2,000 steps while waits grew in proportion to the loss. The gates of four match lengths
+    each probe it a few times while their own measurements are young (the first steps after a match also verify
+    lookup drafts alone, which lose too), then as rarely."""
     alone, shared = _drafter_probes([0]), _drafter_probes([0, 1, 2, 3])
-    assert alone >= 1
-    assert shared <= alone, (alone, shared)
+    assert 1 <= alone <= 10, alone
+    assert shared <= 20, shared

@@ -7,7 +7,8 @@ One gate, batch 1: a speculative step commits 1-4 tokens with probabilities 0.6 
 and costs `spec_cost` plain steps (each time x uniform(0.9, 1.1)); a plain step commits 1 token. For each cost, the
 gate's throughput relative to always decoding plainly (3000 tokens, mean over 20 seeds), next to always speculating.
 The same for a fresh process's first calls: five calls of 128 tokens, the gate kept across them and sharing its
-budget with four others (as the drafter's gates do), mean over 200 seeds.
+budget with four others (as the drafter's gates do), mean over 200 seeds; and those calls on text whose acceptance
+comes in stretches (40 steps on average) of 2.4 or of 1.25 tokens a speculative step.
 
 All gates, 16 rows (`SpeculationGates`: the drafter's, and per prompt-lookup match length the drafter-or-not and
 lookups-alone-or-plain ones): 40% of steps have a lookup match (n-gram 1-4, mostly 3); a drafter step costs 3 plain
@@ -24,19 +25,27 @@ import random
 from hf_diffspec.runtime.control_gates import SpeculationGate, SpeculationGates, StepKind, StepRecord
 
 ACCEPTED, PROBABILITIES = [1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1]
+# text in stretches: acceptance switches between these with probability 1 / stretch each step
+FRIENDLY = ([1, 2, 3, 4, 6], [0.35, 0.25, 0.15, 0.15, 0.10])  # 2.4 tokens on average
+HOSTILE = ([1, 2, 3], [0.8, 0.15, 0.05])  # 1.25
 
 
 def throughput(spec_cost: float, seed: int, budget: float, calls: int = 1, tokens: int = 3000,
-               gates_sharing: int = 1) -> float:
+               gates_sharing: int = 1, stretch: float | None = None) -> float:
     """One gate deciding `calls` calls of `tokens` tokens each, its measurements kept across them, its budget shared
-    with `gates_sharing` gates (5: the drafter's, as `SpeculationGates` shares it)."""
+    with `gates_sharing` gates (5: the drafter's, as `SpeculationGates` shares it). `stretch`: acceptance comes in
+    stretches of that many steps on average (FRIENDLY, HOSTILE); None: from ACCEPTED every step."""
     rng, gate, seconds, total = random.Random(seed), SpeculationGate(budget), 0.0, 0
     gate.budget_shared_with = [gate] * gates_sharing
+    friendly = rng.random() < 0.5
     for _ in range(calls):
         committed_in_call = 0
         while committed_in_call < tokens:
             speculate = gate.should_speculate(1)
-            committed = rng.choices(ACCEPTED, PROBABILITIES)[0] if speculate else 1
+            if stretch is not None and rng.random() < 1 / stretch:
+                friendly = not friendly
+            accepted = (ACCEPTED, PROBABILITIES) if stretch is None else FRIENDLY if friendly else HOSTILE
+            committed = rng.choices(*accepted)[0] if speculate else 1
             took = (spec_cost if speculate else 1.0) * rng.uniform(0.9, 1.1)
             gate.record(speculate, 1, committed, took)
             seconds, committed_in_call = seconds + took, committed_in_call + committed
@@ -81,6 +90,15 @@ def main() -> None:
         gate = sum(throughput(spec_cost, seed, budget, calls=5, tokens=128, gates_sharing=5)
                    for seed in range(200)) / 200
         print(f"| {spec_cost} | {mean / spec_cost:.2f}x | {gate:.3f}x |")
+
+    print("\n| speculative step cost (plain steps) | always speculating vs plain | the same calls, acceptance in "
+          "stretches of 40 steps, gate vs plain (200 seeds) |")
+    print("|---|---|---|")
+    stretch_mean = (sum(a * p for a, p in zip(*FRIENDLY)) + sum(a * p for a, p in zip(*HOSTILE))) / 2
+    for spec_cost in (1.3, 1.5, 1.8, 2.2, 3.0):
+        gate = sum(throughput(spec_cost, seed, budget, calls=5, tokens=128, gates_sharing=5, stretch=40)
+                   for seed in range(200)) / 200
+        print(f"| {spec_cost} | {stretch_mean / spec_cost:.2f}x | {gate:.3f}x |")
 
     print("\n| 16 rows: lookup-only tokens a row (cost 1.8) | gates vs plain | best choice vs plain "
           "| drafter / lookup-only / plain steps |")

@@ -3,8 +3,9 @@
 Unless the draft length is fixed, each step is a drafter step or a plain decode step (the anchor alone, no drafter
 forward). Both are measured as tokens committed per second of whole loop steps: the loop speculates while that beats
 plain decoding and otherwise decodes plainly, probing speculation again now and then (acceptance changes with the
-text), so rarely that the probes cost at most ~2% of the decoding time. So a weak drafter, a slow verify (a CPU
-without native bf16) or a compute-bound batch never costs more than the probes.
+text): a near tie often, since such probes cost little and may find it winning again, a clear loss rarely (under 1%
+of the decoding time). So a weak drafter, a slow verify (a CPU without native bf16) or a compute-bound batch never
+costs more than the probes.
 
 Steps whose rows have prompt-lookup drafts (`drafting_lookup.py`) are gated apart, per length of the suffix they
 matched (the longer, the likelier accepted). Without the drafter, such a step verifies its lookup drafts alone or
@@ -70,24 +71,24 @@ class SpeculationGate:
     next dozen: the first speculative step after a prompt often commits twice what the later ones do). One
     speculative step commits 1 token or several by chance, so a per-step rate would stop speculation after a few
     unlucky steps even where it pays on average (simulated: 1.10x instead of 1.27x where 1.31x was there to take).
-    While speculation loses, it is probed again only after enough plain steps that probing costs at most
-    `probe_budget` of the decoding time, shared equally by the gates that probe the same arm (`budget_shared_with`):
-    a speculative step that costs `extra` seconds more than plain steps committing as many tokens (on average) is
-    followed by extra / (budget share x plain step time) plain steps (at least 1, at most `max_wait`). A near tie is
-    probed often (each probe costs little), a clear loss rarely. While
-    speculation wins, plain decoding is probed the same way: without it, a plain measurement taken once (early, on
-    a short context, or while the machine was busy) would keep a losing speculation on for good. Batch
+    While speculation loses, it is probed again after a number of plain steps that grows with the square of what a
+    probe costs (`_wait`): a near tie is probed often (each probe costs little, and acceptance comes in stretches,
+    so the next may win), a clear loss rarely. While speculation wins, plain decoding is probed too, in proportion
+    to its cost, within `probe_budget` of the decoding time shared equally by the gates that probe the same arm
+    (`budget_shared_with`): without it, a plain measurement taken once (early, on a short context, or while the
+    machine was busy) would keep a losing speculation on for good. Batch
     sizes share measurements within powers of two (rows leave a batch one by one as they finish; measuring 64, 63,
     62 ... rows anew would probe at every departure), and a size met for the first time starts from its
     neighbour's measurements."""
 
     def __init__(self, probe_budget: float = 0.02, max_wait: int = 256, smoothing: float = 0.1,
-                 young_samples: int = 4, young_extra: float = 0.5):
+                 young_samples: int = 4, young_extra: float = 0.5, speculation_probe_scale: float = 0.004):
         self.probe_budget = probe_budget
         self.max_wait = max_wait
         self.smoothing = smoothing
         self.young_samples = young_samples  # see `_wait`
         self.young_extra = young_extra
+        self.speculation_probe_scale = speculation_probe_scale  # see `_wait`
         self.steps: dict[tuple[int, bool], tuple[float, float]] = {}  # (rows, speculated) -> (tokens, seconds)
         self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
         self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
@@ -96,10 +97,8 @@ class SpeculationGate:
         # (gates of the same choice under related conditions) that measured it: a new condition pays no probes for
         # what is known
         self.fallbacks: list["SpeculationGate"] = []
-        # the gates that probe the same arm (the drafter's after each match length; lookup drafts alone after each)
-        # and share `probe_budget`, an equal part each: at the whole budget each, the gates of four match lengths
-        # together probed a losing drafter more often than one gate alone (`gate_simulation.py`, 16 rows: 27 drafter
-        # steps in 2,400 where 11 do, 0.974x plain decoding where 0.990x is there to take)
+        # the gates that decide between the same arms (the drafter's after each match length; lookup drafts alone
+        # after each) and share `probe_budget` for their plain probes, an equal part each
         self.budget_shared_with: list["SpeculationGate"] = [self]
 
     def should_speculate(self, rows: int) -> bool:
@@ -176,20 +175,34 @@ class SpeculationGate:
 
     def _wait(self, extra: float, step_seconds: float, loser: tuple[int, bool]) -> int:
         """Steps of the winning arm before a probe of the other (`loser`: its key) that costs `extra` seconds more
-        than the winner would take for its tokens: the probes cost `probe_budget` of the decoding time.
+        than the winner would take for its tokens, `loss` of the winner's steps.
 
-        Speculation that loses is probed at the next step while it has fewer than `young_samples` steps of its own
-        measured (inherited ones are not its own) and a probe costs under `young_extra` of a plain step. Without
-        this, one unlucky speculative step (1 token where 1.7 are usual) kept speculation off for dozens of steps
-        of a fresh process's first calls (`gate_simulation.py`, five 128-token calls with fresh gates: 1.18x ->
-        1.23x plain decoding where 1.31x is there to take). A clear loss, such as a drafter step at 16 rows, is not
-        probed more for it; plain steps commit one token a row, so one measures them well."""
+        Plain steps that lose are probed after loss / (budget share) steps: those probes cost the gate's share of
+        `probe_budget`. Speculation that loses is probed after loss^2 / `speculation_probe_scale` steps: its probes
+        cost scale / loss of the decoding time, a near tie more (a probe losing 0.2 steps: after 10 steps, 2%), a
+        clear loss less (2 steps: after 1,000, capped at `max_wait`, 0.8%). Acceptance comes in stretches (a run of
+        prose the drafter cannot guess, then a list it can), so the probes that find speculation winning again are
+        those of a near tie. Simulated (`gate_simulation.py`, five 128-token calls on stretches of 40 steps with 2.4
+        or 1.25 tokens a speculative step), at a speculative step costing 1.3 / 1.5 / 1.8 plain steps: 1.347x /
+        1.170x / 1.051x -> 1.432x / 1.246x / 1.071x plain decoding, against waits in proportion to the loss within
+        the budget shared by the drafter's gates. At batch 1 on the built-in prompts, interleaved in one process, tokens/s rose
+        1.4% / 7.4% / 4.3% on code / math / chat (docs/results.md).
+
+        Speculation that loses is also probed at the next step while it has fewer than `young_samples` steps of
+        its own measured (inherited ones are not its own) and a probe costs under `young_extra` of a plain step.
+        Without this, one unlucky speculative step (1 token where 1.7 are usual) kept speculation off for dozens of
+        steps of a fresh process's first calls (`gate_simulation.py`, five 128-token calls with fresh gates: 1.18x
+        -> 1.23x plain decoding where 1.31x is there to take). A clear loss, such as a drafter step at 16 rows, is
+        not probed more for it; plain steps commit one token a row, so one measures them well."""
         speculated = loser[1]
         young = speculated and 0 < self.samples.get(loser, 0) < self.young_samples
         if young and extra < self.young_extra * step_seconds:
             return 0
+        loss = extra / step_seconds  # what one probe costs, in the winner's steps
+        if speculated:
+            return min(self.max_wait, max(1, math.ceil(loss * loss / self.speculation_probe_scale)))
         budget = self.probe_budget / len(self.budget_shared_with)
-        return min(self.max_wait, max(1, math.ceil(extra / (budget * step_seconds))))
+        return min(self.max_wait, max(1, math.ceil(loss / budget)))
 
 
 class SpeculationGates:
