@@ -274,6 +274,29 @@ def test_speculation_that_lost_a_poor_stretch_of_text_is_taken_back_soon_after_i
     assert sum(friendly[:40]) >= 25, friendly
 
 
+def test_a_young_drafter_gate_counts_the_other_match_lengths_measurements_for_the_steps_it_lacks():
+    """On code at batch 1, the first drafter step without a lookup match committed 1 token (1.76 plain steps' time)
+    and kept such steps plain for the next 70, while drafter steps after 1-token matches committed 2.3 tokens a
+    step. Until a gate has 4 speculative steps of its own, the steps it lacks count as its siblings' mean."""
+    from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind, StepRecord
+
+    def step(kind, ngram, committed, seconds):
+        return StepRecord(kind, 1, ngram, committed, seconds, slots=1, verify_seconds=seconds)
+
+    gates = SpeculationGates()
+    for _ in range(6):  # after 1-token matches: drafter steps commit 2.3 tokens in 1.76 plain steps' time
+        kind = gates.decide(1, 1)
+        gates.record(step(kind, 1, *((2.3, 1.76) if kind is StepKind.DRAFT else (1, 1.0))))
+    assert gates.decide(1, 0) is StepKind.DRAFT  # the first step without a match: unmeasured, tried
+    gates.record(step(StepKind.DRAFT, 0, 1, 1.76))  # unlucky: 1 token
+    kinds = []
+    for _ in range(10):  # such steps really commit 2.3 tokens too
+        kind = gates.decide(1, 0)
+        gates.record(step(kind, 0, *((2.3, 1.76) if kind is StepKind.DRAFT else (1, 1.0))))
+        kinds.append(kind)
+    assert kinds.count(StepKind.DRAFT) >= 8, kinds
+
+
 def test_every_gate_of_a_setup_probes_within_the_setups_budget():
     from hf_diffspec.runtime.control_gates import SpeculationGates
 
