@@ -239,8 +239,8 @@ def test_one_unlucky_first_speculative_step_does_not_turn_speculation_off_for_do
         speculate = gate.should_speculate(1)
         gate.record(speculate, 1, *((3, 1.3) if speculate else (1, 1.0)))
         choices.append(speculate)
-    # a probe costs 0.3 of a plain step: speculation is measured again at once (the budget alone waited 15 steps),
-    # and wins
+    # a probe costs 0.3 of a plain step: speculation is measured again at once (the wait for such a loss is 23
+    # steps), and wins
     assert choices[:2] == [False, True] and all(choices[2:])
     # a clear loss (a drafter step of 16 rows costing 3 plain steps for a plain step's tokens) is not probed sooner
     slow = SpeculationGate()
