@@ -10,6 +10,12 @@ The same for a fresh process's first calls: five calls of 128 tokens, the gate k
 budget with four others (as the drafter's gates do), mean over 200 seeds; and those calls on text whose acceptance
 comes in stretches (40 steps on average) of 2.4 or of 1.25 tokens a speculative step.
 
+A fresh gate (sharing its budget as the drafter's gate after no lookup match does, its siblings having measured
+drafter steps at 2.2 tokens) deciding 70 steps, about what the no-match gate decides over the code bench's five
+calls, at a speculative step costing 1.43 plain steps: with acceptance as measured there (1 / 2 / 3 / 4 tokens with
+probabilities 0.47 / 0.32 / 0.18 / 0.03), with its first 10 speculative steps committing 1 token (where the first
+code prompt's answer begins), and where speculation never pays (1.15 tokens), mean over 1,000 seeds.
+
 All gates, 16 rows (`SpeculationGates`: the drafter's, and per prompt-lookup match length the drafter-or-not and
 lookups-alone-or-plain ones): 40% of steps have a lookup match (n-gram 1-4, mostly 3); a drafter step costs 3 plain
 steps and commits 1.2 tokens a row, a lookup-only step costs 1.8 plain steps and commits `lookup_tokens` a row (each
@@ -22,7 +28,7 @@ decoding time each gate may spend probing the arm that loses (the library's defa
 import argparse
 import random
 
-from hf_diffspec.runtime.control_gates import SpeculationGate, SpeculationGates, StepKind, StepRecord
+from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind, StepRecord
 
 ACCEPTED, PROBABILITIES = [1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1]
 # text in stretches: acceptance switches between these with probability 1 / stretch each step
@@ -35,7 +41,7 @@ def throughput(spec_cost: float, seed: int, budget: float, calls: int = 1, token
     """One gate deciding `calls` calls of `tokens` tokens each, its measurements kept across them, its budget shared
     with `gates_sharing` gates (5: the drafter's, as `SpeculationGates` shares it). `stretch`: acceptance comes in
     stretches of that many steps on average (FRIENDLY, HOSTILE); None: from ACCEPTED every step."""
-    rng, gate, seconds, total = random.Random(seed), SpeculationGate(budget), 0.0, 0
+    rng, gate, seconds, total = random.Random(seed), SpeculationGates(budget).drafter, 0.0, 0
     gate.budget_shared_with = [gate] * gates_sharing
     friendly = rng.random() < 0.5
     for _ in range(calls):
@@ -51,6 +57,28 @@ def throughput(spec_cost: float, seed: int, budget: float, calls: int = 1, token
             seconds, committed_in_call = seconds + took, committed_in_call + committed
         total += committed_in_call
     return total / seconds
+
+
+CODE_NO_MATCH = ([1, 2, 3, 4], [0.47, 0.32, 0.18, 0.03])  # drafter steps without a lookup match, code prompts
+NEVER_PAYS = ([1, 2], [0.85, 0.15])  # 1.15 tokens
+
+
+def fresh_gate_throughput(seed: int, budget: float, accepted=CODE_NO_MATCH, failing_start: int = 0,
+                          steps: int = 70, spec_cost: float = 1.43) -> float:
+    """A fresh gate deciding `steps` steps, the first `failing_start` of them committing 1 token if speculative."""
+    rng, gates = random.Random(seed), SpeculationGates(budget)
+    gate, sibling = gates.drafter, gates.drafter_gate(1)
+    gate.budget_shared_with = [gate] + [sibling] * 4
+    for _ in range(4):
+        sibling.record(True, 1, 2.2, 1.6)
+    seconds = tokens = 0.0
+    for step in range(steps):
+        speculate = gate.should_speculate(1)
+        committed = (1 if step < failing_start else rng.choices(*accepted)[0]) if speculate else 1
+        took = (spec_cost if speculate else 1.0) * rng.uniform(0.9, 1.1)
+        gate.record(speculate, 1, committed, took)
+        seconds, tokens = seconds + took, tokens + committed
+    return tokens / seconds
 
 
 def batched_throughput(lookup_tokens: float, seed: int, budget: float, rows: int = 16, steps: int = 2400,
@@ -99,6 +127,16 @@ def main() -> None:
         gate = sum(throughput(spec_cost, seed, budget, calls=5, tokens=128, gates_sharing=5, stretch=40)
                    for seed in range(200)) / 200
         print(f"| {spec_cost} | {stretch_mean / spec_cost:.2f}x | {gate:.3f}x |")
+
+    print("\n| 70 steps of a fresh gate, speculative step costing 1.43 plain steps | always speculating vs plain "
+          "| gate vs plain (1,000 seeds) |")
+    print("|---|---|---|")
+    for label, accepted, failing in (("code acceptance", CODE_NO_MATCH, 0),
+                                     ("code acceptance, first 10 steps 1 token", CODE_NO_MATCH, 10),
+                                     ("speculation never pays", NEVER_PAYS, 0)):
+        always = (sum(a * p for a, p in zip(*accepted)) * (70 - failing) + failing) / 70 / 1.43
+        gate = sum(fresh_gate_throughput(seed, budget, accepted, failing) for seed in range(1000)) / 1000
+        print(f"| {label} | {always:.2f}x | {gate:.3f}x |")
 
     print("\n| 16 rows: lookup-only tokens a row (cost 1.8) | gates vs plain | best choice vs plain "
           "| drafter / lookup-only / plain steps |")

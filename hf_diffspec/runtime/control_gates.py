@@ -4,8 +4,9 @@ Unless the draft length is fixed, each step is a drafter step or a plain decode 
 forward). Both are measured as tokens committed per second of whole loop steps: the loop speculates while that beats
 plain decoding and otherwise decodes plainly, probing speculation again now and then (acceptance changes with the
 text): a near tie often, since such probes cost little and may find it winning again, a clear loss rarely (under 1%
-of the decoding time). So a weak drafter, a slow verify (a CPU without native bf16) or a compute-bound batch never
-costs more than the probes.
+of the decoding time), a probe that costs under a plain step soon after speculation starts losing and then less and
+less often while it keeps losing. So a weak drafter, a slow verify (a CPU without native bf16) or a compute-bound
+batch never costs more than the probes.
 
 Steps whose rows have prompt-lookup drafts (`drafting_lookup.py`) are gated apart, per length of the suffix they
 matched (the longer, the likelier accepted). Without the drafter, such a step verifies its lookup drafts alone or
@@ -73,7 +74,10 @@ class SpeculationGate:
     unlucky steps even where it pays on average (simulated: 1.10x instead of 1.27x where 1.31x was there to take).
     While speculation loses, it is probed again after a number of plain steps that grows with the square of what a
     probe costs (`_wait`): a near tie is probed often (each probe costs little, and acceptance comes in stretches,
-    so the next may win), a clear loss rarely. While speculation wins, plain decoding is probed too, in proportion
+    so the next may win), a clear loss rarely, and a probe that costs under a plain step within a few steps, backing
+    off while such probes lose; a speculative step after more than `stale_after` steps without one weighs a third of
+    the arm's measurement rather than a tenth: it measures the stretch of text the loop is in now (`record`; both
+    where `SpeculationGates` sets them). While speculation wins, plain decoding is probed too, in proportion
     to its cost, within `probe_budget` of the decoding time shared equally by the gates that probe the same arm
     (`budget_shared_with`): without it, a plain measurement taken once (early, on a short context, or while the
     machine was busy) would keep a losing speculation on for good. Batch
@@ -82,15 +86,21 @@ class SpeculationGate:
     neighbour's measurements."""
 
     def __init__(self, probe_budget: float = 0.02, max_wait: int = 256, smoothing: float = 0.1,
-                 young_samples: int = 4, young_extra: float = 0.5, speculation_probe_scale: float = 0.004):
+                 young_samples: int = 4, young_extra: float = 0.5, speculation_probe_scale: float = 0.004,
+                 stale_after: int | None = None, cheap_probe_wait: int | None = None):
         self.probe_budget = probe_budget
         self.max_wait = max_wait
         self.smoothing = smoothing
         self.young_samples = young_samples  # see `_wait`
         self.young_extra = young_extra
         self.speculation_probe_scale = speculation_probe_scale  # see `_wait`
+        self.stale_after = stale_after  # see `record` (None: never stale)
+        self.cheap_probe_wait = cheap_probe_wait  # see `_wait` (None: cheap probes wait as others do)
         self.steps: dict[tuple[int, bool], tuple[float, float]] = {}  # (rows, speculated) -> (tokens, seconds)
         self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
+        self.clock: dict[int, int] = {}  # steps recorded per batch size
+        self.speculated_at: dict[int, int] = {}  # per batch size, `clock` at its latest speculative step
+        self.losing_probes: dict[int, int] = {}  # per batch size, speculative probes lost in a row (see `_wait`)
         self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
         self.speculative_steps_left: dict[int, int] = {}  # while it wins: speculative steps before a plain probe
         # a batch size neither this gate nor a neighbouring size has measured starts from the first of `fallbacks`
@@ -151,6 +161,17 @@ class SpeculationGate:
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rows = rows_bucket(rows)
         key, seconds = (rows, speculated), max(seconds, 1e-9)
+        clock = self.clock[rows] = self.clock.get(rows, 0) + 1
+        if speculated and self.stale_after is not None:
+            if clock - self.speculated_at.get(rows, clock) > self.stale_after and self.samples.get(key, 0):
+                # acceptance comes in stretches: speculation measured before the last `stale_after` steps was
+                # measured on another stretch of text, so it counts as 2 steps: this probe weighs a third, and
+                # one more follows at once if it loses narrowly (as for a young arm, `_wait`). Weighing a tenth,
+                # a probe after a stretch the drafter failed on barely moved the estimate, and on code a fresh
+                # process's steps without a lookup match stayed plain for good. Replaced by one probe, the
+                # estimate followed its luck (simulated stretches: 1.432x -> 1.407x plain decoding).
+                self.samples[key] = min(self.samples[key], 2)
+            self.speculated_at[rows] = clock
         self.samples[key] = self.samples.get(key, 0) + 1
         if key in self.steps:
             tokens, took = self.steps[key]
@@ -164,6 +185,7 @@ class SpeculationGate:
         spec, plain = spec_tokens / spec_seconds, plain_tokens / plain_seconds
         if spec >= plain:  # speculation wins: a plain step now and then, each costing a budgeted share
             self.plain_steps_left.pop(rows, None)
+            self.losing_probes.pop(rows, None)
             if rows not in self.speculative_steps_left:
                 extra = plain_seconds - plain_tokens / spec
                 self.speculative_steps_left[rows] = self._wait(extra, spec_seconds, (rows, False))
@@ -213,14 +235,27 @@ class SpeculationGate:
         Without this, one unlucky speculative step (1 token where 1.7 are usual) kept speculation off for dozens of
         steps of a fresh process's first calls (`gate_simulation.py`, five 128-token calls with fresh gates: 1.18x
         -> 1.23x plain decoding where 1.31x is there to take). A clear loss, such as a drafter step at 16 rows, is
-        not probed more for it; plain steps commit one token a row, so one measures them well."""
+        not probed more for it; plain steps commit one token a row, so one measures them well.
+
+        A probe that costs under one plain step comes after at most `cheap_probe_wait` steps, twice as many after
+        each such probe that lost (up to the wait above). On the built-in code prompts the first drafter steps
+        without a lookup match fall where the drafter fails (1 token at 1.43 plain steps' time, 1.8 tokens later):
+        the gate waited 46 steps after its young probes, and in three of six fresh processes such steps stayed plain
+        for the rest of the bench. Simulated (`gate_simulation.py`, a fresh gate deciding 70 steps whose first 10
+        commit 1 token a speculative step, with a stale measurement weighing a third, `record`): 1.00x -> 1.13x
+        plain decoding; where speculation never pays (1.15 tokens at 1.43 plain steps' time), 0.97x -> 0.95x, and
+        0.99x -> 0.98x over 3,000 steps."""
         speculated = loser[1]
         young = speculated and 0 < self.samples.get(loser, 0) < self.young_samples
         if young and extra < self.young_extra * step_seconds:
             return 0
         loss = extra / step_seconds  # what one probe costs, in the winner's steps
         if speculated:
-            return min(self.max_wait, max(1, math.ceil(loss * loss / self.speculation_probe_scale)))
+            wait = math.ceil(loss * loss / self.speculation_probe_scale)
+            if loss < 1 and self.cheap_probe_wait:  # within `cheap_probe_wait` steps, doubling while probes lose
+                lost = self.losing_probes[loser[0]] = self.losing_probes.get(loser[0], 0) + 1
+                wait = min(wait, self.cheap_probe_wait << min(lost - 1, 8))
+            return min(self.max_wait, max(1, wait))
         budget = self.probe_budget / len(self.budget_shared_with)
         return min(self.max_wait, max(1, math.ceil(loss / budget)))
 
@@ -235,11 +270,18 @@ class SpeculationGates:
     A batch size new to a gate after a match starts from what steps without lookup drafts measured there (the
     drafter's steps against plain ones; without the drafter, the step is at least as good as a plain one), else
     from what another match length measured: at a large batch nearly every step has lookup drafts, and each gate's
-    own first drafter probe there costs several plain steps."""
+    own first drafter probe there costs several plain steps.
+
+    Only `drafter` probes cheaply soon and weighs stale measurements less (`SpeculationGate.stale_after`,
+    `cheap_probe_wait`): its other arm, a plain step, commits one token whatever the text, so only probes tell it
+    when the text has turned predictable. The gates after a match weigh two speculative steps whose yields both swing
+    with the text, where a probe that weighs much decides on luck (on the unseen families' other-language prompts,
+    with every gate probing so and a probe replacing a stale measurement, eight fresh processes ran 2.45x plain
+    decoding on average, the previous gates 2.73x and 2.59x in two series of five and four; docs/results.md)."""
 
     def __init__(self, probe_budget: float = 0.02):
         self.probe_budget = probe_budget  # each gate's (`SpeculationGate`)
-        self.drafter = SpeculationGate(probe_budget)
+        self.drafter = SpeculationGate(probe_budget, stale_after=5, cheap_probe_wait=8)
         self.after_match: dict[int, SpeculationGate] = {}
         self.lookups_alone: dict[int, SpeculationGate] = {}
         # the gates a new batch size may start from, in the order they were made (see `SpeculationGate.fallbacks`)
