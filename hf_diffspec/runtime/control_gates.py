@@ -277,7 +277,7 @@ class SpeculationGates:
     when the text has turned predictable. The gates after a match weigh two speculative steps whose yields both swing
     with the text, where a probe that weighs much decides on luck (on the unseen families' other-language prompts,
     with every gate probing so and a probe replacing a stale measurement, eight fresh processes ran 2.45x plain
-    decoding on average, the previous gates 2.73x and 2.59x in two series of five and four; docs/results.md)."""
+    decoding on average, the previous gates 2.73x and 2.58x in two series of five and four; docs/results.md)."""
 
     def __init__(self, probe_budget: float = 0.02):
         self.probe_budget = probe_budget  # each gate's (`SpeculationGate`)
