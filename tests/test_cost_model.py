@@ -254,23 +254,14 @@ def test_speculation_that_lost_a_poor_stretch_of_text_is_taken_back_soon_after_i
     (loss per probe in plain steps)^2 / 0.004 steps: at a loss of 0.3 plain steps, 23 steps. A wait in proportion
     to the loss, within a budget shared by the four gates of a step with lookup drafts, waited 60 steps, then 20
     more after a winning probe: 80 steps before it speculated again."""
-    from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind, StepRecord
+    from hf_diffspec.runtime.control_gates import SpeculationGates
 
     gates = SpeculationGates()
     for ngram in (1, 2, 3):  # the gates after each match length share the drafter gate's budget
         gates.drafter_gate(ngram)
-
-    def steps(count, spec_tokens):
-        choices = []
-        for _ in range(count):
-            kind = gates.decide(1)
-            committed, seconds = (spec_tokens, 1.3) if kind is StepKind.DRAFT else (1, 1.0)
-            gates.record(StepRecord(kind, 1, 0, committed, seconds, slots=1, verify_seconds=seconds))
-            choices.append(kind is StepKind.DRAFT)
-        return choices
-
-    steps(40, spec_tokens=1)  # a stretch where the drafter's guesses are wrong: 0.77 tokens a plain step's time
-    friendly = steps(100, spec_tokens=3)  # then right: 2.3 tokens a plain step's time
+    # a stretch where the drafter's guesses are wrong (0.77 tokens a plain step's time), then right (2.3)
+    _no_match_steps(gates, 40, spec_tokens=1, spec_seconds=1.3)
+    friendly = _no_match_steps(gates, 100, spec_tokens=3, spec_seconds=1.3)
     assert friendly.index(True) <= 23 and sum(friendly[:40]) >= 22, friendly  # probed within 23 steps, then kept
 
 
@@ -279,23 +270,29 @@ def test_a_fresh_gate_whose_first_steps_fall_where_the_drafter_fails_speculates_
     token each at 1.43 plain steps' time); later ones commit 1.8 on average. Those steps were plain for the rest of
     the bench (5 calls, about 70 such steps) in three of six fresh processes: the gate waited 46 steps after its four
     young probes, and a winning probe moved the estimate by a fifth. Now a probe costing under a plain step comes
-    within 8 steps (twice as long after each that lost), and it replaces a measurement older than 5 steps."""
-    from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind, StepRecord
+    within 8 steps (twice as long after each that lost), and one after more than 5 steps without a drafter step
+    weighs a third of the estimate, not a tenth."""
+    from hf_diffspec.runtime.control_gates import SpeculationGates
 
     gates = SpeculationGates()
-
-    def steps(count, spec_tokens):
-        kinds = []
-        for _ in range(count):
-            kind = gates.decide(1)
-            committed, seconds = (spec_tokens, 1.43) if kind is StepKind.DRAFT else (1, 1.0)
-            gates.record(StepRecord(kind, 1, 0, committed, seconds, slots=1, verify_seconds=seconds))
-            kinds.append(kind is StepKind.DRAFT)
-        return kinds
-
-    assert sum(steps(10, spec_tokens=1)) >= 4  # the young gate measures four steps before it judges
-    friendly = steps(60, spec_tokens=2)  # 1.4 tokens a plain step's time
+    # the young gate measures four steps before it judges
+    assert sum(_no_match_steps(gates, 10, spec_tokens=1, spec_seconds=1.43)) >= 4
+    friendly = _no_match_steps(gates, 60, spec_tokens=2, spec_seconds=1.43)  # 1.4 tokens a plain step's time
     assert sum(friendly) >= 45, friendly
+
+
+def _no_match_steps(gates, count: int, spec_tokens: int, spec_seconds: float) -> list[bool]:
+    """`count` steps without lookup drafts decided by `gates` (a `SpeculationGates`) at batch 1: a drafter step
+    commits `spec_tokens` in `spec_seconds`, a plain step 1 token in a second. Whether each step drafted."""
+    from hf_diffspec.runtime.control_gates import StepKind, StepRecord
+
+    drafted = []
+    for _ in range(count):
+        kind = gates.decide(1)
+        committed, seconds = (spec_tokens, spec_seconds) if kind is StepKind.DRAFT else (1, 1.0)
+        gates.record(StepRecord(kind, 1, 0, committed, seconds, slots=1, verify_seconds=seconds))
+        drafted.append(kind is StepKind.DRAFT)
+    return drafted
 
 
 def test_a_drafter_that_never_pays_is_probed_less_and_less_often():
