@@ -98,7 +98,7 @@ class SpeculationGate:
         self.cheap_probe_wait = cheap_probe_wait  # see `_wait` (None: cheap probes wait as others do)
         self.steps: dict[tuple[int, bool], tuple[float, float]] = {}  # (rows, speculated) -> (tokens, seconds)
         self.samples: dict[tuple[int, bool], int] = {}  # steps measured per arm (0: inherited from a neighbour)
-        self.clock: dict[int, int] = {}  # steps recorded per batch size
+        self.clock: dict[int, int] = {}  # steps recorded per batch size (counted where `stale_after` is set)
         self.speculated_at: dict[int, int] = {}  # per batch size, `clock` at its latest speculative step
         self.losing_probes: dict[int, int] = {}  # per batch size, speculative probes lost in a row (see `_wait`)
         self.plain_steps_left: dict[int, int] = {}  # while speculation loses: plain steps before the next probe
@@ -161,7 +161,8 @@ class SpeculationGate:
     def record(self, speculated: bool, rows: int, committed: int, seconds: float) -> None:
         rows = rows_bucket(rows)
         key, seconds = (rows, speculated), max(seconds, 1e-9)
-        clock = self.clock[rows] = self.clock.get(rows, 0) + 1
+        if self.stale_after is not None:
+            clock = self.clock[rows] = self.clock.get(rows, 0) + 1
         if speculated and self.stale_after is not None:
             if clock - self.speculated_at.get(rows, clock) > self.stale_after and self.samples.get(key, 0):
                 # acceptance comes in stretches: speculation measured before the last `stale_after` steps was
