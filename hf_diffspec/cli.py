@@ -119,6 +119,11 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--dflash-length", type=int, default=None,
                        help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--do-sample", action="store_true",
+                       help="sample instead of greedy decoding, every method alike (with the three settings below)")
+    bench.add_argument("--temperature", type=float, default=None, help="with --do-sample (Qwen3 ships 0.6)")
+    bench.add_argument("--top-k", type=int, default=None, help="with --do-sample (Qwen3 ships 20)")
+    bench.add_argument("--top-p", type=float, default=None, help="with --do-sample (Qwen3 ships 0.95)")
     bench.add_argument("--json", default=None, help="write results as JSON here")
     bench.add_argument("--plot", default=None,
                        help="write a PNG here: throughput vs batch size, or speedup per domain at one batch size")
@@ -142,6 +147,10 @@ def cmd_bench(args) -> None:
         taus = comma_separated(args.oracle_taus, float, "--oracle-taus takes comma-separated numbers")
     if args.rounds is not None and args.rounds < 1:
         raise SystemExit(f"--rounds takes a positive number of rounds, got {args.rounds}")
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
+    if sampling and not args.do_sample:
+        raise SystemExit(f"--{next(iter(sampling)).replace('_', '-')} applies to sampling; add --do-sample")
+    sampling = sampling if args.do_sample else None
     torch.manual_seed(args.seed)
     target, tok = load_target_of(args)
     verify_cost_for(target)  # the profile every call uses (measured now the first time), recorded with the machine
@@ -172,7 +181,7 @@ def cmd_bench(args) -> None:
     rows = []
     for batch_size in batch_sizes:
         results = run_benchmark(target, tok, drafters, prompts, args.max_new_tokens, batch_size=batch_size,
-                                rounds=args.rounds)
+                                rounds=args.rounds, sampling=sampling)
         rows += summarize(results)
     print(markdown_table(rows))
     extra = {}

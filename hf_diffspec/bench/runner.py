@@ -55,14 +55,17 @@ class MethodRun:
         return self.counts.tau
 
 
-def run_method(target, method: Method, inputs, max_new_tokens) -> tuple[torch.Tensor, StepCounts | None]:
-    """Greedy decoding by `method`; returns (sequences, `StepCounts`, None for plain `generate`)."""
+def run_method(target, method: Method, inputs, max_new_tokens,
+               sampling: dict | None = None) -> tuple[torch.Tensor, StepCounts | None]:
+    """Decoding by `method`, greedy or, with `sampling` (generate's `temperature`, `top_k`, `top_p` ...), sampled;
+    returns (sequences, `StepCounts`, None for plain `generate`)."""
     if method.target_patch is not None:
         with method.target_patch(target):
-            return run_method(target, replace(method, target_patch=None), inputs, max_new_tokens)
+            return run_method(target, replace(method, target_patch=None), inputs, max_new_tokens, sampling)
     if method.runner is not None:
         return method.runner(target, inputs, max_new_tokens)
-    kwargs = dict(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **method.generate_kwargs)
+    sampling = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
+    kwargs = dict(**inputs, max_new_tokens=max_new_tokens, **sampling, **method.generate_kwargs)
     if method.drafter is not None:
         out = target.generate(**kwargs, assistant_model=method.drafter, return_dict_in_generate=True)
         return out.sequences, StepCounts.of(out.speculation_stats)
@@ -106,8 +109,8 @@ def _first_line(error: Exception) -> str:
 
 
 def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new_tokens: int,
-                  batch_size: int = 1, progress: bool = True,
-                  rounds: int | None = None) -> dict[tuple[str, int, str], MethodRun]:
+                  batch_size: int = 1, progress: bool = True, rounds: int | None = None,
+                  sampling: dict | None = None) -> dict[tuple[str, int, str], MethodRun]:
     """Run every method (name -> `Method`, or a drafter) plus plain `ar` on every batch of prompts (chat-templated
     `text`), interleaved; return totals per (method, batch size, domain). A method that cannot run at this batch size
     (or a peer whose warm-up fails) gets one `MethodRun` under domain "all" with `skipped` set to the reason.
@@ -115,9 +118,13 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
     rows a few prompts make one batch, one timed call per method, and this machine's speed drifts by ±10% between
     calls. None: enough rounds for `MIN_TIMED_CALLS` timed calls per method. Times and tokens add up over the
     rounds; prompts and identity count the first, and the first round's time and tokens are also kept apart (a
-    method that learns across calls, like our speculation gates, shows what its first call cost)."""
+    method that learns across calls, like our speculation gates, shows what its first call cost). `sampling`: the
+    sampling settings every method decodes with (generate's `temperature`, `top_k`, `top_p`); None: greedy. Rows
+    then differ from `ar`'s by chance, not by error (`identical` counts them all the same)."""
     methods = {"ar": Method(), **{k: m if isinstance(m, Method) else Method(m) for k, m in methods.items()}}
-    skipped = {name: m.skip_reason or (m.single_row if batch_size > 1 else None) for name, m in methods.items()}
+    skipped = {name: m.skip_reason or (m.single_row if batch_size > 1 else None)
+               or ("its loop decodes greedily only" if sampling is not None and m.runner is not None else None)
+               for name, m in methods.items()}
     skipped = {name: reason for name, reason in skipped.items() if reason}
     batches = encode_batches(tokenizer, prompts, batch_size, target.device)
     if rounds is None:
@@ -131,7 +138,7 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
         if name in skipped:
             continue
         try:
-            run_method(target, method, batches[0][1], min(8, max_new_tokens))
+            run_method(target, method, batches[0][1], min(8, max_new_tokens), sampling)
         except Exception as error:
             if not method.peer:
                 raise
@@ -147,7 +154,7 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
         prompt_length = inputs["input_ids"].shape[1]
         for name in order:
             start = device_time(target.device)  # the previous call's work is not this one's
-            out, counts = run_method(target, methods[name], inputs, max_new_tokens)
+            out, counts = run_method(target, methods[name], inputs, max_new_tokens, sampling)
             elapsed = device_time(target.device) - start
             outputs[name] = _rows_up_to_eos(out, prompt_length, eos)
             tokens = sum(len(r) for r in outputs[name])
