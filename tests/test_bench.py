@@ -82,6 +82,33 @@ def test_peers_run_identical_to_plain_generate_or_say_why_not():
     assert "| pld | 1 | all |" in markdown_table(rows)
 
 
+def test_bench_samples_every_method_alike_when_asked(monkeypatch):
+    """`sampling`: every method's generate call samples with the same settings (a loop that decodes greedily only
+    is skipped, saying so); greedy otherwise."""
+    target = target_for_bench()
+    drafter = tiny_drafter(target, mask_token_id=3, block_size=4)
+    peers = peer_methods(["pld", "zlab"], target, "tiny", drafter)
+    seen = []
+    generate = type(target).generate
+
+    def recording(self, *args, **kwargs):
+        seen.append({k: kwargs.get(k) for k in ("do_sample", "temperature", "top_k", "top_p")})
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "generate", recording)
+    sampling = dict(temperature=0.6, top_k=20, top_p=0.95)
+    rows = summarize(run_benchmark(target, CharTokenizer(), {"dflash": Method(drafter), "pld": peers["pld"],
+                                                             "zlab": peers["zlab"]},
+                                   PROMPTS[:2], max_new_tokens=6, progress=False, rounds=1, sampling=sampling))
+    assert seen and all(call == dict(do_sample=True, **sampling) for call in seen)
+    assert "greedily only" in by_method(rows)["zlab"]["skipped"]
+    assert by_method(rows)["dflash"]["tau"] >= 1.0
+    seen.clear()
+    run_benchmark(target, CharTokenizer(), {"dflash": Method(drafter)}, PROMPTS[:1], max_new_tokens=4,
+                  progress=False, rounds=1)
+    assert seen and all(call["do_sample"] is False for call in seen)
+
+
 def test_peers_that_cannot_run_are_skipped_with_the_reason():
     target = target_for_bench()
     owned_mask = tiny_drafter(target)  # learned its own MASK embedding: no target token stands for it
@@ -286,6 +313,7 @@ MACHINE = ["cpu", "cpu_count", "isa_flags", "avx512", "native_bf16", "amx", "gpu
 CONFIG = {"command", "target", "drafter", "methods", "assistant_model", "pld_tokens", "oracle_taus", "oracle_drafts",
           "vp_drafter", "branches", "tree_budget", "tree_depth", "branch_length", "domains", "prompts", "prompts_file",
           "max_new_tokens", "context_tokens", "batch_sizes", "rounds", "dflash_length", "dtype", "device", "seed",
+          "do_sample", "temperature", "top_k", "top_p",
           "json", "plot"}
 ORACLE_ROW = ["oracle_tau", "drafts_per_step", "acceptance", "batch_size", "achieved_tau", "verified_per_step",
               "tokens_per_s", "speedup_vs_ar", "decode_speedup_vs_ar", "predicted_speedup", "efficiency",
@@ -323,3 +351,5 @@ def test_bench_cli_oracle_mode(tiny_cli, tmp_path, capsys):
     assert [r["oracle_tau"] for r in oracle] == [2.0] and oracle[0]["efficiency"] is not None
     with pytest.raises(SystemExit, match="oracle-taus"):
         main(["bench", "--target", "tiny", "--oracle-taus", "two"])
+    with pytest.raises(SystemExit, match="--top-k applies to sampling; add --do-sample"):
+        main(["bench", "--target", "tiny", "--top-k", "20"])

@@ -136,7 +136,7 @@ def test_rejection_sampling_with_drawn_drafts_is_exactly_the_targets_distributio
     plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
     spec = marginal_counts(target, ids, vocab, n, 10_000, assistant_model=drafter, **kwargs)
     trees = [t for t in proposals.trees if len(t) > 1]
-    assert trees and all(t.draft_probs is not None for t in trees)
+    assert trees and all(t.draft_laws is not None for t in trees)
     if variant == "vp":
         assert any(not t.is_chain for t in trees)
     accepted = 0  # drafts must really be accepted for the check to mean anything

@@ -169,7 +169,7 @@ def test_sampling_follows_the_targets_distribution(monkeypatch):
     n = 200
     plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
     ours = marginal_counts(target, ids, vocab, n, 10_000, assistant_model=drafter, **kwargs)
-    assert all(t.draft_probs is not None for t in proposals.trees if len(t) > 1)
+    assert all(t.draft_laws is not None for t in proposals.trees if len(t) > 1)
     accepted = replays = 0  # drafts must be accepted, and rejected, for the check to mean anything
     for seed in range(10):
         torch.manual_seed(seed)

@@ -280,8 +280,8 @@ def test_attention_runs_through_transformers_attention_interface():
     sdpa = _decoding_and_training_outputs(drafter, target)
     drafter.set_attn_implementation("eager")
     eager = _decoding_and_training_outputs(drafter, target)
-    for a, b in zip(sdpa, eager):  # two kernels: fp32 rounding apart
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(sdpa, eager):  # two kernels: fp32 rounding apart (gradients up to 1.2e-5 on a 2026-12-05 EPYC)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
 
     calls = []
 

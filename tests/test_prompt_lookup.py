@@ -173,14 +173,17 @@ def test_lookup_drafts_alone_are_verified_only_while_they_beat_plain_steps():
     assert AlwaysSpeculate().decide(16, lookup_ngram=1) is StepKind.DRAFT  # a fixed length always drafts
 
 
-def test_sampling_does_not_look_up_and_bad_values_are_refused():
+@pytest.mark.every_step_speculates("asserts lookup drafts were verified")
+def test_sampling_looks_up_and_bad_values_are_refused():
+    """When sampling, copied tokens are drafted too (point masses, `verification.py`; their law is tested in
+    `test_sampling_exactness.py`)."""
     vocab = 24
     target = tiny_target("llama", seed=0, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, prompt_lookup_num_tokens=4)
     ids = _repetitive_prompts(vocab, rows=1, seed=0)
     out = target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=20,
                           return_dict_in_generate=True)
-    assert out.speculation_stats.lookup_tokens == 0
+    assert out.speculation_stats.lookup_tokens > 0
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be a non-negative integer"):
         target.generate(ids, assistant_model=drafter, prompt_lookup_num_tokens=-1, max_new_tokens=4)
 

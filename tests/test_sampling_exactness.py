@@ -7,7 +7,7 @@ Two levels, both against EXACT laws (not against a second sample):
   siblings). The committed token must follow p, and (accepted sibling or none, token) its exact law;
 - whole `generate` calls of tiny real targets over 6 tokens (Llama, Qwen3, Qwen3.5 Gated DeltaNet), drafts drawn
   from fixed laws that are not the target's (the drafter's `_distributions` replaced, so trees carry the very laws
-  their drafts came from as `draft_probs`), a fixed number of drafts at every step: the joint law of the 4 new tokens
+  their drafts came from as `draft_laws`), a fixed number of drafts at every step: the joint law of the 4 new tokens
   must be plain sampling's, every continuation's probability enumerated from the target's own softmax.
 
 Then each deliberate break of the rule fails both levels. A chain shows two of them (residual left at p, acceptance
@@ -23,11 +23,13 @@ import itertools
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import hf_diffspec.runtime.batch as batch_module
+import hf_diffspec.runtime.drafting_lookup as drafting_lookup
 import hf_diffspec.runtime.verification as verification
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
-from hf_diffspec.runtime.verification import choose_token_among_drafts
+from hf_diffspec.runtime.sampling import CompactLaw
 
 from helpers import tiny_drafter, tiny_dual_drafter, tiny_hybrid_target, tiny_target
 
@@ -53,68 +55,89 @@ def chi_square_p_value(counts: torch.Tensor, law: torch.Tensor, min_expected: fl
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
 
 
-# ----- the deliberate breaks (same signature as the real rule) --------------------------------------------------------
-def residual_left_at_p(scores, children):
+# ----- the deliberate breaks of the rule's one step (`verification.rejection_try`'s signature) -------------------------
+def _token_mass(residual, support, token):
+    if support is None:
+        return residual.gather(-1, token.clamp(min=0)[..., None]).squeeze(-1)
+    return ((support == token[..., None]) * residual).sum(-1)
+
+
+def _law_on(residual, support, law):
+    ids = support if support is not None else torch.arange(residual.shape[-1], device=residual.device)
+    return law.on(ids)
+
+
+def residual_left_at_p(residual, support, token, law, trying):
     """After a rejection, p is kept instead of norm(max(0, p - q))."""
-    p = scores.softmax(dim=-1)[0]
-    for token, q in children:
-        q = q.to(p.device, p.dtype)
-        if float(torch.rand(())) * float(q[token]) < float(p[token]):
-            return torch.tensor([token], device=scores.device)
-    return torch.multinomial(p, num_samples=1)
+    u = torch.rand(token.shape)
+    return trying & (u * law.at(token.clamp(min=0)) < _token_mass(residual, support, token)), residual
 
 
-def residual_not_renormalised(scores, children):
-    """max(0, p - q) without dividing by its sum: later siblings' acceptances are too low (the final multinomial
-    normalises by itself, so a chain, one child, cannot show it). A floor keeps the final draw possible when the
-    shrunken residual is covered by the next q entirely (the real rule's residual sums to 1 and cannot vanish)."""
-    p = scores.softmax(dim=-1)[0]
-    for token, q in children:
-        q = q.to(p.device, p.dtype)
-        if float(torch.rand(())) * float(q[token]) < float(p[token]):
-            return torch.tensor([token], device=scores.device)
-        p = (p - q).clamp(min=0)
-    return torch.multinomial(p.clamp(min=1e-30), num_samples=1)
-
-
-def acceptance_q_over_p(scores, children):
+def acceptance_q_over_p(residual, support, token, law, trying):
     """Accept with probability min(1, q/p) instead of min(1, p/q)."""
-    p = scores.softmax(dim=-1)[0]
-    for token, q in children:
-        q = q.to(p.device, p.dtype)
-        if float(torch.rand(())) * float(p[token]) < float(q[token]):
-            return torch.tensor([token], device=scores.device)
-        p = (p - q).clamp(min=0)
-        p = p / p.sum()
-    return torch.multinomial(p, num_samples=1)
+    u = torch.rand(token.shape)
+    accepted = trying & (u * _token_mass(residual, support, token) < law.at(token.clamp(min=0)))
+    after = (residual - _law_on(residual, support, law)).clamp(min=0)
+    rejected = (trying & ~accepted)[..., None]
+    return accepted, torch.where(rejected, after / after.sum(-1, keepdim=True).clamp(min=1e-30), residual)
 
 
-def sibling_mass_not_removed(scores, children):
+def residual_not_renormalised(residual, support, token, law, trying):
+    """max(0, p - q) without dividing by its sum: later siblings' acceptances are too low (the final draw normalises
+    by itself, so a chain, one child, cannot show it). A floor keeps the final draw possible when the shrunken residual
+    is covered by the next q entirely (the real rule's residual sums to 1 and cannot vanish)."""
+    u = torch.rand(token.shape)
+    accepted = trying & (u * law.at(token.clamp(min=0)) < _token_mass(residual, support, token))
+    after = (residual - _law_on(residual, support, law)).clamp(min=1e-30)
+    return accepted, torch.where((trying & ~accepted)[..., None], after, residual)
+
+
+class SiblingMassNotRemoved:
     """Every sibling is compared against the original p (a rejected sibling's mass is not removed before the next is
-    tried); the final draw is from the residual. One child (a chain) is unaffected."""
-    original = p = scores.softmax(dim=-1)[0]
-    for token, q in children:
-        q = q.to(p.device, p.dtype)
-        if float(torch.rand(())) * float(q[token]) < float(original[token]):
-            return torch.tensor([token], device=scores.device)
-        p = (p - q).clamp(min=0)
-        p = p / p.sum()
-    return torch.multinomial(p, num_samples=1)
+    tried); the final draw is from the residual. One child (a chain) is unaffected. `start` marks a new call of the
+    rule (its first try sees the original p)."""
+
+    def __init__(self):
+        self.original = None
+
+    def start(self):
+        self.original = None
+
+    def __call__(self, residual, support, token, law, trying):
+        if self.original is None:
+            self.original = residual
+        u = torch.rand(token.shape)
+        accepted = trying & (u * law.at(token.clamp(min=0)) < _token_mass(self.original, support, token))
+        after = (residual - _law_on(residual, support, law)).clamp(min=0)
+        rejected = (trying & ~accepted)[..., None]
+        return accepted, torch.where(rejected, after / after.sum(-1, keepdim=True).clamp(min=1e-30), residual)
 
 
 # each break and the form it is shown failing on (the chain breaks fail on trees too; the others need siblings)
 BREAKS = {
-    "residual_left_at_p": (residual_left_at_p, "chain"),
-    "acceptance_q_over_p": (acceptance_q_over_p, "chain"),
-    "residual_not_renormalised": (residual_not_renormalised, "tree"),
-    "sibling_mass_not_removed": (sibling_mass_not_removed, "tree"),
+    "residual_left_at_p": (lambda: residual_left_at_p, "chain"),
+    "acceptance_q_over_p": (lambda: acceptance_q_over_p, "chain"),
+    "residual_not_renormalised": (lambda: residual_not_renormalised, "tree"),
+    "sibling_mass_not_removed": (SiblingMassNotRemoved, "tree"),
 }
 
 
-def use_rule(monkeypatch, rule) -> None:
-    """Route the runtime's rejection sampling to `rule` (batch.py imported the function by name)."""
-    monkeypatch.setattr(verification, "choose_token_among_drafts", rule)
-    monkeypatch.setattr(batch_module, "choose_token_among_drafts", rule)
+def use_rule(monkeypatch, step) -> None:
+    """Route every try of the runtime's rejection sampling, on the device path (`rejection_choices`) and the
+    token-by-token one (`choose_token_among_drafts`), through `step`; a step with `start` hears each new call."""
+    monkeypatch.setattr(verification, "rejection_try", step)
+    start = getattr(step, "start", None)
+    if start is None:
+        return
+    for name in ("rejection_choices", "choose_token_among_drafts"):
+        real = getattr(verification, name)
+
+        def started(*args, real=real):
+            start()
+            return real(*args)
+
+        monkeypatch.setattr(verification, name, started)
+        monkeypatch.setattr(batch_module, name, started)
 
 
 # ----- the rule alone -------------------------------------------------------------------------------------------------
@@ -176,18 +199,50 @@ def exact_outcome_law(p: torch.Tensor, laws) -> torch.Tensor:
     return law
 
 
-def run_rule(rule, laws, n: int) -> torch.Tensor:
-    """Counts (K + 1, vocab) of (accepted sibling or none, committed token) over `n` calls of `rule`, each on fresh
+def outcome_counts(drawn: torch.Tensor, chosen: torch.Tensor, siblings: int) -> torch.Tensor:
+    """Counts (K + 1, vocab) of (accepted sibling or none, committed token) from the siblings `drawn` (n, K) and the
+    tokens `chosen` (n,)."""
+    hit = drawn == chosen[:, None]
+    accepted = torch.where(hit.any(-1), hit.long().argmax(-1), siblings)
+    return torch.bincount(accepted * len(P) + chosen, minlength=(siblings + 1) * len(P)).view(siblings + 1, len(P))
+
+
+def run_rule(laws, n: int) -> torch.Tensor:
+    """`outcome_counts` over `n` calls of the token-by-token rule (`choose_token_among_drafts`), each on fresh
     siblings drawn from `laws`."""
     scores = P.log()[None]
     children_of = {}  # the [(token, its law given the earlier siblings)] of each distinct draw, built once
-    outcomes = []
-    for drawn in map(tuple, draw_siblings(laws, n).tolist()):
-        if drawn not in children_of:
-            children_of[drawn] = [(token, without(laws[k], drawn[:k]).float()) for k, token in enumerate(drawn)]
-        token = int(rule(scores, children_of[drawn]))
-        outcomes.append((drawn.index(token) if token in drawn else len(drawn)) * len(P) + token)
-    return torch.bincount(torch.tensor(outcomes), minlength=(len(laws) + 1) * len(P)).view(len(laws) + 1, len(P))
+    drawn = draw_siblings(laws, n)
+    chosen = []
+    for siblings in map(tuple, drawn.tolist()):
+        if siblings not in children_of:
+            children_of[siblings] = [(token, without(laws[k], siblings[:k]).float())
+                                     for k, token in enumerate(siblings)]
+        chosen.append(int(verification.choose_token_among_drafts(scores, children_of[siblings])))
+    return outcome_counts(drawn, torch.tensor(chosen), len(laws))
+
+
+def run_tensor_rule(laws, n: int) -> torch.Tensor:
+    """`outcome_counts` of the device rule (`rejection_choices`) at `n` independent positions in one call: each a
+    root with the siblings drawn from `laws` as its children, the target's law P over compact ids."""
+    siblings = len(laws)
+    drawn = draw_siblings(laws, n)
+    vocab = len(P)
+    ids = torch.arange(vocab).expand(n, siblings + 1, vocab)
+    node_probs = torch.zeros(n, siblings + 1, vocab)
+    for k, law in enumerate(laws):  # sibling k's law: laws[k] without the earlier siblings' tokens
+        q = law.double().expand(n, -1).clone()
+        q.scatter_(1, drawn[:, :k], 0.0)
+        node_probs[:, k + 1] = (q / q.sum(-1, keepdim=True)).float()
+    children = torch.full((n, siblings + 1, siblings), -1)
+    children[:, 0] = torch.arange(1, siblings + 1)
+    tokens = torch.cat([torch.zeros(n, 1, dtype=torch.long), drawn], dim=1)
+    target = CompactLaw(ids, P.expand(n, siblings + 1, vocab))
+    chosen = verification.rejection_choices(target, tokens, children, CompactLaw(ids, node_probs))[:, 0]
+    return outcome_counts(drawn, chosen, siblings)
+
+
+RULES = {"token_by_token": run_rule, "device": run_tensor_rule}
 
 
 def test_the_exact_laws_these_tests_use_are_lossless():
@@ -199,13 +254,15 @@ def test_the_exact_laws_these_tests_use_are_lossless():
         torch.testing.assert_close(law[0].sum(), torch.minimum(P, laws[0]).sum().double())
 
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("form", FORMS)
-def test_rejection_rule_commits_exactly_p(one_torch_thread, form):
-    """100,000 calls of the real rule, siblings drawn afresh each time: the committed token follows p, the first
-    child is accepted with probability sum_x min(p, q), and (accepted sibling, token) follows its exact law."""
+def test_rejection_rule_commits_exactly_p(one_torch_thread, form, rule):
+    """100,000 calls of the real rule, on each path, siblings drawn afresh each time: the committed token follows p,
+    the first child is accepted with probability sum_x min(p, q), and (accepted sibling, token) follows its exact
+    law."""
     torch.manual_seed(0)
     laws = FORMS[form]
-    counts = run_rule(choose_token_among_drafts, laws, UNIT_DRAWS)
+    counts = RULES[rule](laws, UNIT_DRAWS)
     law = exact_outcome_law(P, laws)
     accepted_first = counts[0].sum()
     first = torch.stack([accepted_first, UNIT_DRAWS - accepted_first])
@@ -217,12 +274,50 @@ def test_rejection_rule_commits_exactly_p(one_torch_thread, form):
     assert chi_square_p_value(counts, law) > PASS
 
 
+def test_point_mass_siblings_are_accepted_exactly():
+    """A deterministic draft (prompt lookup's copied token) is a point mass: grafted beside a drawn sibling (only
+    where the drawn one is another token, as `graft` merges equal ones), the committed token still follows p, and
+    the copied token is accepted as often as the rule's exact law says. Each path, 100,000 positions."""
+    copied = 1
+    laws = [Q[0]]
+    point = torch.zeros(len(P))
+    point[copied] = 1.0
+    # exact: the copied token is tried after a rejected draw x != copied, against the residual norm(max(0, p - q))
+    residual = (P.double() - Q[0].double()).clamp(min=0)
+    residual /= residual.sum()
+    tried = sum(float(Q[0][x]) * (1 - min(1.0, float(P[x] / Q[0][x]))) for x in range(len(P)) if x != copied)
+    expected = tried * float(residual[copied])
+    for rule in ("token_by_token", "device"):
+        torch.manual_seed(3)
+        drawn = torch.multinomial(Q[0], UNIT_DRAWS, replacement=True)
+        if rule == "token_by_token":
+            chosen = torch.tensor([int(verification.choose_token_among_drafts(
+                P.log()[None], [(x, Q[0])] + ([(copied, point)] if x != copied else []))) for x in drawn.tolist()])
+        else:
+            n = UNIT_DRAWS
+            ids = torch.arange(len(P)).expand(n, 3, -1)
+            node_probs = torch.stack([torch.zeros(len(P)), Q[0], point]).expand(n, -1, -1)
+            children = torch.tensor([[1, 2], [-1, -1], [-1, -1]]).repeat(n, 1, 1)
+            children[drawn == copied, 0, 1] = -1  # merged: no second child
+            tokens = torch.stack([torch.zeros(n, dtype=torch.long), drawn, torch.full((n,), copied)], dim=1)
+            chosen = verification.rejection_choices(CompactLaw(ids, P.expand(n, 3, -1)), tokens, children,
+                                                     CompactLaw(ids, node_probs))[:, 0]
+        copied_accepted = int(((chosen == copied) & (drawn != copied)).sum())
+        # the copied token committed without being the drawn sibling: accepted as the point mass, or drawn from the
+        # residual after both were rejected (impossible: a rejected point mass leaves it no mass)
+        assert chi_square_p_value(torch.bincount(chosen, minlength=len(P)), P) > PASS, rule
+        assert abs(copied_accepted / UNIT_DRAWS - expected) < 5 * (expected / UNIT_DRAWS) ** 0.5, rule
+
+
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("name", BREAKS)
-def test_a_broken_rejection_rule_is_caught(one_torch_thread, name):
-    """Each break, on the form that shows it, commits tokens whose law is measurably not p (5,000 calls)."""
-    rule, form = BREAKS[name]
+def test_a_broken_rejection_rule_is_caught(monkeypatch, one_torch_thread, name, rule):
+    """Each break, on the form that shows it, commits tokens whose law is measurably not p (5,000 calls), on each
+    path."""
+    make, form = BREAKS[name]
+    use_rule(monkeypatch, make())
     torch.manual_seed(1)
-    counts = run_rule(rule, FORMS[form], 5_000)
+    counts = RULES[rule](FORMS[form], 5_000)
     # measured p-values: residual_left_at_p 3e-118, acceptance_q_over_p 0 (underflow), residual_not_renormalised
     # 2e-52, sibling_mass_not_removed 6e-36; seeds 2-5: at most 7e-123, 0, 5e-47, 1e-33
     assert chi_square_p_value(counts.sum(0), P) < CAUGHT
@@ -243,31 +338,67 @@ BRANCH_LAW = torch.tensor([0.10, 0.10, 0.30, 0.10, 0.30, 0.10])
 @pytest.fixture
 def drafts_from_known_laws(monkeypatch):
     """Every drafter of the test draws from `SLOT_LAWS` / `BRANCH_LAW` whatever its network says: trees then carry
-    exactly these laws as `draft_probs`, which is all rejection sampling needs to be exact."""
+    exactly these laws as `draft_laws`, which is all rejection sampling needs to be exact."""
 
-    def distributions(self, logits):
+    def draft_laws(self, logits):
         if logits.dim() == 3:  # (rows, slots, vocab): a block's slots
-            slots = SLOT_LAWS[torch.arange(logits.shape[1]).clamp(max=len(SLOT_LAWS) - 1)]
-            return slots.expand(logits.shape[0], -1, -1).clone()
-        return BRANCH_LAW.expand(logits.shape[0], -1).clone()  # (slots, vocab): D²SD branch spans
+            probs = SLOT_LAWS[torch.arange(logits.shape[1]).clamp(max=len(SLOT_LAWS) - 1)]
+            probs = probs.expand(logits.shape[0], -1, -1).clone()
+        else:
+            probs = BRANCH_LAW.expand(logits.shape[0], -1).clone()  # (slots, vocab): D²SD branch spans
+        return CompactLaw(torch.arange(VOCAB).expand(probs.shape).clone(), probs)
 
-    monkeypatch.setattr(DiffusionCandidateGenerator, "_distributions", distributions)
+    monkeypatch.setattr(DiffusionCandidateGenerator, "_draft_laws", draft_laws)
+
+
+@pytest.fixture
+def grafted(monkeypatch):
+    """Counts the lookup nodes grafted onto trees (`graft`), as `.nodes`."""
+    real = drafting_lookup.graft
+
+    class Grafted:
+        nodes = 0
+
+    def counting(tree, drafts):
+        out = real(tree, drafts)
+        Grafted.nodes += len(out) - len(tree)
+        return out
+
+    monkeypatch.setattr(drafting_lookup, "graft", counting)
+    return Grafted
 
 
 class RuleRecorder:
-    """Wraps the runtime's rejection rule: per call, how many children it got and which was accepted (len = none)."""
+    """Wraps the runtime's rejection rule on both paths (after `use_rule`, if a break is used): per position with
+    children, how many it had and which was accepted (len = none). The device path decides every node of a step
+    at once, reached or not: each is a draw of the rule all the same."""
 
-    def __init__(self, monkeypatch, rule=choose_token_among_drafts):
+    def __init__(self, monkeypatch):
         self.outcomes: list[tuple[int, int]] = []
+        self.device_calls = 0
+        by_token, on_device = verification.choose_token_among_drafts, verification.rejection_choices
 
-        def recording(scores, children):
-            token = rule(scores, children)
+        def token_by_token(scores, children):
+            token = by_token(scores, children)
             tokens = [t for t, _ in children]
             chosen = int(token)
             self.outcomes.append((len(children), tokens.index(chosen) if chosen in tokens else len(children)))
             return token
 
-        use_rule(monkeypatch, recording)
+        def device(target, tokens, children, node_laws):
+            choice = on_device(target, tokens, children, node_laws)
+            self.device_calls += 1
+            child_tokens = torch.where(children >= 0, tokens.gather(1, children.clamp(min=0).flatten(1))
+                                       .view(children.shape), -1)
+            count = (children >= 0).sum(-1)
+            hit = child_tokens == choice[..., None]
+            accepted = torch.where(hit.any(-1), hit.long().argmax(-1), count)
+            self.outcomes += [(n, i) for n, i in zip(count[count > 0].tolist(), accepted[count > 0].tolist())]
+            return choice
+
+        for module in (verification, batch_module):
+            monkeypatch.setattr(module, "choose_token_among_drafts", token_by_token)
+            monkeypatch.setattr(module, "rejection_choices", device)
 
     def accepted_at(self, index: int) -> int:
         return sum(1 for _, i in self.outcomes if i == index)
@@ -278,17 +409,22 @@ class RuleRecorder:
 
 
 def exact_continuation_law(target, prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0,
-                           top_k: int = 0) -> torch.Tensor:
+                           top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The exact law of plain sampling's `new_tokens` tokens after `prompt` (1, length): (vocab ** new_tokens,),
-    continuation (t_1 ... t_n) at index sum t_j vocab^(n - j), from the target's own fp32 softmax of
-    logits / temperature (top-k: the rest at -inf), every continuation enumerated."""
+    continuation (t_1 ... t_n) at index sum t_j vocab^(n - j), from the target's own fp32 logits through
+    transformers' warpers in generate's order (temperature, top-k, top-p), every continuation enumerated."""
     vocab = target.get_output_embeddings().weight.shape[0]
     prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=new_tokens - 1)), dtype=torch.long)
     ids = torch.cat([prompt.expand(len(prefixes), -1), prefixes.view(len(prefixes), -1)], dim=1)
     with torch.no_grad():
-        logits = target(ids).logits[:, prompt.shape[1] - 1 :].float() / temperature  # (prefixes, new_tokens, vocab)
+        logits = target(ids).logits[:, prompt.shape[1] - 1 :].float()  # (prefixes, new_tokens, vocab)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])
     if top_k:
-        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    flat = logits.reshape(-1, vocab)
+    logits = warpers(torch.zeros(len(flat), 1, dtype=torch.long), flat).view(logits.shape)
     log_probs = logits.log_softmax(-1).double()
     prefix = log_probs[:, :-1].gather(2, prefixes.view(len(prefixes), -1, 1)).squeeze(2).sum(1)
     return (prefix[:, None] + log_probs[:, -1]).exp().flatten()
@@ -336,27 +472,55 @@ def hybrid_case():
 
 # name: (case, rows per call, calls, siblings expected). The rows of a call are independent draws: 256 rows make
 # 10,240 draws cheap. One row pays generate's fixed cost (~8 ms) per draw: 600 draws there, the code path's check.
+def on_device(case):
+    """`case` with a top-k warper that keeps every token: its laws are compact (`sampling.py`), so steps accept on
+    the device (`rejection_choices`); without one (top_k=0) they accept token by token."""
+    def with_top_k():
+        target, drafter, kwargs = case()
+        return target, drafter, {**kwargs, "top_k": VOCAB}
+    return with_top_k
+
+
+def lookup_case():
+    """Prompt-lookup drafts (point masses) grafted on sampled best-first trees: a 6-token vocabulary repeats itself,
+    so most steps find a match."""
+    target, drafter, kwargs = best_first_case()
+    return target, drafter, {**kwargs, "top_k": VOCAB, "prompt_lookup_num_tokens": 3}
+
+
+# name: (case, rows per call, calls, siblings expected, accepted on the device). The rows of a call are independent
+# draws: 256 rows make 10,240 draws cheap. One row pays generate's fixed cost (~8 ms) per draw: 600 draws there, the
+# code path's check.
 CASES = {
-    "chain_1_row": (chain_case, 1, 600, False),
-    "chain_256_rows": (chain_case, 256, 40, False),
-    "d2sd_tree_256_rows": (d2sd_case, 256, 40, True),
-    "best_first_tree_256_rows": (best_first_case, 256, 40, True),
-    "hybrid_chain_256_rows": (hybrid_case, 256, 40, False),
+    "chain_1_row": (chain_case, 1, 600, False, False),
+    "chain_256_rows": (chain_case, 256, 40, False, False),
+    "d2sd_tree_256_rows": (d2sd_case, 256, 40, True, False),
+    "best_first_tree_256_rows": (best_first_case, 256, 40, True, False),
+    "hybrid_chain_256_rows": (hybrid_case, 256, 40, False, True),
+    "device_chain_1_row": (on_device(chain_case), 1, 600, False, True),
+    "device_chain_256_rows": (on_device(chain_case), 256, 40, False, True),
+    "device_d2sd_tree_256_rows": (on_device(d2sd_case), 256, 40, True, True),
+    "device_best_first_tree_256_rows": (on_device(best_first_case), 256, 40, True, True),
+    "lookup_on_sampled_tree_256_rows": (lookup_case, 256, 40, True, True),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.every_step_speculates("asserts drafts were verified, accepted and rejected")
-def test_speculative_sampling_is_exactly_plain_sampling(monkeypatch, one_torch_thread, drafts_from_known_laws, name):
+def test_speculative_sampling_is_exactly_plain_sampling(monkeypatch, one_torch_thread, drafts_from_known_laws, name,
+                                                       grafted):
     """The joint law of the new tokens, speculating every step with drafts far from the target, is plain sampling's
     exact law (chi-square over every continuation)."""
-    case, rows, calls, siblings = CASES[name]
+    case, rows, calls, siblings, device = CASES[name]
     target, drafter, kwargs = case()
     prompt = prompt_ids()
     recorder = RuleRecorder(monkeypatch)
     torch.manual_seed(0)
     counts = continuation_counts(target, drafter, prompt, rows, calls, **kwargs)
     law = exact_continuation_law(target, prompt, NEW_TOKENS, kwargs["temperature"], kwargs["top_k"])
+    assert (recorder.device_calls > 0) == device  # the path the case is for
+    if "prompt_lookup_num_tokens" in kwargs:  # copied tokens were grafted on as point masses (measured: 4,901 nodes
+        assert grafted.nodes > 0.2 * rows * calls  # beside the drafter's, in 10,240 row calls)
     # the drafts were verified, accepted and rejected, often enough to matter (measured: the first child accepted at
     # 45-58% of the rule's calls, every child rejected at 13-55%; a second sibling accepted at 11% (D²SD) and 13%)
     verified = len(recorder.outcomes)
@@ -370,16 +534,20 @@ def test_speculative_sampling_is_exactly_plain_sampling(monkeypatch, one_torch_t
     assert chi_square_p_value(counts, law) > PASS
 
 
+@pytest.mark.parametrize("path", ["token_by_token", "device"])
 @pytest.mark.parametrize("name", BREAKS)
 @pytest.mark.every_step_speculates("the broken rule must be exercised at every step")
-def test_a_broken_rejection_rule_is_caught_in_generate(monkeypatch, one_torch_thread, drafts_from_known_laws, name):
+def test_a_broken_rejection_rule_is_caught_in_generate(monkeypatch, one_torch_thread, drafts_from_known_laws, name,
+                                                       path):
     """Each break, in a generate case of its form (chains for the chain breaks; best-first trees of up to 5 siblings,
     where later siblings are tried often, for the others), makes the new tokens' joint law measurably not plain
     sampling's (1,536 draws)."""
-    rule, form = BREAKS[name]
-    target, drafter, kwargs = chain_case() if form == "chain" else best_first_case()
+    make, form = BREAKS[name]
+    case = chain_case if form == "chain" else best_first_case
+    target, drafter, kwargs = (on_device(case) if path == "device" else case)()
     prompt = prompt_ids()
-    recorder = RuleRecorder(monkeypatch, rule)
+    use_rule(monkeypatch, make())
+    recorder = RuleRecorder(monkeypatch)
     torch.manual_seed(1)
     counts = continuation_counts(target, drafter, prompt, 256, 6, **kwargs)
     law = exact_continuation_law(target, prompt, NEW_TOKENS, kwargs["temperature"], kwargs["top_k"])
@@ -389,3 +557,24 @@ def test_a_broken_rejection_rule_is_caught_in_generate(monkeypatch, one_torch_th
     # measured p-values: residual_left_at_p 3e-15, acceptance_q_over_p 0 (underflow), residual_not_renormalised
     # 5e-34, sibling_mass_not_removed 2e-20; seeds 2-5: at most 5e-13, 0, 3e-23, 7e-22
     assert chi_square_p_value(counts, law) < CAUGHT
+
+
+@pytest.mark.every_step_speculates("asserts drafts were verified, accepted and rejected")
+def test_drafts_drawn_from_the_warped_drafter_law_keep_plain_sampling(monkeypatch, one_torch_thread):
+    """The drafter's own law through the user's warpers (temperature 0.7, top-k 4, top-p 0.9), chains and best-first
+    trees on the device path: the joint law of the new tokens is plain sampling's through the same warpers."""
+    kwargs = dict(temperature=0.7, top_k=4, top_p=0.9, num_assistant_tokens=2)
+    prompt = prompt_ids()
+    for tree in (False, True):
+        target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=4)
+        drafter = tiny_drafter(target, block_size=4, seed=5)
+        if tree:
+            drafter.config.draft_tree_budget, drafter.config.draft_tree_width = 10, 3
+        recorder = RuleRecorder(monkeypatch)
+        torch.manual_seed(0)
+        counts = continuation_counts(target, drafter, prompt, 256, 40, **kwargs)
+        law = exact_continuation_law(target, prompt, NEW_TOKENS, 0.7, 4, 0.9)
+        assert recorder.device_calls > 0
+        verified = len(recorder.outcomes)
+        assert recorder.accepted_at(0) > 0.1 * verified and recorder.all_rejected > 0.05 * verified
+        assert chi_square_p_value(counts, law) > PASS

@@ -10,6 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hf_diffspec.runtime import drafting
 from hf_diffspec.runtime.batch import BatchState
+from hf_diffspec.runtime.sampling import SamplingLaws
 from helpers import random_ids, tiny_drafter, tiny_target
 
 ROWS, SLOTS, VOCAB = 64, 16, 1024
@@ -107,15 +108,15 @@ def test_sampled_trees_keep_the_laws_of_their_nodes_alone(method):
                                draft_tree_budget=SLOTS if method == "best-first trees" else None)
     # chains: 5 of the block's 15 slots verified
     generator = drafting.candidate_generator_for(drafter, target, num_draft_tokens=5 if method == "chains" else None,
-                                                 sample_temperature=1.0)
+                                                 sampling=SamplingLaws([]))  # temperature 1, dense laws
     ids = random_ids(5, 8, vocab=VOCAB, rows=ROWS)
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
         generator.add_context(out.hidden_states, slice(None), torch.arange(8).expand(ROWS, -1),
                               torch.ones(ROWS, 8, dtype=torch.bool))
         trees = generator.propose(ids[:, -1].tolist(), [8] * ROWS, [100] * ROWS)
-    held = {law.untyped_storage().data_ptr(): law.untyped_storage().nbytes()
-            for tree in trees for law in tree.draft_probs if law is not None}  # what the trees keep alive
-    node_laws = sum(len(tree) - 1 for tree in trees) * VOCAB * 4
+    held = {tree.draft_laws.probs.untyped_storage().data_ptr(): tree.draft_laws.probs.untyped_storage().nbytes()
+            for tree in trees}  # what the trees keep alive
+    node_laws = sum(len(tree) for tree in trees) * VOCAB * 4  # a law per node (the root's row unused)
     assert any(len(tree) > 2 for tree in trees)
     assert sum(held.values()) == node_laws

@@ -139,7 +139,9 @@ def test_sampled_tokens_are_drawn_from_the_targets_logits_at_their_exact_prefix(
 
     monkeypatch.setattr(RowCommitter, "choose_and_commit", recording)
     torch.manual_seed(5)
-    target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=True)
+    # top_k=0 (no compact laws): every token is committed token by token, where each one's logits can be checked
+    # alone; the device path takes the same verify logits (`test_sampling_exactness.py` covers both paths' laws)
+    target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=True, top_k=0)
     assert len(seen) > 12 and sum(with_drafts for *_, with_drafts in seen) > 12
     for prefix, logits, _ in seen:
         row_mask = torch.cat([mask[(ids == prefix[: ids.shape[1]]).all(-1)][0],

@@ -86,12 +86,15 @@ def host_time_per_step(run, target, models=(), repeats: int = 3) -> dict:
 
 
 def compare_host_time(target, drafter, prompts: torch.Tensor, max_new_tokens: int = 64, batches=(1, 16),
-                      tree_budget: int = 8, lookup_tokens: int = 4, assistant=None, repeats: int = 3) -> list[dict]:
-    """Host time per step of our loop (chains, trees, trees + prompt lookup), z-lab's `dflash_generate` (batch 1;
-    needs PyPI `dflash` and a drafter whose MASK is a target token) and transformers' assisted decoding with
-    `assistant` (batch 1), greedy, on rows of `prompts` (rows, length; no padding). Rows of dicts."""
+                      tree_budget: int = 8, lookup_tokens: int = 4, assistant=None, repeats: int = 3,
+                      sampling: dict | None = None) -> list[dict]:
+    """Host time per step of our loop (chains, trees, trees + prompt lookup), z-lab's `dflash_generate` (batch 1,
+    greedy only; needs PyPI `dflash` and a drafter whose MASK is a target token) and transformers' assisted decoding
+    with `assistant` (batch 1), on rows of `prompts` (rows, length; no padding): greedy, or sampled with `sampling`
+    (generate's `temperature`, `top_k`, `top_p`). Rows of dicts."""
     results = []
-    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    sample = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
+    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **sample)
     budget = drafter.config.draft_tree_budget
     drafts = drafter.config.block_size - 1
     for rows in batches:
@@ -109,7 +112,9 @@ def compare_host_time(target, drafter, prompts: torch.Tensor, max_new_tokens: in
             results.append({"method": name, "rows": rows, **host_time_per_step(run, target, [drafter], repeats)})
         if rows == 1:
             zlab = zlab_method(drafter, target)
-            if zlab.skip_reason:
+            if sampling is not None:
+                results.append({"method": "z-lab dflash_generate", "rows": rows, "skipped": "greedy only"})
+            elif zlab.skip_reason:
                 results.append({"method": "z-lab dflash_generate", "rows": rows, "skipped": zlab.skip_reason})
             else:
                 def run_zlab():

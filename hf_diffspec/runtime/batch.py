@@ -29,8 +29,9 @@ from transformers import (
     SuppressTokensLogitsProcessor,
 )
 
+from .sampling import WARPERS, CompactLaw, SamplingLaws
 from .tree import TreeLayout, host_to_device, index_range
-from .verification import choose_token, choose_token_among_drafts
+from .verification import choose_token, choose_token_among_drafts, rejection_choices
 
 # processors whose scores do not depend on the prefix: applied to every verified position at once
 PREFIX_FREE_PROCESSORS = (SuppressTokensLogitsProcessor, InfNanRemoveLogitsProcessor, LogitNormalization)
@@ -191,13 +192,15 @@ class BatchState:
         logits_processor: the batch's processors (each committer holds its own row's view); steps without drafts
             apply them to all rows of one length at once.
 
-    Greedy steps whose processors and criteria do not need each position's exact prefix (`PREFIX_FREE_PROCESSORS`,
-    length-dependent ones where the step's lengths leave them inactive; EOS and max-length criteria) accept and
-    commit on the device for every row and node at once (`_accept_on_device`), with one copy of the outcome to the
-    host; the others commit token by token (`_accept_path`), exactly as `_sample` would.
+    Steps whose processors and criteria do not need each position's exact prefix (`PREFIX_FREE_PROCESSORS`, when
+    sampling generate's warpers too, length-dependent ones where the step's lengths leave them inactive; EOS and
+    max-length criteria) accept and commit on the device for every row and node at once (`_accept_on_device`), with
+    one copy of the outcome to the host: greedy, and sampling with compact laws (`sampling`: a top-k warper). The
+    others commit token by token (`_accept_path`), exactly as `_sample` would.
     """
 
-    def __init__(self, committers: list[RowCommitter], pads_stopped_rows: bool, logits_processor):
+    def __init__(self, committers: list[RowCommitter], pads_stopped_rows: bool, logits_processor,
+                 sampling: SamplingLaws | None = None):
         self.committers = committers
         self.store = committers[0].store
         self.logits_processor = logits_processor
@@ -212,12 +215,16 @@ class BatchState:
         # the last step's (accepted nodes, counts) on the device, when it was accepted there
         self.accepted: tuple[torch.Tensor, torch.Tensor] | None = None
         self._max_length_stops = False
+        self.sampling = sampling  # the target's laws, when sampling
+        self._prefix_free = PREFIX_FREE_PROCESSORS + (WARPERS if committers[0].config.do_sample else ())
         self.device_ok, self.eos_tokens, self._eos_host = self._device_acceptance(committers[0])
 
     def _device_acceptance(self, committer: RowCommitter):
-        """Whether greedy steps may accept on the device (see the class docstring), and the EOS tokens then."""
+        """Whether steps may accept on the device (see the class docstring), and the EOS tokens then."""
         config = committer.config
-        if config.do_sample or config.output_scores or config.output_logits or committer.streamer is not None:
+        if config.output_scores or config.output_logits or committer.streamer is not None:
+            return False, None, set()
+        if config.do_sample and (self.sampling is None or not self.sampling.compact):
             return False, None, set()
         eos = None
         for criteria in committer.stopping_criteria:
@@ -225,7 +232,7 @@ class BatchState:
                 eos = criteria.eos_token_id if eos is None else torch.cat([eos, criteria.eos_token_id])
             elif not (type(criteria) is MaxLengthCriteria and criteria.max_length == committer.limit):
                 return False, None, set()
-        if any(type(p) not in PREFIX_FREE_PROCESSORS + LENGTH_GATED_PROCESSORS for p in self.logits_processor):
+        if any(type(p) not in self._prefix_free + LENGTH_GATED_PROCESSORS for p in self.logits_processor):
             return False, None, set()
         self._max_length_stops = any(type(c) is MaxLengthCriteria for c in committer.stopping_criteria)
         return True, eos, set(eos.tolist()) if eos is not None else set()
@@ -272,6 +279,10 @@ class BatchState:
         depth = max(tree.max_depth for tree in trees)
         if self.device_ok and self._processors_act_alike(depth):
             return self._accept_on_device(trees, logits, layout or TreeLayout.of(trees, logits.device))
+        return self._accept_token_by_token(trees, logits)
+
+    def _accept_token_by_token(self, trees, logits: torch.Tensor) -> list[list[int]]:
+        """`accept` token by token (`_accept_path`), or row groups of one length for a plain step."""
         self._room = None
         if all(len(tree) == 1 for tree in trees):
             return self._plain_step(logits[:, 0])
@@ -286,23 +297,15 @@ class BatchState:
         the logits (prefix lengths from the shortest row's to the longest's plus `depth`)."""
         lengths = [self.committers[r].length for r in self.active]
         span = range(min(lengths), max(lengths) + depth + 1)
-        return all(type(p) in PREFIX_FREE_PROCESSORS or _inactive(p, span) for p in self.logits_processor)
+        return all(type(p) in self._prefix_free or _inactive(p, span) for p in self.logits_processor)
 
     def _accept_on_device(self, trees, logits: torch.Tensor, layout: TreeLayout) -> list[list[int]]:
-        """Greedy acceptance of every row's tree at once: the target's choice at every node, the deepest node whose
-        ancestors all carry their parent's choice, its path's choices committed up to the first stop or the row's
-        limit. One copy to the host: per row, the tokens it commits, its accepted path and their count."""
-        rows, nodes = layout.tokens.shape
+        """Acceptance of every row's tree at once: the target's choice at every node (`_choices`), the deepest node
+        whose ancestors all carry their parent's choice, its path's choices committed up to the first stop or the
+        row's limit. One copy to the host: per row, the tokens it commits, its accepted path and their count."""
         device = logits.device
-        # the argmax of the logits' own dtype is that of their float32 copy (exact): no (rows, nodes, vocab) copy
-        scores = logits
-        processors = [p for p in self.logits_processor if type(p) in PREFIX_FREE_PROCESSORS]
-        if processors:  # they read no ids: any (rows x nodes, 1) stands in for the prefixes
-            flat = scores.float().reshape(rows * nodes, -1)  # processed in float32, as plain generate does
-            for processor in processors:
-                flat = processor(layout.tokens.reshape(-1, 1), flat)
-            scores = flat.view(rows, nodes, -1)
-        reached, path_nodes, committed = _greedy_paths(layout, scores.argmax(-1))
+        choice, inexact = self._choices(trees, logits, layout)
+        reached, path_nodes, committed = _accepted_paths(layout, choice)
         if self._room is None:
             self._room = host_to_device([self.committers[r].limit - self.committers[r].length for r in self.active],
                                         device)
@@ -312,10 +315,14 @@ class BatchState:
             stops = torch.isin(committed, self.eos_tokens.to(device)) & (levels[None] < count[:, None])
             first = torch.where(stops, levels[None], layout.max_depth + 1).min(-1).values + 1
             count = torch.minimum(count, first)
+        # chains need no nodes read back: a row's accepted path is its first `count` slots
+        outcome = torch.cat([count[:, None], committed] + ([] if path_nodes is None else [path_nodes])
+                            + ([] if inexact is None else [inexact[:, None].long()]), dim=1).tolist()
+        if inexact is not None and any(values[-1] for values in outcome):
+            # a law compaction could not keep exact (top-k tied past its candidates): this step token by token
+            return self._accept_token_by_token(trees, logits)
         self._room = self._room - count
         self.accepted = (path_nodes, count)
-        # chains need no nodes read back: a row's accepted path is its first `count` slots
-        outcome = torch.cat([count[:, None], committed] + ([] if path_nodes is None else [path_nodes]), dim=1).tolist()
         width = layout.max_depth + 1
         paths = []
         for i, (row, values) in enumerate(zip(self.active, outcome)):
@@ -329,6 +336,26 @@ class BatchState:
         for row in self.active:
             self._finished(self.committers[row])
         return paths
+
+    def _choices(self, trees, logits: torch.Tensor, layout: TreeLayout):
+        """The target's choice at every node (rows, nodes) and, when sampling, per row whether a law at one of its
+        nodes could not be compacted exactly (else None): greedy, the argmax of the processed scores; sampling,
+        recursive rejection sampling among each node's children (`rejection_choices`)."""
+        rows, nodes = layout.tokens.shape
+        if self.sampling is not None:
+            target, exact = self.sampling.laws(logits)
+            choice = rejection_choices(target, layout.tokens, _children(trees, nodes, logits.device),
+                                       _node_laws(trees, layout, logits.shape[-1]))
+            return choice, (~exact & layout.real).any(-1)
+        # the argmax of the logits' own dtype is that of their float32 copy (exact): no (rows, nodes, vocab) copy
+        scores = logits
+        processors = [p for p in self.logits_processor if type(p) in PREFIX_FREE_PROCESSORS]
+        if processors:  # they read no ids: any (rows x nodes, 1) stands in for the prefixes
+            flat = scores.float().reshape(rows * nodes, -1)  # processed in float32, as plain generate does
+            for processor in processors:
+                flat = processor(layout.tokens.reshape(-1, 1), flat)
+            scores = flat.view(rows, nodes, -1)
+        return scores.argmax(-1), None
 
     def _commit_known(self, committer: RowCommitter, tokens: list[int]) -> None:
         """Append tokens chosen on the device and note where the row's criteria (EOS, max length) first fired."""
@@ -413,10 +440,11 @@ def _accept_path(tree, committer: RowCommitter, logits: torch.Tensor, finished) 
     until the choice is not a child or the row is finished; return the accepted nodes (root first) and the last token
     committed, which is the next anchor."""
     node, path = 0, [0]
+    laws = tree.draft_laws
     while True:
         drafts = None
-        if tree.draft_probs is not None:
-            drafts = [(token, tree.draft_probs[child]) for token, child in tree.children[node].items()]
+        if laws is not None:
+            drafts = [(token, _law_of(laws, child, token, logits)) for token, child in tree.children[node].items()]
         token = committer.choose_and_commit(logits[node : node + 1], drafts)
         child = tree.children[node].get(token)
         if finished(committer) or child is None:
@@ -425,7 +453,55 @@ def _accept_path(tree, committer: RowCommitter, logits: torch.Tensor, finished) 
         path.append(node)
 
 
-def _greedy_paths(layout: TreeLayout, choice: torch.Tensor):
+def _law_of(laws: CompactLaw, node: int, token: int, logits: torch.Tensor) -> torch.Tensor:
+    """The dense law node `node` (carrying `token`) was drawn from: a point mass past the drawn nodes'."""
+    if node < laws.probs.shape[0]:
+        return laws[node].dense(logits.shape[-1])
+    point = torch.zeros(logits.shape[-1], device=logits.device)
+    point[token] = 1.0
+    return point
+
+
+def _children(trees, nodes: int, device) -> torch.Tensor:
+    """(rows, nodes, most children) each node's children in the order they were drawn (node order), -1 for none;
+    from the trees' shapes on the host, in one copy."""
+    table = [[[] for _ in range(nodes)] for _ in trees]
+    for row, tree in zip(table, trees):
+        for child, parent in enumerate(tree.parents[1:], start=1):
+            row[parent].append(child)
+    width = max(1, max(len(c) for row in table for c in row))
+    return host_to_device([[c + [-1] * (width - len(c)) for c in row] for row in table], device)
+
+
+def _node_laws(trees, layout: TreeLayout, vocab: int) -> CompactLaw:
+    """(rows, nodes, K) the law each node's token was drawn from: the trees' own laws, point masses for nodes
+    drafted deterministically (and for padding slots)."""
+    laws = [tree.draft_laws for tree in trees]
+    if all(law is None for law in laws):
+        return CompactLaw.point_masses(layout.tokens, 1)
+    dense = any(law is not None and law.ids is None for law in laws)
+    width = vocab if dense else max(law.width for law in laws if law is not None)
+    rows, nodes = layout.tokens.shape
+    ids = torch.full((rows, nodes, width), -1, dtype=torch.long, device=layout.tokens.device)
+    probs = torch.zeros((rows, nodes, width), dtype=torch.float32, device=layout.tokens.device)
+    ids[..., 0], probs[..., 0] = layout.tokens, 1.0  # point masses, replaced where a tree has laws
+    if dense:
+        probs = CompactLaw(ids, probs).dense(vocab)
+    for row, (tree, law) in enumerate(zip(trees, laws)):
+        if law is None:
+            continue
+        drawn = law.probs.shape[0]  # the nodes after them are copied tokens: point masses
+        if dense:
+            probs[row, :drawn] = law.dense(vocab)
+        else:
+            ids[row, :drawn, : law.width] = law.ids
+            ids[row, :drawn, law.width :] = -1
+            probs[row, :drawn, : law.width] = law.probs
+            probs[row, :drawn, law.width :] = 0
+    return CompactLaw(None if dense else ids, probs)
+
+
+def _accepted_paths(layout: TreeLayout, choice: torch.Tensor):
     """Given the target's choice at every node (rows, nodes): per row, how deep its accepted path reaches (nodes),
     the path's slots ((rows, max depth + 1), the last one repeated; None for uniform chains, whose path is their
     first slots) and the choices along it (the tokens the row commits)."""

@@ -50,13 +50,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch import BatchState, RowCommitter, TokenStore, row_processors
+from .batch import PREFIX_FREE_PROCESSORS, BatchState, RowCommitter, TokenStore, row_processors
 from .control_gates import StepKind, StepRecord
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import device_time
 from .drafting import DiffusionCandidateGenerator, generator_class
 from .drafting_lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .files import pad_token_id
+from .sampling import WARPERS, SamplingLaws
 from .tree import CandidateTree
 from .verifier import TargetVerifier
 
@@ -138,11 +139,13 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     speculation_stats: SpeculationStats | None = None
 
 
-def _draft_temperature(generation_config) -> float | None:
-    """When sampling, drafts are drawn too (at the user's temperature) so that rejection sampling can use them."""
+def _sampling_laws(generation_config, logits_processor) -> SamplingLaws | None:
+    """When sampling, the laws tokens are drawn from: the processors that read no prefix, generate's warpers among
+    them. The target's law on the device path (where every processor is one of these or inactive) and the drafter's
+    (drafts are drawn where the target puts its mass; a processor left out only lowers acceptance)."""
     if not generation_config.do_sample:
         return None
-    return float(generation_config.temperature or 1.0)
+    return SamplingLaws([p for p in logits_processor if type(p) in PREFIX_FREE_PROCESSORS + WARPERS])
 
 
 def _is_builtin(obj) -> bool:
@@ -234,8 +237,8 @@ def speculative_generate(
 ):
     """Speculative decoding with a diffusion drafter; called by `generate()` as a `custom_generate` callable.
     `num_draft_tokens`: verify that many drafts per step (fixed length); None lets the policy decide.
-    `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (greedy
-    decoding only); None or 0: none."""
+    `prompt_lookup_tokens`: up to that many prompt-lookup drafts per row and step beside the drafter's (point
+    masses when sampling); None or 0: none."""
     start_time = device_time(input_ids.device)
     _check_context(model, input_ids)
     valid = _check_batch(input_ids, model_kwargs.get("attention_mask"), generation_config, streamer, logits_processor,
@@ -245,11 +248,10 @@ def speculative_generate(
                               generation_config.max_length if static else None, drafter.target_feature_layers)
     method = generator_class(drafter)
     policy = speculation_policy(drafter, model, num_draft_tokens, method.__name__)  # control first, handed on
-    drafting = method(drafter, model, policy, _draft_temperature(generation_config))
-    # copied tokens carry no draft distribution for rejection sampling: greedy decoding only (0 tokens: no lookup)
-    lookup_tokens = 0 if generation_config.do_sample else prompt_lookup_tokens or 0
-    lookup = PromptLookup(lookup_tokens, generation_config.max_matching_ngram_size or 3)
-    batch, committers = _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    sampling = _sampling_laws(generation_config, logits_processor)
+    drafting = method(drafter, model, policy, sampling)
+    lookup = PromptLookup(prompt_lookup_tokens or 0, generation_config.max_matching_ngram_size or 3)  # 0: no lookup
+    batch, committers = _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer, sampling)
     call = DecodingCall(verifier, batch, committers, drafting, policy, lookup, SpeculationStats(target_forwards=1),
                         generation_config, streamer, input_ids.shape[1], start_time, input_ids.device)
     with verifier:
@@ -261,7 +263,7 @@ def speculative_generate(
         return _finish(call)
 
 
-def _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer):
+def _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer, sampling):
     """The batch's rows and their committers (one `TokenStore` for all)."""
     rows = input_ids.shape[0]
     store = TokenStore(input_ids, generation_config.max_length)
@@ -269,7 +271,7 @@ def _rows(input_ids, logits_processor, stopping_criteria, generation_config, str
                                generation_config, streamer, generation_config.max_length) for r in range(rows)]
     # plain generate pads stopped rows only when an EOS criterion exists; otherwise it generates them on
     pads_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    return BatchState(committers, pads_stopped_rows, logits_processor), committers
+    return BatchState(committers, pads_stopped_rows, logits_processor, sampling), committers
 
 
 def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask) -> None:

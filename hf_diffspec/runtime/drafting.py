@@ -20,10 +20,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .drafting_best_first import best_first_shape, build_best_first_tree, build_selector_tree
+from .drafting_best_first import best_first_shape, build_best_first_tree, build_selector_tree, laws_to_device
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import device_time
 from .drafting_prefix_tree import build_prefix_tree, plan_branches
+from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
 from .verify_inputs import additive_mask
 
@@ -145,15 +146,16 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             (after a check) if needed.
         target: the model being decoded; its embeddings and LM head are used for drafting.
         policy: how many drafts to verify (`DraftLengthPolicy`); `None` builds the default one for `target`.
-        sample_temperature: when set, drafts are drawn from softmax(drafter logits / temperature) and the tree carries
-            those distributions for rejection sampling; `None` drafts the argmax.
+        sampling: when sampling, the call's processed laws (`SamplingLaws`): drafts are drawn from the drafter's logits
+            through the same processors as the target's, and the trees carry those laws for rejection sampling;
+            `None` drafts the argmax.
         max_length: total length never to be exceeded (used by transformers' stock loop, `get_candidates`).
     """
 
     requires_model_outputs = True
 
     def __init__(self, drafter, target: PreTrainedModel, policy: DraftLengthPolicy | None = None,
-                 sample_temperature: float | None = None, max_length: int | None = None):
+                 sampling: SamplingLaws | None = None, max_length: int | None = None):
         if not is_diffusion_drafter(drafter):
             raise TypeError(f"expected a DiffusionDrafter, got {type(drafter).__name__}")
         # binding checks that the drafter was built for this target; the target generating is the one to borrow from
@@ -164,7 +166,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         self.contexts = [self.first]  # every drafter cache that must see the committed tokens
         self.block_size = self.first.drafter.config.block_size
         self.policy = policy or speculation_policy(drafter, target)
-        self.sample_temperature = sample_temperature
+        self.sampling = sampling
         self.max_length = max_length
         self.length_head = getattr(self.first.drafter, "length_head", None)
         # transformers' assisted loop merges this into the target forward: we only need these hidden states
@@ -236,7 +238,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         # (approximately: the rate is rarely best again past a slot count it has already passed)
         def needs_more(logits):
             computed = logits.shape[1]
-            confidences = torch.cumprod(self._distributions(logits).max(-1).values, dim=-1).tolist()
+            confidences = torch.cumprod(self._confidences(logits), dim=-1).tolist()
             lengths = self.policy.chain_lengths(confidences, [min(k, computed) for k in limits])
             return any(n == computed < k for n, k in zip(lengths, limits))
 
@@ -244,28 +246,29 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         return logits, [min(k, logits.shape[1]) for k in limits]
 
     def _pick(self, draft_hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor):
-        """(drafts, their confidences, the draft distributions) per row and slot: the argmax, or a draw when
-        sampling. When sampling, confidences are the drafter's own maxima: what is verified must not depend on
-        draws."""
-        probs = self._distributions(logits)
-        confidences, drafts = probs.max(-1)
-        if self.sample_temperature is not None:
-            drafts = torch.multinomial(probs.flatten(0, 1), 1).view(drafts.shape)
-        return drafts, confidences, probs
+        """(drafts, their confidences, the draft laws) per row and slot: the argmax, or a draw when sampling (on the
+        device). When sampling, confidences are the laws' maxima: what is verified must not depend on draws."""
+        if self.sampling is None:
+            confidences, drafts = self._distributions(logits).max(-1)
+            return drafts, confidences, None
+        laws = self._draft_laws(logits)
+        return laws.sample(), laws.max(), laws
 
     def _chains(self, roots: torch.Tensor, drafts: torch.Tensor, confidences: torch.Tensor, probs,
                 limits: list[int]) -> list[CandidateTree]:
         """One chain per row: its anchor and its first `limits[row]` drafts (with their distributions when
         sampling)."""
-        tokens = torch.cat([roots[:, None], drafts[:, : max(limits)].long()], dim=1)  # every row's chain at once
-        trees = []
-        for row, k in enumerate(limits):
-            draft_probs = None
-            if self.sample_temperature is not None:  # the verified drafts' laws alone (not the block's)
-                draft_probs = [None, *probs[row, :k].clone().unbind(0)]
-            trees.append(CandidateTree(tokens[row, : k + 1], list(range(-1, k)), confidences=confidences[row, :k],
-                                       draft_probs=draft_probs))
-        return trees
+        span = max(limits)
+        tokens = torch.cat([roots[:, None], drafts[:, :span].long()], dim=1)  # every row's chain at once
+        if probs is not None:  # the verified drafts' laws alone (not the block's), after the root's empty one
+            probs = probs[:, :span]
+            rows, _, width = probs.probs.shape
+            probs = CompactLaw(None if probs.ids is None else torch.cat([probs.ids.new_full((rows, 1, width), -1),
+                                                                         probs.ids], dim=1),
+                               torch.cat([probs.probs.new_zeros(rows, 1, width), probs.probs], dim=1))
+        return [CandidateTree(tokens[row, : k + 1], list(range(-1, k)), confidences=confidences[row, :k],
+                              draft_laws=None if probs is None else probs[row, : k + 1])
+                for row, k in enumerate(limits)]
 
     def _draft_block(self, root_tokens: list[int], root_positions: list[int]):
         """One first-drafter pass over `[anchor, MASK...]` per row: (anchors, their positions, hidden states of the
@@ -293,12 +296,21 @@ class DiffusionCandidateGenerator(CandidateGenerator):
     def _root_only(self, root: int) -> CandidateTree:
         return CandidateTree([root], [-1], device=self.first.device)
 
+    def _draft_laws(self, logits: torch.Tensor) -> CompactLaw:
+        """When sampling, the laws drafts are drawn from: the drafter's logits through the call's processors."""
+        return self.sampling.laws(logits)[0]
+
     def _distributions(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft distributions: softmax of the drafter logits, at the sampling temperature when sampling."""
-        logits = logits.float()
-        if self.sample_temperature is not None:
-            logits = logits / max(self.sample_temperature, 1e-5)
-        return logits.softmax(-1)
+        """Dense draft distributions: the softmax of the drafter logits, or when sampling its processed laws."""
+        if self.sampling is None:
+            return logits.float().softmax(-1)
+        return self._draft_laws(logits).dense(logits.shape[-1])
+
+    def _confidences(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's confidence in each slot: the largest probability of its law (never a draw)."""
+        if self.sampling is None:
+            return self._distributions(logits).max(-1).values
+        return self._draft_laws(logits).max()
 
     # ----- transformers' CandidateGenerator API (stock assisted decoding, chains, batch 1) -----------------------
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
@@ -334,13 +346,13 @@ class SelectorCandidateGenerator(DiffusionCandidateGenerator):
         return self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]), limits
 
     def _pick(self, draft_hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor):
+        temperature = None if self.sampling is None else self.sampling.temperature
         drafts, candidates, chosen = self.first.drafter.select_drafts(draft_hidden[:, : logits.shape[1]], logits,
-                                                                      roots, self.sample_temperature)
-        if self.sample_temperature is None:
+                                                                      roots, temperature)
+        if self.sampling is None:
             return drafts, chosen.max(-1).values, None
-        # confidences stay the drafter's own maxima (independent of draws); the draft distribution is sparse
-        probs = logits.new_zeros(logits.shape, dtype=chosen.dtype).scatter_(-1, candidates, chosen)
-        return drafts, self._distributions(logits).max(-1).values, probs
+        # confidences stay the drafter's own maxima (independent of draws); the draft law is over the candidates
+        return drafts, self._confidences(logits), CompactLaw(candidates, chosen.float())
 
 
 class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
@@ -349,8 +361,8 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
     in one batched pass; or taken from the first pass itself (`branches_from_first_pass`). One tree per row."""
 
     def __init__(self, drafter, target: PreTrainedModel, policy: DraftLengthPolicy | None = None,
-                 sample_temperature: float | None = None, max_length: int | None = None):
-        super().__init__(drafter, target, policy, sample_temperature, max_length)
+                 sampling: SamplingLaws | None = None, max_length: int | None = None):
+        super().__init__(drafter, target, policy, sampling, max_length)
         # the VP drafter has weights of its own, hence its own cache; else branches share the first drafter's
         self.branch_context = DrafterContext(drafter.vp) if drafter.vp is not None else self.first
         if self.branch_context is not self.first:
@@ -362,7 +374,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
         config = self.drafter.config
-        sample = self.sample_temperature is not None
+        sample = self.sampling is not None
         rows = len(root_tokens)
         start = device_time(self.first.device)
         roots, positions, draft_hidden = self._draft_block(root_tokens, root_positions)
@@ -413,24 +425,20 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         rows = len(root_tokens)
         start = device_time(self.first.device)
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
-        sample = self.sample_temperature is not None
+        sample = self.sampling is not None
         if getattr(self.first.drafter, "selector", None) is not None and not sample:
             trees = self._selector_trees(root_tokens, draft_hidden, limits)
             self.policy.record_draft_time(device_time(self.first.device) - start)
             return trees
         budget, width = config.draft_tree_budget, config.draft_tree_width
-        reads = {}  # slots computed -> (distributions, every row's top-`width` probabilities and tokens per slot)
+        reads = {}  # slots computed -> `_ranked_read`
         shapes = {}  # (slots computed, row) -> the row's best-first shape over them
 
         def ranked(logits):
-            """The distributions of the slots computed so far, with each row's ranked probabilities and tokens per
-            slot on the host, in one read; kept, so that the tree is built from the read that sized it."""
-            computed = logits.shape[1]
-            if computed not in reads:
-                probs = self._distributions(logits)
-                top = probs.topk(min(width, probs.shape[-1]), dim=-1)
-                reads[computed] = (probs, *torch.stack([top.values.double(), top.indices.double()]).tolist())
-            return reads[computed]
+            """`_ranked_read` of the slots computed so far, kept: the tree is built from the read that sized it."""
+            if logits.shape[1] not in reads:
+                reads[logits.shape[1]] = self._ranked_read(logits, width, budget)
+            return reads[logits.shape[1]]
 
         # best-first closure: a node deeper than every node of the budget's tree scores below one of them, so deeper
         # slots matter only when that tree already reaches the deepest slot computed
@@ -439,7 +447,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             values = ranked(logits)[1]
             for r in range(rows):
                 if limits[r] > computed:  # kept: the row's tree has this shape when no more slots are computed
-                    shapes[computed, r] = best_first_shape(values[r], budget)
+                    shapes[computed, r] = best_first_shape(values[r], budget, width)
                     if max(len(path) for path, _ in shapes[computed, r]) == computed:
                         return True
             return False
@@ -451,13 +459,41 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
             return self.policy.tree_node_count(reach, rows)
 
         # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
-        probs, values, indices = ranked(logits)
+        probs, values, indices, uniform = ranked(logits)
         self.policy.record_draft_time(device_time(self.first.device) - start)
-        return [build_best_first_tree(root_tokens[r], probs[r, : limits[r]], budget, node_count, sample=sample,
-                                      max_children=width, shape=shapes.get((logits.shape[1], r)),
-                                      ranked=(values[r][: limits[r]], [[int(t) for t in slot] for slot in
-                                                                       indices[r][: limits[r]]]))
-                if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
+        trees = [build_best_first_tree(root_tokens[r], None if probs is None else probs[r, : limits[r]], budget,
+                                       node_count, sample=sample, max_children=width,
+                                       shape=shapes.get((logits.shape[1], r)), device=draft_hidden.device,
+                                       uniform=None if uniform is None else uniform[r],
+                                       ranked=(values[r][: limits[r]], [[int(t) for t in slot] for slot in
+                                                                        indices[r][: limits[r]]]))
+                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
+        laws_to_device(trees, draft_hidden.device)  # the laws the host drew from, every row's in one copy
+        return trees
+
+    def _ranked_read(self, logits: torch.Tensor, width: int, budget: int):
+        """The slots' distributions, and on the host, in one read, each row's ranked probabilities and tokens per
+        slot and (sampling with compact laws) uniform numbers for drawing its tree's tokens: (distributions or
+        None, probabilities, tokens, uniform numbers or None). Greedy, or dense laws: the top-`width` per slot.
+        Compact laws: each slot's whole law, ranked, and one uniform number per node a tree may take (drawn on the
+        device), for the host to draw the tokens from."""
+        if self.sampling is None or not self.sampling.compact:
+            probs = self._distributions(logits)
+            values, indices = probs.topk(min(width, probs.shape[-1]), dim=-1)
+            return (probs, *torch.stack([values.double(), indices.double()]).tolist(), None)
+        laws = self._draft_laws(logits)
+        values, order = laws.probs.sort(-1, descending=True)
+        indices = laws.ids.gather(-1, order)
+        rows, slots, size = values.shape
+        uniform = torch.rand(rows, budget, dtype=torch.float64, device=values.device)
+        table = torch.cat([values.double().flatten(1), indices.double().flatten(1), uniform], dim=1).tolist()
+
+        def per_slot(flat):
+            return [flat[i : i + size] for i in range(0, slots * size, size)]
+
+        return (None, [per_slot(row[: slots * size]) for row in table],
+                [per_slot(row[slots * size : 2 * slots * size]) for row in table],
+                [row[2 * slots * size :] for row in table])
 
     def _selector_trees(self, root_tokens: list[int], draft_hidden: torch.Tensor, limits: list[int]):
         """DFlash 2: each row's branches from the selector's candidates."""
@@ -492,9 +528,9 @@ def generator_class(drafter) -> type:
 
 
 def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: int | None = None,
-                            sample_temperature: float | None = None,
+                            sampling: SamplingLaws | None = None,
                             max_length: int | None = None) -> DiffusionCandidateGenerator:
     """The candidate generator of `drafter`'s method with its policy for one call (`speculation_policy`)."""
     cls = generator_class(drafter)
     policy = speculation_policy(drafter, target, num_draft_tokens, method=cls.__name__)
-    return cls(drafter, target, policy, sample_temperature, max_length)
+    return cls(drafter, target, policy, sampling, max_length)

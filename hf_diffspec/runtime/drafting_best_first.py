@@ -12,23 +12,27 @@ never depends on the drawn values, and recursive rejection sampling over sibling
 
 import heapq
 
+import numpy as np
 import torch
 
+from .sampling import CompactLaw
 from .tree import CandidateTree
 
 
-def best_first_shape(sorted_probs: torch.Tensor, budget: int) -> list[tuple[tuple[int, ...], float]]:
+def best_first_shape(sorted_probs: torch.Tensor, budget: int,
+                     max_children: int | None = None) -> list[tuple[tuple[int, ...], float]]:
     """Rank paths (the rank of the token taken at each depth) of the `budget` most probable nodes, in best-first
     order with their scores. `sorted_probs` (depth, k): each slot's k largest probabilities, descending (a tensor,
-    or nested lists already on the host).
+    or nested lists already on the host); at most `max_children` of them per slot are used.
 
     A node is pushed only when its parent (first child) or its previous sibling (next sibling) is taken, so the
-    result is closed under ancestors and earlier siblings, and scores come out in decreasing order."""
+    result is closed under ancestors and earlier siblings, and scores come out in decreasing order. A node of score
+    0 (a token its law cannot draw) is never taken."""
     table = sorted_probs.tolist() if isinstance(sorted_probs, torch.Tensor) else sorted_probs
     depth = len(table)
     if depth == 0 or budget <= 0:
         return []
-    k = len(table[0])
+    k = len(table[0]) if max_children is None else min(len(table[0]), max_children)
     if k == 0:
         return []
     heap = [(-table[0][0], (0,), 1.0)]  # (-score, rank path, parent's score)
@@ -36,6 +40,8 @@ def best_first_shape(sorted_probs: torch.Tensor, budget: int) -> list[tuple[tupl
     while heap and len(taken) < budget:
         negative, path, parent_score = heapq.heappop(heap)
         score = -negative
+        if not score > 0:
+            break
         taken.append((path, score))
         d, rank = len(path), path[-1]
         if d < depth:
@@ -45,22 +51,28 @@ def best_first_shape(sorted_probs: torch.Tensor, budget: int) -> list[tuple[tupl
     return taken
 
 
-def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, node_count=None, sample: bool = False,
-                          max_children: int = 4, ranked=None, shape=None) -> CandidateTree:
+def build_best_first_tree(root_token: int, probs: torch.Tensor | None, budget: int, node_count=None,
+                          sample: bool = False, max_children: int = 4, ranked=None, shape=None,
+                          device=None, uniform: list[float] | None = None) -> CandidateTree:
     """The best-first tree after `root_token` from the drafter's marginals `probs` (depth, vocab).
 
     `budget`: most drafted nodes; `node_count(reach) -> n`, optional: how many nodes (root included) to verify given
     the candidates' reach scores in decreasing order (the cost model); `max_children`: widest branching per node.
     `ranked`: (sorted probabilities, their tokens) per slot as host lists, when the caller read them already
     (greedy: the tree is then built without reading the device); `shape`: `best_first_shape` of those probabilities
-    and `budget`, when the caller computed it."""
+    and `budget`, when the caller computed it. `probs` None (sampling with compact laws): `ranked` holds each slot's
+    whole law, and the tokens are drawn on the host from it with the uniform numbers `uniform` (one per node of
+    the shape, read with the laws); the tree's laws stay on the host until `laws_to_device` moves a batch's in one
+    copy."""
     if ranked is None:
         k = min(max_children, probs.shape[-1])
         sorted_probs, ranked_tokens = probs.topk(k, dim=-1)
         ranked = (sorted_probs.tolist(), ranked_tokens.tolist())
     sorted_probs, ranked_tokens = ranked
     if shape is None:
-        shape = best_first_shape(sorted_probs, budget)
+        shape = best_first_shape(sorted_probs, budget, max_children)
+    if sample and probs is None:
+        return _sampled_tree(root_token, sorted_probs, ranked_tokens, shape, node_count, device, uniform)
     if node_count is not None:
         shape = shape[: node_count([score for _, score in shape]) - 1]
     index = {(): 0}
@@ -90,7 +102,75 @@ def build_best_first_tree(root_token: int, probs: torch.Tensor, budget: int, nod
         tokens.append(token)
         parents.append(index[parent])
         scores.append(score)
-    return CandidateTree(tokens, parents, draft_probs=node_probs, confidences=scores, device=probs.device)
+    return CandidateTree(tokens, parents, draft_laws=None if node_probs is None else CompactLaw(
+        None, torch.stack([torch.zeros_like(probs[0]), *node_probs[1:]])),
+        confidences=scores, device=probs.device)
+
+
+def _sampled_tree(root_token: int, laws: list[list[float]], law_ids: list[list[int]], shape, node_count,
+                  device, uniform: list[float]) -> CandidateTree:
+    """`build_best_first_tree` when sampling from compact laws on the host: slot d's whole law is `laws[d]` over
+    `law_ids[d]`; each node's token is drawn from it without its earlier siblings' tokens, and the tree carries the
+    law each was drawn from (on the host: see `laws_to_device`)."""
+    if node_count is not None:
+        shape = shape[: node_count([score for _, score in shape]) - 1]
+    width = len(laws[0]) if laws else 1
+    index = {(): 0}
+    tokens, parents, scores = [root_token], [-1], []
+    node_ids, node_probs = [[-1] * width], [[0.0] * width]
+    drawn: dict[tuple, list[int]] = {}  # parent rank path -> positions (in its slot's law) of its children so far
+    for (path, score), u in zip(shape, uniform):  # one uniform number per node, in the order they are taken
+        parent, depth = path[:-1], len(path) - 1
+        if parent not in index:
+            continue
+        taken = drawn.setdefault(parent, [])
+        q = [0.0 if j in taken else p for j, p in enumerate(laws[depth])]
+        mass = sum(q)
+        if not mass > 0:  # every token the law can draw is an earlier sibling: the count, not the draw, decides
+            continue
+        q = [p / mass for p in q]
+        pick, cumulative = 0, q[0]
+        while cumulative <= u and pick + 1 < width:  # the inverse of q's distribution function at u
+            pick += 1
+            cumulative += q[pick]
+        while q[pick] == 0:  # rounding past the last token with mass: step back to it
+            pick -= 1
+        taken.append(pick)
+        index[path] = len(tokens)
+        tokens.append(law_ids[depth][pick])
+        parents.append(index[parent])
+        scores.append(score)
+        node_ids.append(law_ids[depth])
+        node_probs.append(q)
+    tree = CandidateTree(tokens, parents, confidences=scores, device=device)
+    tree.host_laws = np.concatenate([np.asarray(node_ids, dtype=np.float64), np.asarray(node_probs)], axis=1)
+    return tree
+
+
+def laws_to_device(trees: list[CandidateTree], device) -> None:
+    """Give the sampled trees of a batch their laws, drawn from on the host (`host_laws`: ids, then probabilities,
+    per node), on `device` in one copy (float64 holds any vocabulary id exactly)."""
+    host = [t for t in trees if getattr(t, "host_laws", None) is not None]
+    if not host:
+        return
+    width = max(t.host_laws.shape[1] for t in host) // 2
+    packed = np.full((sum(len(t) for t in host), 2 * width), -1.0)
+    start = 0
+    for tree in host:
+        half = tree.host_laws.shape[1] // 2
+        packed[start : start + len(tree), :half] = tree.host_laws[:, :half]
+        packed[start : start + len(tree), width : width + half] = tree.host_laws[:, half:]
+        packed[start : start + len(tree), width + half :] = 0.0
+        start += len(tree)
+    packed = torch.from_numpy(packed)
+    if torch.device(device).type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    start = 0
+    for tree in host:
+        rows = packed[start : start + len(tree)]
+        start += len(tree)
+        tree.draft_laws, tree.host_laws = CompactLaw(rows[:, :width].long(), rows[:, width:].float()), None
 
 
 def build_selector_tree(root_token: int, draft_hidden: torch.Tensor, logits: torch.Tensor, selector, top_k: int,

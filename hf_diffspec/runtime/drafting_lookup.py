@@ -6,8 +6,10 @@ often where a small drafter is weak: code that repeats names, answers that quote
 verifies them as one more branch of the step's tree, or alone (a step without a drafter forward), and the measured
 cost model decides how many of them to verify from how often lookup drafts have been accepted at each depth so far.
 
-Greedy decoding only: a copied token has no draft distribution for rejection sampling to use beside the drafter's
-drawn siblings, so sampled decoding does not look up (its output distribution is unaffected either way).
+When sampling, a copied token is a deterministic draft: its law is a point mass, and rejection sampling accepts it
+with the target's probability of it (`verification.py`), beside the drafter's drawn siblings. Whether a lookup branch
+joins a drafted node depends on that node's drawn token, never on the target's draws, which rejection sampling
+allows: a node's children may depend on everything drawn before them.
 """
 
 from dataclasses import dataclass, field
@@ -178,13 +180,12 @@ def _ids(tokens) -> list[int]:
 
 def graft(tree: CandidateTree, drafts) -> CandidateTree:
     """`tree` with the chain root -> drafts[0] -> drafts[1] ... added: it follows the tree's own nodes while their
-    tokens agree and branches off at the first token that differs. Greedy trees only (no draft distributions).
-    `drafts`: token ids (a list, or a tensor)."""
+    tokens agree and branches off at the first token that differs. The nodes it adds to a sampled tree are
+    deterministic drafts, point masses (the tree's laws cover its drawn nodes only). `drafts`: token ids (a list, or
+    a tensor)."""
     drafts = _ids(drafts)
     if not len(drafts):
         return tree
-    if tree.draft_probs is not None:
-        raise ValueError("lookup drafts join greedy trees only: a sampled tree's nodes carry draft distributions")
     tokens, parents, node = list(tree.token_list), list(tree.parents), 0
     for token in drafts:
         child = tree.children[node].get(token) if node < len(tree) else None
@@ -196,4 +197,5 @@ def graft(tree: CandidateTree, drafts) -> CandidateTree:
             node = child
     if len(tokens) == len(tree):
         return tree
-    return CandidateTree(tokens, parents, device=tree.device if tree.knows_tokens() else tree.tokens.device)
+    device = tree.device if tree.knows_tokens() else tree.tokens.device
+    return CandidateTree(tokens, parents, draft_laws=tree.draft_laws, device=device)

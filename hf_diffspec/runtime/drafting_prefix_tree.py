@@ -12,6 +12,7 @@ are kept, which is ancestor-closed because a node is never more probable than it
 
 import torch
 
+from .sampling import CompactLaw
 from .tree import CandidateTree
 
 
@@ -39,7 +40,7 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
     `choose_count(reach_probs) -> n`, optional: how many nodes (root included) to verify given the reach
     probabilities of the candidates in decreasing order (the cost model); `budget` stays the upper bound.
     `sample`: draw every draft from its distribution instead of taking the argmax, and return those distributions
-    as the tree's `draft_probs` (for rejection sampling). Scores then use only distribution maxima, never the drawn
+    as the tree's `draft_laws` (for rejection sampling). Scores then use only distribution maxima, never the drawn
     tokens, so which nodes are kept does not depend on their own values (required for losslessness)."""
     main, scores, sources = _candidate_nodes(first_probs, drafts, picks, branch_probs, sample)
     depth = first_probs.shape[0]
@@ -61,9 +62,10 @@ def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.
         parents.append(index[path[:-1]])
         node_conf.append(scores[path])
         node_probs.append(sources[path])
-    if sample and len(node_probs) > 1:  # the tree's nodes' laws alone, in one copy (not every slot and branch)
-        node_probs = [None, *torch.stack(node_probs[1:]).unbind(0)]
-    return CandidateTree(tokens, parents, draft_probs=node_probs if sample else None,
+    laws = None
+    if sample:  # the tree's nodes' laws alone, in one copy (not every slot and branch); the root's row unused
+        laws = CompactLaw(None, torch.stack([torch.zeros_like(first_probs[0]), *node_probs[1:]]))
+    return CandidateTree(tokens, parents, draft_laws=laws,
                          confidences=node_conf[1:], device=first_probs.device)
 
 

@@ -27,14 +27,14 @@ class CandidateTree:
         tokens: (n,) token ids, a tensor or a list of ints (then the tensor is made on `device` when asked for);
             tokens[0] is the root.
         parents: parent index of every node (-1 for the root); parents[i] < i.
-        draft_probs: optional, per node the distribution q (vocab,) its token was drawn from (node 0, the root, has
-            none: None): a list holding the tree's nodes' laws alone (they live through the verify forward, so no
-            law of an unverified slot, and no second stacked copy), or an (n, vocab) tensor; used by rejection
-            sampling, `None` for argmax drafts. Siblings are ordered as drawn.
+        draft_laws: optional, the law each drawn node's token was drawn from, a `CompactLaw` (m, K) for the first m
+            nodes (the root's row unused); the nodes after them, and every node when `None`, are deterministic
+            drafts (argmax, prompt lookup), whose laws are point masses. Used by rejection sampling; siblings are
+            ordered as drawn.
         confidences: optional (n,) drafter confidence of each node's token.
     """
 
-    def __init__(self, tokens, parents: list[int], draft_probs=None,
+    def __init__(self, tokens, parents: list[int], draft_laws=None,
                  confidences: torch.Tensor | None = None, device=None):
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1:
@@ -57,7 +57,7 @@ class CandidateTree:
                 self.depths.append(self.depths[p] + 1)
             if self.parents[0] != -1:
                 raise ValueError(f"parents must start with -1 and point backwards, got {parents}")
-        self.draft_probs = draft_probs
+        self.draft_laws = draft_laws
         self.confidences = confidences
         self._children = None
         # two siblings carrying one token are refused where they are made (`children` says which)
@@ -160,10 +160,10 @@ def _bit_values(n: int, device: torch.device) -> torch.Tensor:
     return _call_cached(("bits", n, device), lambda: 1 << index_range(n, device))
 
 
-def host_to_device(data, device) -> torch.Tensor:
-    """A long tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
+def host_to_device(data, device, dtype=torch.long) -> torch.Tensor:
+    """A tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
     behind the device's work instead of waiting for it."""
-    tensor = torch.tensor(data, dtype=torch.long)
+    tensor = torch.tensor(data, dtype=dtype)
     if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
