@@ -430,15 +430,16 @@ def exact_continuation_law(target, prompt: torch.Tensor, new_tokens: int, temper
     return (prefix[:, None] + log_probs[:, -1]).exp().flatten()
 
 
-def continuation_counts(target, drafter, prompt: torch.Tensor, rows: int, calls: int, **kwargs) -> torch.Tensor:
+def continuation_counts(target, drafter, prompt: torch.Tensor, rows: int, calls: int, new_tokens: int = NEW_TOKENS,
+                        **kwargs) -> torch.Tensor:
     """Counts of every continuation over `calls` calls of `rows` copies of `prompt` (independent draws)."""
     vocab = target.get_output_embeddings().weight.shape[0]
-    weights = vocab ** torch.arange(NEW_TOKENS - 1, -1, -1)
+    weights = vocab ** torch.arange(new_tokens - 1, -1, -1)
     ids = prompt.expand(rows, -1)
-    counts = torch.zeros(vocab**NEW_TOKENS)
+    counts = torch.zeros(vocab**new_tokens)
     for _ in range(calls):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=True,
-                              max_new_tokens=NEW_TOKENS, **kwargs)
+                              max_new_tokens=new_tokens, **kwargs)
         counts += torch.bincount((out[:, prompt.shape[1] :] * weights).sum(-1), minlength=len(counts))
     return counts
 
@@ -578,3 +579,143 @@ def test_drafts_drawn_from_the_warped_drafter_law_keep_plain_sampling(monkeypatc
         verified = len(recorder.outcomes)
         assert recorder.accepted_at(0) > 0.1 * verified and recorder.all_rejected > 0.05 * verified
         assert chi_square_p_value(counts, law) > PASS
+
+
+# ----- shapes and lengths chosen by the cost model --------------------------------------------------------------------
+# peaked laws (0.6 on one token per slot) make the cost model's choices depend on the confidences: with the verify
+# costs below a chain verifies 3 drafts, a best-first tree of budget 10 keeps 4-6 nodes over 3 levels, a D²SD tree
+# of budget 5 keeps fewer nodes than its candidates
+PEAKED_LAWS = torch.full((3, VOCAB), 0.08)
+PEAKED_LAWS[0, 2], PEAKED_LAWS[1, 4], PEAKED_LAWS[2, 3] = 0.6, 0.6, 0.6
+PEAKED_BRANCH = torch.tensor([0.08, 0.08, 0.08, 0.6, 0.08, 0.08])
+LIVE_COSTS = {1: {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 8: 1.9, 12: 2.7}}  # seconds: a drafter pass is free beside them
+LIVE_NEW_TOKENS = 5  # room for 3 drafts after the first token: trees 3 levels deep
+
+
+@pytest.fixture
+def live_cost_model(monkeypatch):
+    """Drafts from `PEAKED_LAWS` / `PEAKED_BRANCH`, every step speculating, and the cost model live (no fixed length):
+    chain lengths and tree sizes come from `LIVE_COSTS` and the laws' maxima."""
+    from hf_diffspec.runtime import control_policy
+    from hf_diffspec.runtime.control_cost import VerifyCost
+
+    def draft_laws(self, logits):
+        if logits.dim() == 3:
+            probs = PEAKED_LAWS[torch.arange(logits.shape[1]).clamp(max=2)].expand(logits.shape[0], -1, -1).clone()
+        else:
+            probs = PEAKED_BRANCH.expand(logits.shape[0], -1).clone()
+        return CompactLaw(torch.arange(VOCAB).expand(probs.shape).clone(), probs)
+
+    monkeypatch.setattr(DiffusionCandidateGenerator, "_draft_laws", draft_laws)
+    monkeypatch.setattr(control_policy, "verify_cost_for", lambda target: VerifyCost(LIVE_COSTS))
+
+
+def live_chain_case():
+    target = tiny_target("llama", seed=0, vocab_size=VOCAB, sharpen=10)
+    return target, tiny_drafter(target, block_size=4), dict(temperature=0.8, top_k=VOCAB)
+
+
+def live_best_first_case():
+    target = tiny_target("qwen3", seed=2, vocab_size=VOCAB, sharpen=10)
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.config.draft_tree_budget, drafter.config.draft_tree_width = 10, 3
+    return target, drafter, dict(temperature=1.0, top_k=VOCAB)
+
+
+def live_d2sd_case():
+    target = tiny_target("llama", seed=1, vocab_size=VOCAB, sharpen=10)
+    return target, tiny_dual_drafter(target, block_size=4, num_branches=2, tree_budget=5), dict(temperature=0.8,
+                                                                                                top_k=VOCAB)
+
+
+class ShapeRecorder:
+    """The drafted trees' sizes and depths (drafted nodes, deepest level) of every proposal."""
+
+    def __init__(self, monkeypatch, generator_class):
+        self.trees = []
+        propose = generator_class.propose
+
+        def recording(generator, *args, **kwargs):
+            trees = propose(generator, *args, **kwargs)
+            self.trees += [(len(t) - 1, t.max_depth) for t in trees]
+            return trees
+
+        monkeypatch.setattr(generator_class, "propose", recording)
+
+
+LIVE_CASES = {  # name: (case, rows, calls, its generator class)
+    "chain_1_row": (live_chain_case, 1, 600, "DiffusionCandidateGenerator"),
+    "chain_256_rows": (live_chain_case, 256, 40, "DiffusionCandidateGenerator"),
+    "best_first_tree_256_rows": (live_best_first_case, 256, 40, "BestFirstTreeCandidateGenerator"),
+    "d2sd_tree_256_rows": (live_d2sd_case, 256, 40, "PrefixTreeCandidateGenerator"),
+}
+
+
+@pytest.mark.parametrize("name", LIVE_CASES)
+@pytest.mark.every_step_speculates("the cost model sizes every step; the gates would send some plain")
+def test_sampling_is_exact_where_the_cost_model_sizes_chains_and_trees(monkeypatch, one_torch_thread, live_cost_model,
+                                                                        name):
+    """Chain lengths and tree shapes chosen by the live cost model from the laws' maxima (never from what was drawn):
+    budgets below the candidates, depth 3, on the device path. The joint law of the new tokens is plain sampling's."""
+    from hf_diffspec.runtime import drafting
+
+    case, rows, calls, generator = LIVE_CASES[name]
+    target, drafter, kwargs = case()
+    shapes = ShapeRecorder(monkeypatch, getattr(drafting, generator))
+    recorder = RuleRecorder(monkeypatch)
+    torch.manual_seed(0)
+    counts = continuation_counts(target, drafter, prompt_ids(), rows, calls, LIVE_NEW_TOKENS, **kwargs)
+    law = exact_continuation_law(target, prompt_ids(), LIVE_NEW_TOKENS, kwargs["temperature"], kwargs["top_k"])
+    sizes = [size for size, _ in shapes.trees]
+    assert recorder.device_calls > 0 and max(depth for _, depth in shapes.trees) >= 3
+    if generator != "DiffusionCandidateGenerator":  # pruned below the budget, and not always to one size
+        assert max(sizes) < (10 if "best_first" in name else 5) and len(set(sizes)) > 1
+    # measured p-values: chain_1_row 0.78, chain_256_rows 0.34, best_first_tree 0.044, d2sd_tree 0.58
+    assert chi_square_p_value(counts, law) > PASS
+
+
+def lengths_from_the_drawn_tokens(generator, draft_hidden, logits, roots):
+    """A broken `_pick`: the chain's confidences are the drawn tokens' own probabilities, so the cost model's length
+    depends on the draws (a draft is verified more often where it drew a likely token)."""
+    laws = generator._draft_laws(logits)
+    drafts = laws.sample()
+    return drafts, laws.at(drafts), laws
+
+
+@pytest.mark.every_step_speculates("the broken length must be chosen at every step")
+def test_a_length_chosen_from_the_drawn_tokens_is_caught(monkeypatch, one_torch_thread, live_cost_model):
+    """The same chain case, one row a call (a batch's rows share one chain length), with lengths chosen from the
+    drawn tokens' probabilities: the law of the first two new tokens (the first comes from the prompt's forward, the
+    second is the first that a draft can reach, with a third token to come) is measurably not plain sampling's. A draft is then verified only
+    where it drew its slot's likely token, which is committed more often than the target says."""
+    monkeypatch.setattr(DiffusionCandidateGenerator, "_pick", lengths_from_the_drawn_tokens)
+    target, drafter, kwargs = live_chain_case()
+    torch.manual_seed(1)
+    counts = continuation_counts(target, drafter, prompt_ids(), 1, 1000, 3, **kwargs)  # 3: room for a draft
+    law = exact_continuation_law(target, prompt_ids(), 3, kwargs["temperature"], kwargs["top_k"])
+    # measured p-values: 2e-7 (seed 2: 1e-10); the real `_pick` on the same statistic: 0.75 (seed 2: 0.11)
+    assert chi_square_p_value(counts.view(VOCAB**2, -1).sum(1), law.view(VOCAB**2, -1).sum(1)) < CAUGHT
+
+
+@pytest.mark.every_step_speculates("the broken scores must prune at every step")
+def test_a_d2sd_tree_pruned_by_the_drawn_tokens_is_caught(monkeypatch, one_torch_thread, live_cost_model):
+    """The D²SD case above with the main chain's nodes scored by the drawn tokens' own probabilities (not the laws'
+    maxima): which nodes the budget keeps depends on the draws, and the joint law of the new tokens is measurably
+    not plain sampling's."""
+    from hf_diffspec.runtime import drafting_prefix_tree
+
+    candidates = drafting_prefix_tree._candidate_nodes
+
+    def scored_by_the_drawn_tokens(first_probs, drafts, picks, branch_probs, sample):
+        main, scores, sources = candidates(first_probs, drafts, picks, branch_probs, sample)
+        drawn = first_probs.gather(-1, drafts[:, None].long()).squeeze(-1).cumprod(0).tolist()
+        for k in range(len(main)):
+            scores[main[: k + 1]] = drawn[k]
+        return main, scores, sources
+
+    monkeypatch.setattr(drafting_prefix_tree, "_candidate_nodes", scored_by_the_drawn_tokens)
+    target, drafter, kwargs = live_d2sd_case()
+    torch.manual_seed(1)
+    counts = continuation_counts(target, drafter, prompt_ids(), 256, 40, **kwargs)
+    law = exact_continuation_law(target, prompt_ids(), NEW_TOKENS, kwargs["temperature"], kwargs["top_k"])
+    assert chi_square_p_value(counts, law) < CAUGHT  # measured: 8e-62 (seed 2: 1e-57)

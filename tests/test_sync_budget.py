@@ -6,7 +6,8 @@ transformers' built-in processors and criteria: EOS, max length, suppressed toke
 The first window (after the prefill) may also hold the prefill's own reads, once per call (the prompts' padding and
 the first tokens). Where the remaining ones are, per step (`HostSyncCounter` counts them outside the target's and the drafter's
 forwards; see `hf_diffspec/bench/host_syncs.py`):
-- syncs: one copy of the step's outcome to the host (accepted length, committed tokens and stop flags of every row,
+- syncs (no wait for the whole device among them: steps are timed by stamps read later): one copy of the step's
+  outcome to the host (accepted length, committed tokens and stop flags of every row,
   `BatchState.accept`); with prompt lookup, one copy of the drafter's tokens to graft the lookup drafts onto (they are
   merged where they agree); with best-first trees, one copy of every row's top-k draft probabilities and tokens
   (the tree's shape is chosen on the host);
@@ -75,6 +76,9 @@ def test_host_syncs_per_step_stay_within_a_budget_independent_of_rows_trees_and_
     assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
     assert max(syncs[1:]) <= SYNC_BUDGET, f"syncs per step {syncs}; worst: {worst}"
     assert max(copies[1:]) <= COPY_BUDGET + sample, f"copies per step {copies}; worst: {worst}"
+    # no wait for the whole device inside a step: steps are timed by stamps read later (`device_clock.StepClock`;
+    # the first window holds the prefill's one wait, which times the prefill)
+    assert not any(step["sync:synchronize"] for step in counter.steps[1:]), counter.steps
 
 
 def test_host_time_bench_reports_host_time_and_torch_calls_per_step():

@@ -1,7 +1,9 @@
 """Counting what stalls an asynchronous device between two target forwards of the decoding loop.
 
 On a GPU every `.item()`, `.tolist()`, `bool(tensor)`, `nonzero()` or copy to the host waits until the device has run
-everything queued before it, and a copy from pageable host memory (`torch.tensor(list, device=...)`) waits too. The
+everything queued before it, as does a wait for the whole device (`device_clock.synchronize`, which a host clock
+read after the device's work needs, and `torch.cuda.synchronize`), and a copy from pageable host memory
+(`torch.tensor(list, device=...)`) waits too. The
 loop's host work between forwards is added to every step; these calls are where it also makes the device wait.
 
 `HostSyncCounter` is a `TorchFunctionMode` that counts them outside the forwards of the models it is given, per loop
@@ -21,6 +23,8 @@ from collections import Counter
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from ..runtime import device_clock
 
 # calls that read a device value on the host (each waits for the device)
 DEVICE_TO_HOST = {
@@ -75,13 +79,27 @@ class HostSyncCounter(TorchFunctionMode):
             is_target = model is self.target
             self.handles.append(model.register_forward_pre_hook(lambda *_, t=is_target: self._enter(t)))
             self.handles.append(model.register_forward_hook(lambda *_, t=is_target: self._leave(t)))
+        # waits for the whole device: the loop's (`device_clock.synchronize`) and torch's own
+        self._synchronizers = [(device_clock, "synchronize", device_clock.synchronize),
+                               (torch.cuda, "synchronize", torch.cuda.synchronize)]
+        for owner, name, real in self._synchronizers:
+            setattr(owner, name, self._counting_wait(real))
         return super().__enter__()
 
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for owner, name, real in self._synchronizers:
+            setattr(owner, name, real)
         return super().__exit__(*exc)
+
+    def _counting_wait(self, wait):
+        def counted(*args, **kwargs):
+            if self.depth == 0 and self.current is not None:
+                self.current["sync:synchronize"] += 1
+            return wait(*args, **kwargs)
+        return counted
 
     def _enter(self, is_target: bool) -> None:
         if is_target and self.depth == 0 and self.current is not None:

@@ -23,15 +23,16 @@ target itself picks. It reads in one screen (`speculative_generate`, `_step`); i
         verifier.keep(paths)           ──► accepted paths kept in the cache, visible to their row; recurrent states
                                            rolled back and advanced along them; their target features become the
                                            drafter's new context (`drafting.add_context`)
-        gates.record / policy.record_step (a StepRecord)
+        gates.record / policy.record_step (a StepRecord, once its times are read)
                                        ──► tokens per second of each kind of step, and the verify cost observed
         batch.drop_finished()          ──► finished rows leave the batch, the verifier's caches and the drafter's
 
 Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
 (`tests/test_sync_budget.py`): the committed tokens are copied to the host once per step (`TokenStore`), and prompt
-lookup, stopping and root positions work from that copy. Steps are timed on the host clock once the device has run
-what they launched (`device_clock.py`): each step ends after `keep` and the replay have run on the device, so their
-time is the step's and not the next one's.
+lookup, stopping and root positions work from that copy. Nothing else in a step waits for the device: steps are
+timed by stamps on the device's own timeline (`device_clock.StepClock`; on the CPU the host clock), each ending after
+`keep` and the replay, so their time is the step's and not the next one's; on a GPU a step's times are read at a
+later step's read and reach the gates and the cost model then (`_record_timed_steps`).
 
 The gates and the verify-cost profile in use outlive the call, on the target (`control_state.py`;
 `reset_speculation_state` forgets them): the call works on copies of its own and hands them back at its end, so calls
@@ -45,7 +46,7 @@ column per accepted position of the longest row, and a per-row validity mask hid
 its left padding).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -53,7 +54,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch import PREFIX_FREE_PROCESSORS, BatchState, RowCommitter, TokenStore, row_processors
 from .control_gates import StepKind, StepRecord
 from .control_policy import DraftLengthPolicy, speculation_policy
-from .device_clock import device_time
+from .device_clock import StepClock, device_time
 from .drafting import DiffusionCandidateGenerator, generator_class
 from .drafting_lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .files import pad_token_id
@@ -111,6 +112,9 @@ class SpeculationStats:
         self.verified_slots += step.rows * step.slots
         self.committed_per_step.extend(len(p) for p in paths)
         self._entry_rows.extend(rows)
+
+    def add_time(self, step: StepRecord) -> None:
+        """A step's times, once read (`decoding._record_timed_steps`)."""
         self.draft_time_s += step.seconds - step.verify_seconds
         self.verify_time_s += step.verify_seconds
 
@@ -212,6 +216,8 @@ class DecodingCall:
     prompt_length: int
     start_time: float
     device: torch.device
+    clock: StepClock
+    timing: list = field(default_factory=list)  # (step, its start, verify start and end stamps) not read yet
 
     def drop_finished(self) -> bool:
         """Finished rows leave the batch and every cache; False when no row is left."""
@@ -253,12 +259,14 @@ def speculative_generate(
     lookup = PromptLookup(prompt_lookup_tokens or 0, generation_config.max_matching_ngram_size or 3)  # 0: no lookup
     batch, committers = _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer, sampling)
     call = DecodingCall(verifier, batch, committers, drafting, policy, lookup, SpeculationStats(target_forwards=1),
-                        generation_config, streamer, input_ids.shape[1], start_time, input_ids.device)
+                        generation_config, streamer, input_ids.shape[1], start_time, input_ids.device,
+                        StepClock(input_ids.device))
     with verifier:
         _prefill(call, input_ids, valid, model_kwargs.get("attention_mask"))
-        step_end = device_time(input_ids.device)
+        step_end = call.clock.stamp()
         while call.drop_finished():
             step_end = _step(call, step_end)
+        _record_timed_steps(call, wait=True)
         policy.keep_measurements()  # where the next call on this drafter and target starts
         return _finish(call)
 
@@ -288,8 +296,9 @@ def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask)
     call.stats.prefill_time_s = device_time(call.device) - call.start_time
 
 
-def _step(call: DecodingCall, step_start: float) -> float:
-    """One loop step (see the module docstring), from `step_start` (the previous step's end); returns its end."""
+def _step(call: DecodingCall, step_start):
+    """One loop step (see the module docstring), from stamp `step_start` (the previous step's end); returns its
+    end's. It never waits for the device but in `batch.accept`'s one read of the outcome."""
     batch, policy, verifier, device = call.batch, call.policy, call.verifier, call.device
     rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
     found = call.lookup.propose(batch, root_positions, policy)
@@ -301,23 +310,44 @@ def _step(call: DecodingCall, step_start: float) -> float:
     lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
     trees = lookups.graft(trees)
 
-    verify_start = device_time(device)  # the drafter's forward is the draft's time
+    verify_start = call.clock.stamp()  # the drafter's forward is the draft's time
     out, layout = verifier.forward(trees, batch.root_position_tensor)
-    paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device (greedy)
+    paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device
     call.lookup.record_verified(lookups, batch, paths)
     kept = verifier.keep(paths, batch.accepted, batch.next_slots)
     call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
                               kept.accepted, all_valid=kept.rows_all_valid)
     batch.advance(kept.counts)
 
-    step_end = device_time(device)  # after the device has run keep and the replay
-    step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths), seconds=step_end - step_start,
-                      slots=verifier.slots, verify_seconds=step_end - verify_start)
-    policy.gates.record(step)
-    if policy.record_step(step):  # the profile was measured again: those seconds are no step's (nor the gates')
-        step_end = device_time(device)
+    step_end = call.clock.stamp()  # after keep and the replay: their device time is this step's
+    step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths), seconds=0.0,
+                      slots=verifier.slots, verify_seconds=0.0)  # the times once read
     call.stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
+    call.timing.append((step, step_start, verify_start, step_end))
+    if _record_timed_steps(call):  # the profile was measured again: those seconds are no step's (nor the gates')
+        step_end = call.clock.stamp()
     return step_end
+
+
+def _record_timed_steps(call: DecodingCall, wait: bool = False) -> bool:
+    """Hand the gates and the cost model, in order, every step whose end the device has run, with its times: on
+    the CPU the step just ended, on a GPU at the latest one step late (`device_clock.StepClock`); with `wait`, all
+    of them after waiting for the device (a call's end). True when the profile was measured again meanwhile."""
+    if wait and call.timing:
+        device_time(call.device)  # waits for the device
+    call.drafting.record_draft_times()
+    measured = False
+    while call.timing:
+        step, start, verify_start, end = call.timing[0]
+        seconds = call.clock.seconds(start, end)
+        if seconds is None:
+            break
+        call.timing.pop(0)
+        step = replace(step, seconds=seconds, verify_seconds=call.clock.seconds(verify_start, end))
+        call.policy.gates.record(step)
+        measured |= call.policy.record_step(step)
+        call.stats.add_time(step)
+    return measured
 
 
 def _finish(call: DecodingCall):

@@ -22,7 +22,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .drafting_best_first import best_first_shape, build_best_first_tree, build_selector_tree, laws_to_device
 from .control_policy import DraftLengthPolicy, speculation_policy
-from .device_clock import device_time
+from .device_clock import StepClock
 from .drafting_prefix_tree import build_prefix_tree, plan_branches
 from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
@@ -167,6 +167,8 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         self.block_size = self.first.drafter.config.block_size
         self.policy = policy or speculation_policy(drafter, target)
         self.sampling = sampling
+        self.clock = StepClock(self.first.device)
+        self._draft_spans = []  # (start, end) stamps of drafting passes whose time is not read yet
         self.max_length = max_length
         self.length_head = getattr(self.first.drafter, "length_head", None)
         # transformers' assisted loop merges this into the target forward: we only need these hidden states
@@ -207,7 +209,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         limits = self.policy.depth_limits(root_positions, remaining)
         if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
             return [self._root_only(root) for root in root_tokens]
-        start = device_time(self.first.device)
+        start = self.clock.stamp()
         roots, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         limits = self._length_head_limits(draft_hidden, limits, start)
         if max(limits) == 0:
@@ -215,16 +217,31 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         logits, limits = self._logits(draft_hidden, limits)
         drafts, confidences, probs = self._pick(draft_hidden, logits, roots)
         if self.policy.uses_cost_model and self.length_head is None:
-            self.policy.record_draft_time(device_time(self.first.device) - start)
+            self._draft_finished(start)
             limits = self.policy.chain_lengths(torch.cumprod(confidences, dim=-1).tolist(), limits)
         return self._chains(roots, drafts, confidences, probs, limits)
 
-    def _length_head_limits(self, draft_hidden: torch.Tensor, limits: list[int], start: float) -> list[int]:
+    def _draft_finished(self, start) -> None:
+        """A drafting pass that began at stamp `start` ends now: its time prices later drafts, read once the device
+        has run it (on the CPU at once, on a GPU at a later step; `device_clock.StepClock`)."""
+        self._draft_spans.append((start, self.clock.stamp()))
+        self.record_draft_times()
+
+    def record_draft_times(self) -> None:
+        """Hand the policy the times of the drafting passes the device has run, in order."""
+        while self._draft_spans:
+            seconds = self.clock.seconds(*self._draft_spans[0])
+            if seconds is None:
+                return
+            self._draft_spans.pop(0)
+            self.policy.record_draft_time(seconds)
+
+    def _length_head_limits(self, draft_hidden: torch.Tensor, limits: list[int], start) -> list[int]:
         """With a length head and the cost model, the chain lengths that pay given the head's acceptance estimates:
         the head sizes the drafts from hidden states, so only the slots to verify go through the LM head."""
         if not (self.policy.uses_cost_model and self.length_head is not None):
             return limits
-        self.policy.record_draft_time(device_time(self.first.device) - start)
+        self._draft_finished(start)
         reach = torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1).tolist()
         return self.policy.chain_lengths(reach, limits)
 
@@ -376,7 +393,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         config = self.drafter.config
         sample = self.sampling is not None
         rows = len(root_tokens)
-        start = device_time(self.first.device)
+        start = self.clock.stamp()
         roots, positions, draft_hidden = self._draft_block(root_tokens, root_positions)
         probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
         # a row with no room left (limit 0) plans no branches and verifies its root alone
@@ -397,7 +414,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
             for _, picks in plans:
                 branch_probs.append(list(flat[offset : offset + len(picks)]))
                 offset += len(picks)
-        self.policy.record_draft_time(device_time(self.first.device) - start)  # both passes, every row
+        self._draft_finished(start)  # both passes, every row
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
@@ -423,12 +440,12 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
         rows = len(root_tokens)
-        start = device_time(self.first.device)
+        start = self.clock.stamp()
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         sample = self.sampling is not None
         if getattr(self.first.drafter, "selector", None) is not None and not sample:
             trees = self._selector_trees(root_tokens, draft_hidden, limits)
-            self.policy.record_draft_time(device_time(self.first.device) - start)
+            self._draft_finished(start)
             return trees
         budget, width = config.draft_tree_budget, config.draft_tree_width
         reads = {}  # slots computed -> `_ranked_read`
@@ -460,7 +477,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
 
         # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
         probs, values, indices, uniform = ranked(logits)
-        self.policy.record_draft_time(device_time(self.first.device) - start)
+        self._draft_finished(start)
         trees = [build_best_first_tree(root_tokens[r], None if probs is None else probs[r, : limits[r]], budget,
                                        node_count, sample=sample, max_children=width,
                                        shape=shapes.get((logits.shape[1], r)), device=draft_hidden.device,
