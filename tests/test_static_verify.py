@@ -225,3 +225,33 @@ def test_verify_graphs_replay_to_plain_generates_tokens(monkeypatch, rows, branc
     assert torch.equal(out.sequences, reference)
     assert emulated.captured and emulated.replays > len(emulated.captured)
     assert out.speculation_stats.tau > 1.5
+
+
+class FailingGraphs(EmulatedGraphs):
+    """Graphs whose capture fails after its warm-up forward has run (the cache written past the step's keys, its
+    lengths advanced), as a kernel that cannot be captured would."""
+
+    def __init__(self):
+        super().__init__()
+        self.attempts = 0
+
+    def capture(self, forward, rewind):
+        self.attempts += 1
+        forward()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.every_step_speculates("asserts the captured path's steps")
+def test_a_capture_that_fails_goes_on_eagerly_with_one_warning(monkeypatch):
+    """A capture that raises: plain generate's tokens all the same, one warning, no second attempt in the call."""
+    failing = FailingGraphs()
+    monkeypatch.setattr(verifier_module, "graph_backend", lambda device: failing)
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=2)
+    reference = target.generate(ids, max_new_tokens=24, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="goes on without graphs") as warned:
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                              cache_implementation="static")
+    assert torch.equal(out, reference)
+    assert failing.attempts == 1 and len([w for w in warned if "CUDA graph" in str(w.message)]) == 1

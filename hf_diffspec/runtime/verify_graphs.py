@@ -23,6 +23,7 @@ Imports: torch, transformers and sibling runtime modules only (this file travels
 """
 
 import os
+import warnings
 
 import torch
 
@@ -63,13 +64,17 @@ class VerifyGraphs:
     outputs are that step's) and captures it; later steps of that shape replay the graph over the persistent inputs
     (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the next replay: the
     loop consumes them within the step; the drafter's features are concatenated copies). Rows leaving the batch
-    reallocate the cache's tensors, so graphs of another batch size are dropped."""
+    reallocate the cache's tensors, so graphs of another batch size are dropped. A capture that fails (a kernel
+    that cannot be captured, memory) leaves the cache as the step's eager forward left it, warns once, and the call
+    goes on eagerly."""
 
     def __init__(self, backend):
         self.backend = backend
         self.graphs: dict[tuple[int, int], tuple] = {}
 
     def run(self, forward, cache, rows: int, width: int):
+        if self.backend is None:  # a capture failed in this call
+            return forward()
         if (rows, width) in self.graphs:
             graph, outputs = self.graphs[rows, width]
             self.backend.replay(graph)
@@ -77,7 +82,15 @@ class VerifyGraphs:
         self.graphs = {shape: entry for shape, entry in self.graphs.items() if shape[0] == rows}
         outputs = forward()  # this step's own forward, eager
         crop_attention(cache, width)  # back to the lengths the captured forward must start from
-        self.graphs[rows, width] = self.backend.capture(forward, lambda: crop_attention(cache, width))
+        lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+        try:
+            self.graphs[rows, width] = self.backend.capture(forward, lambda: crop_attention(cache, width))
+        except Exception as error:  # noqa: BLE001 (any failure to capture: the eager forward is always right)
+            warnings.warn(f"capturing the verify forward as a CUDA graph failed ({type(error).__name__}: {error}); "
+                          "this call goes on without graphs", RuntimeWarning, stacklevel=2)
+            self.backend, self.graphs = None, {}
+            for layer, length in zip(cache.layers, lengths):  # a warm-up may have run: its writes lie past them
+                layer.cumulative_length.copy_(length)
         for layer in cache.layers:  # as this step's forward left them (capturing ran nothing)
             layer.cumulative_length.add_(width)
         return outputs
