@@ -682,19 +682,23 @@ def lengths_from_the_drawn_tokens(generator, draft_hidden, logits, roots):
     return drafts, laws.at(drafts), laws
 
 
-@pytest.mark.every_step_speculates("the broken length must be chosen at every step")
-def test_a_length_chosen_from_the_drawn_tokens_is_caught(monkeypatch, one_torch_thread, live_cost_model):
-    """The same chain case, one row a call (a batch's rows share one chain length), with lengths chosen from the
-    drawn tokens' probabilities: the law of the first two new tokens (the first comes from the prompt's forward, the
-    second is the first that a draft can reach, with a third token to come) is measurably not plain sampling's. A draft is then verified only
-    where it drew its slot's likely token, which is committed more often than the target says."""
-    monkeypatch.setattr(DiffusionCandidateGenerator, "_pick", lengths_from_the_drawn_tokens)
+@pytest.mark.parametrize("broken", [False, True], ids=["real", "length_from_drawn_tokens"])
+@pytest.mark.every_step_speculates("the cost model sizes every step; the gates would send some plain")
+def test_a_chain_length_from_the_drawn_tokens_is_caught(monkeypatch, one_torch_thread, live_cost_model, broken):
+    """The live chain case, one row a call (a batch's rows share one chain length), on the law of the first two new
+    tokens (the first comes from the prompt's forward, the second is the first a draft can reach, with a third token
+    to come): plain sampling's with the real `_pick`, measurably not with lengths chosen from the drawn tokens'
+    probabilities (a draft is then verified only where it drew its slot's likely token, which is committed more
+    often than the target says)."""
+    if broken:
+        monkeypatch.setattr(DiffusionCandidateGenerator, "_pick", lengths_from_the_drawn_tokens)
     target, drafter, kwargs = live_chain_case()
     torch.manual_seed(1)
     counts = continuation_counts(target, drafter, prompt_ids(), 1, 1000, 3, **kwargs)  # 3: room for a draft
     law = exact_continuation_law(target, prompt_ids(), 3, kwargs["temperature"], kwargs["top_k"])
-    # measured p-values: 2e-7 (seed 2: 1e-10); the real `_pick` on the same statistic: 0.75 (seed 2: 0.11)
-    assert chi_square_p_value(counts.view(VOCAB**2, -1).sum(1), law.view(VOCAB**2, -1).sum(1)) < CAUGHT
+    p_value = chi_square_p_value(counts.view(VOCAB**2, -1).sum(1), law.view(VOCAB**2, -1).sum(1))
+    # measured p-values: real 0.75 (seed 2: 0.11); broken 2e-7 (seed 2: 1e-10)
+    assert p_value < CAUGHT if broken else p_value > PASS
 
 
 @pytest.mark.every_step_speculates("the broken scores must prune at every step")
