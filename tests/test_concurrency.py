@@ -92,3 +92,27 @@ def test_models_are_freed_after_speculative_calls(case):
     del target, drafter
     gc.collect()
     assert [ref() for ref in refs] == [None, None]
+
+
+def _model_as_seen(model) -> dict:
+    """What a call must leave as it found it: every config's class and attributes, every module's class and forward."""
+    configs = {name: (type(m.config), dict(vars(m.config))) for name, m in model.named_modules()
+               if hasattr(m, "config")}
+    modules = {name: (type(m), m.forward.__func__, vars(m).get("forward")) for name, m in model.named_modules()}
+    return {"configs": configs, "modules": modules, "model_config": (type(model.config), dict(vars(model.config)))}
+
+
+@pytest.mark.parametrize("case", ["trees", "hybrid"])
+def test_calls_leave_the_model_as_they_found_it(case):
+    """After one speculative call, and after several at once beside a plain one, the target's configs have their own
+    classes and attributes back, and every module its own class and forward: nothing of the runtime stays on it
+    (the verify attention switches the configs' class while calls hold them)."""
+    target, drafter, kwargs = _setup(case)
+    before = _model_as_seen(target)
+    prompts = _prompts(THREADS + 1)
+    target.generate(prompts[0], assistant_model=drafter, max_new_tokens=8, do_sample=False, **kwargs)
+    assert _model_as_seen(target) == before
+    run_in_threads([*[lambda ids=ids: target.generate(ids, assistant_model=drafter, max_new_tokens=8,
+                                                     do_sample=False, **kwargs) for ids in prompts[:THREADS]],
+                    lambda: target.generate(prompts[-1], max_new_tokens=8, do_sample=False)])
+    assert _model_as_seen(target) == before

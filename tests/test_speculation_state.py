@@ -88,3 +88,26 @@ def test_a_fixed_length_keeps_no_state():
     policy = candidate_generator_for(drafter, target, num_draft_tokens=2).policy
     assert isinstance(policy, hf_diffspec.FixedLength) and policy.depth_limit(0, 10) == 2
     assert MEMORY_ATTRIBUTE not in target.__dict__  # a fixed length neither reads nor keeps anything
+
+
+def test_each_call_observes_into_a_verify_cost_of_its_own(tmp_path, monkeypatch):
+    """Calls running at once each take their own copy of the kept costs, corrections and step counts: what one call
+    observes reaches neither the other nor the memory until it hands its copy back (and then only the next call
+    sees it)."""
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
+    target = tiny_target("llama", seed=4)
+    save_profile(target, {1: {n: 0.01 + 0.001 * n for n in (1, 2, 4, 8)}})
+    verify_cost_for(target)  # the file read into the memory: later calls copy what the memory keeps
+    first, second = verify_cost_for(target), verify_cost_for(target)
+    for _ in range(5):  # live steps far slower than the profile: corrections and counts move
+        first.observe(4, 1, 0.5)
+    assert first.corrections and first.observations
+    assert not second.corrections and not second.observations
+    assert first.costs is not second.costs and first.corrections is not second.corrections
+    assert not verify_cost_for(target).corrections  # the memory still holds what was kept
+    from hf_diffspec.runtime.control_profiles import keep_verify_cost
+
+    keep_verify_cost(target, first)
+    third = verify_cost_for(target)
+    assert third.corrections == first.corrections and third.corrections is not first.corrections
