@@ -655,9 +655,8 @@ def run_greedy(case: Case, target, drafter) -> Outcome:
     try:
         with patched_runtime(case, target, oracle_for(case, inputs, sequences_of(plain))):
             if case.runtime.get("threads"):
-                ours, problem = _run_threads(case, target, drafter, inputs, ours_kwargs, plain_kwargs,
-                                             sequences_of(plain), lambda: generate_kwargs(case, inputs, plain_rows,
-                                                                                          tokenizer))
+                ours, problem = _run_threads(case, target, drafter, inputs, ours_kwargs, sequences_of(plain),
+                                             lambda: generate_kwargs(case, inputs, plain_rows, tokenizer))
                 if problem:
                     return Outcome(case, "divergence", "threads", problem)
             else:
@@ -684,8 +683,8 @@ def run_greedy(case: Case, target, drafter) -> Outcome:
     return Outcome(case, "identical")
 
 
-def _run_threads(case: Case, target, drafter, inputs: dict, ours_kwargs: dict, plain_kwargs: dict,
-                 plain: torch.Tensor, fresh_kwargs) -> tuple:
+def _run_threads(case: Case, target, drafter, inputs: dict, ours_kwargs: dict, plain: torch.Tensor,
+                 fresh_kwargs) -> tuple:
     """The case's speculative call in `case.runtime["threads"]` threads at once (the first with `ours_kwargs`, the
     others with fresh hooks of their own from `fresh_kwargs()`), beside one thread running the plain call again:
     (the first thread's result, a problem when another thread's sequences differ from `plain`, else None). An
@@ -694,7 +693,9 @@ def _run_threads(case: Case, target, drafter, inputs: dict, ours_kwargs: dict, p
     calls += [lambda kwargs=fresh_kwargs() | static_cache(case): target.generate(**inputs, assistant_model=drafter,
                                                                                  **kwargs)
               for _ in range(case.runtime["threads"] - 1)]
-    plain_again = {k: v for k, v in plain_kwargs.items() if k != "streamer"}  # the streamer records the first call
+    # the plain call again, with fresh hooks too (a stateful user processor counts its calls) and no streamer (the
+    # streamer records the first call)
+    plain_again = {k: v for k, v in fresh_kwargs().items() if k != "streamer"}
     calls.append(lambda: target.generate(**inputs, **plain_again))
     results = run_in_threads(calls)
     for i, result in enumerate(results[1:], start=1):
