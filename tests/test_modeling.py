@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator
+from hf_diffspec.runtime.control_policy import FixedLength
 from hf_diffspec.runtime.verify_cache import gather_slots
 from hf_diffspec.modeling import default_target_layer_ids
 from hf_diffspec.runtime.tree import CandidateTree
@@ -19,9 +20,11 @@ from helpers import tiny_drafter, tiny_family_target, tiny_target
 
 
 def draft_once(drafter, target, ids):
-    """Prefill the target, then one chain proposal from the drafter."""
+    """Prefill the target, then one chain proposal from the drafter: the whole block, whatever the machine's load (a
+    length from the live cost model follows the measured drafting time, which two calls do not share)."""
     out = target(ids, output_hidden_states=drafter.target_feature_layers)
-    gen = DiffusionCandidateGenerator(drafter, target, max_length=1000)
+    block = drafter.config.block_size
+    gen = DiffusionCandidateGenerator(drafter, target, FixedLength(block - 1, block), max_length=1000)
     gen.add_context(out.hidden_states, slice(None), torch.arange(ids.shape[1])[None])
     return gen.propose([int(ids[0, -1])], [ids.shape[1]], [100])[0]
 
