@@ -223,18 +223,36 @@ def random_ids(seed: int, length: int, vocab: int = 128, rows: int = 1) -> torch
     return torch.randint(2, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
+class PerThreadReference:
+    """An oracle reference per thread (`oracle_drafter_outputs`): each thread sets its own prompt's continuation
+    before its call (`use`)."""
+
+    def __init__(self):
+        self.local = threading.local()
+
+    def use(self, reference) -> None:
+        self.local.table = torch.as_tensor(reference)[None]
+
+    def table(self) -> torch.Tensor:
+        return self.local.table
+
+
 def oracle_drafter_outputs(monkeypatch, drafter, target, reference, margin: float = 30.0) -> None:
     """Make `drafter`'s output at position p point at the LM-head row of the reference token at p, with a logit
     `margin` over the other tokens: through the full head it drafts the reference exactly and confidently; through a
     reduced head only where the reference lies in the subset. `reference`: one 1-D sequence (prompt and the target's
     continuation), or one per row of a batch whose rows never leave it early (each row's own prompt without padding
-    and its continuation: row positions index it directly). Every caller of the drafter's forward sees it."""
+    and its continuation: row positions index it directly), or a `PerThreadReference` (each thread's own). Every
+    caller of the drafter's forward sees it."""
     rows = target.get_output_embeddings().weight.detach()
-    references = [torch.as_tensor(r) for r in (reference if isinstance(reference, list) else [reference])]
-    table = torch.nn.utils.rnn.pad_sequence(references, batch_first=True)  # (rows, longest)
+    fixed = None
+    if not isinstance(reference, PerThreadReference):
+        references = [torch.as_tensor(r) for r in (reference if isinstance(reference, list) else [reference])]
+        fixed = torch.nn.utils.rnn.pad_sequence(references, batch_first=True)  # (rows, longest)
     forward = drafter.forward
 
     def oracle_forward(*args, **kwargs):
+        table = fixed if fixed is not None else reference.table()
         out = forward(*args, **kwargs)
         hidden = out.last_hidden_state.clone()
         positions = kwargs["position_ids"][:, -hidden.shape[1]:]
