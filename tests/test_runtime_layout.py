@@ -2,6 +2,8 @@
 screen, and no module state that a call writes (what a call keeps lives in its context or on the target)."""
 
 import ast
+import collections
+import contextvars
 import importlib
 import logging
 import pathlib
@@ -34,12 +36,24 @@ def test_one_function_creates_the_target_cache_and_one_module_builds_attention_m
 
 
 def _state(value):
-    """What a call could change in a module global: containers' contents, objects' and classes' attributes, and
-    `functools` caches' sizes (functions, modules, loggers and synchronisation primitives are not state)."""
+    """What a call could change in a module global: containers' contents (deques too), tensors' storage, shape and
+    version counter, objects' and classes' attributes (`__slots__` too), a context variable's value and a
+    thread-local's attributes as this thread sees them, and `functools` caches' sizes (functions, modules, loggers and
+    synchronisation primitives are not state). Not seen: what other threads see in a thread-local or another
+    context sees in a context variable, and the cells of closures."""
     if hasattr(value, "cache_info"):
         return ("cache", value.cache_info().currsize)
-    if isinstance(value, (dict, list, set, tuple, frozenset)):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), value.dtype, value._version)
+    if isinstance(value, contextvars.ContextVar):
+        return ("context variable", repr(value.get("<unset>")))
+    if isinstance(value, threading.local):
+        return ("thread-local", repr(vars(value)))
+    if isinstance(value, (dict, list, set, tuple, frozenset, collections.deque)):
         return repr(value)
+    slots = [name for cls in type(value).__mro__ for name in getattr(cls, "__slots__", ())]
+    if slots and not isinstance(value, type):
+        return repr({name: getattr(value, name, "<unset>") for name in slots})
     if isinstance(value, type):
         return repr({k: v for k, v in vars(value).items() if not k.startswith("__") and not callable(v)
                      and not isinstance(v, (property, staticmethod, classmethod))})
