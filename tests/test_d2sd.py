@@ -186,3 +186,19 @@ def test_trees_never_exceed_the_token_budget(monkeypatch, max_new_tokens):
     (left,), (last,) = proposals.steps[-1]
     assert left < dual.config.max_depth and last.max_depth == left, "the last tree must be cut by the token budget"
     assert out.speculation_stats.committed_per_step[-1] == left + 1  # its main chain accepted, then the bonus token
+
+
+@pytest.mark.every_step_speculates("asserts on the drafted trees' laws")
+def test_sampled_prefix_trees_carry_compact_laws_after_top_k(monkeypatch):
+    """With a top-k warper, a sampled D²SD tree's nodes keep their laws as compact as the slots' they were drawn
+    from (top-k + 4 candidates, the alternative's removed token included), not one vocabulary-wide row per node."""
+    vocab = 64
+    target = tiny_target("llama", seed=5, vocab_size=vocab, sharpen=6)
+    drafter = tiny_dual_drafter(target, block_size=6, seed=1, vp_seed=2, num_branches=3, tree_budget=10)
+    proposals = ProposalRecorder(monkeypatch, PrefixTreeCandidateGenerator)
+    ids = torch.randint(2, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=True, top_k=8,
+                    max_new_tokens=12)
+    laws = [t.draft_laws for t in proposals.trees if t.draft_laws is not None]
+    assert laws and all(law.ids is not None and law.width == 8 + 4 for law in laws)
+    assert all(torch.allclose(law.probs[1:].sum(-1), torch.ones(len(law.probs) - 1)) for law in laws)

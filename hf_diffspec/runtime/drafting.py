@@ -419,9 +419,14 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
-        return [build_prefix_tree(root_tokens[r], probs[r, : limits[r]], plans[r][0], plans[r][1], branch_probs[r],
-                                  config.tree_budget, node_count, sample=sample) if limits[r] > 0
-                else CandidateTree.chain(root_tokens[r], plans[r][0]) for r in range(rows)]
+        trees = [build_prefix_tree(root_tokens[r], probs[r, : limits[r]], plans[r][0], plans[r][1], branch_probs[r],
+                                   config.tree_budget, node_count, sample=sample) if limits[r] > 0
+                 else CandidateTree.chain(root_tokens[r], plans[r][0]) for r in range(rows)]
+        if sample and self.sampling.compact:  # the nodes' laws as compact as the slots' they came from
+            for tree in trees:
+                if tree.draft_laws is not None:
+                    tree.draft_laws = self.sampling.compacted(tree.draft_laws.probs)
+        return trees
 
     def get_candidates(self, *args, **kwargs):
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")

@@ -124,6 +124,12 @@ class SamplingLaws:
     def compact(self) -> bool:
         return self.top_k is not None
 
+    def compacted(self, probs: torch.Tensor) -> CompactLaw:
+        """Dense laws (..., vocab) made from this call's compact ones (a compact law spread over the vocabulary, or
+        one with tokens removed and renormalised), back in compact form: they give mass to at most as many tokens."""
+        values, ids = probs.topk(min(self.top_k + TIE_SLACK, probs.shape[-1]), dim=-1)
+        return CompactLaw(ids, values)
+
     def laws(self, scores: torch.Tensor) -> tuple[CompactLaw, torch.Tensor | None]:
         """The laws of raw `scores` (..., vocab), and per law whether compaction kept it exact (None when dense)."""
         shape = scores.shape
