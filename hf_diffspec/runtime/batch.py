@@ -35,6 +35,8 @@ from .verification import choose_token, choose_token_among_drafts, rejection_cho
 
 # processors whose scores do not depend on the prefix: applied to every verified position at once
 PREFIX_FREE_PROCESSORS = (SuppressTokensLogitsProcessor, InfNanRemoveLogitsProcessor, LogitNormalization)
+# when sampling, generate's warpers read the scores alone too
+PREFIX_FREE_WHEN_SAMPLING = PREFIX_FREE_PROCESSORS + WARPERS
 # processors that depend on the prefix's length alone, and only at some lengths (`_inactive`)
 LENGTH_GATED_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
                            SuppressTokensAtBeginLogitsProcessor, ForcedBOSTokenLogitsProcessor,
@@ -216,7 +218,7 @@ class BatchState:
         self.accepted: tuple[torch.Tensor, torch.Tensor] | None = None
         self._max_length_stops = False
         self.sampling = sampling  # the target's laws, when sampling
-        self._prefix_free = PREFIX_FREE_PROCESSORS + (WARPERS if committers[0].config.do_sample else ())
+        self._prefix_free = PREFIX_FREE_WHEN_SAMPLING if committers[0].config.do_sample else PREFIX_FREE_PROCESSORS
         self.device_ok, self.eos_tokens, self._eos_host = self._device_acceptance(committers[0])
 
     def _device_acceptance(self, committer: RowCommitter):
@@ -455,11 +457,9 @@ def _accept_path(tree, committer: RowCommitter, logits: torch.Tensor, finished) 
 
 def _law_of(laws: CompactLaw, node: int, token: int, logits: torch.Tensor) -> torch.Tensor:
     """The dense law node `node` (carrying `token`) was drawn from: a point mass past the drawn nodes'."""
-    if node < laws.probs.shape[0]:
-        return laws[node].dense(logits.shape[-1])
-    point = torch.zeros(logits.shape[-1], device=logits.device)
-    point[token] = 1.0
-    return point
+    if node >= laws.probs.shape[0]:
+        laws, node = CompactLaw.point_masses(torch.tensor([token], device=logits.device), 1), 0
+    return laws[node].dense(logits.shape[-1])
 
 
 def _children(trees, nodes: int, device) -> torch.Tensor:

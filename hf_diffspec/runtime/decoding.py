@@ -51,14 +51,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch import PREFIX_FREE_PROCESSORS, BatchState, RowCommitter, TokenStore, row_processors
+from .batch import PREFIX_FREE_WHEN_SAMPLING, BatchState, RowCommitter, TokenStore, row_processors
 from .control_gates import StepKind, StepRecord
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock, device_time
 from .drafting import DiffusionCandidateGenerator, generator_class
 from .drafting_lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .files import pad_token_id
-from .sampling import WARPERS, SamplingLaws
+from .sampling import SamplingLaws
 from .tree import CandidateTree
 from .verifier import TargetVerifier
 
@@ -149,7 +149,7 @@ def _sampling_laws(generation_config, logits_processor) -> SamplingLaws | None:
     (drafts are drawn where the target puts its mass; a processor left out only lowers acceptance)."""
     if not generation_config.do_sample:
         return None
-    return SamplingLaws([p for p in logits_processor if type(p) in PREFIX_FREE_PROCESSORS + WARPERS])
+    return SamplingLaws([p for p in logits_processor if type(p) in PREFIX_FREE_WHEN_SAMPLING])
 
 
 def _is_builtin(obj) -> bool:

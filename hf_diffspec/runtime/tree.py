@@ -160,10 +160,10 @@ def _bit_values(n: int, device: torch.device) -> torch.Tensor:
     return _call_cached(("bits", n, device), lambda: 1 << index_range(n, device))
 
 
-def host_to_device(data, device, dtype=torch.long) -> torch.Tensor:
-    """A tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
+def host_to_device(data, device) -> torch.Tensor:
+    """A long tensor of host `data` on `device`; to a CUDA device through pinned memory, so that the copy is queued
     behind the device's work instead of waiting for it."""
-    tensor = torch.tensor(data, dtype=dtype)
+    tensor = torch.tensor(data, dtype=torch.long)
     if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
