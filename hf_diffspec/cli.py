@@ -490,13 +490,22 @@ def add_export_parser(sub) -> None:
     export.add_argument("folder")
     export.add_argument("--format", required=True, choices=["vllm", "sglang"])
     export.add_argument("--out", required=True)
+    export.add_argument("--target", help="the drafter's target (built-in name or folder): its tokenizer picks the "
+                        "MASK token of a drafter that learned its own MASK vector; its head rows give "
+                        "--draft-vocabulary")
+    export.add_argument("--mask-token-id", default="auto",
+                        help="vllm, drafters with a learned MASK vector: the target token that carries it "
+                             "(mask_embedding.pt); 'auto' (default): one the target never reads")
+    export.add_argument("--draft-vocabulary", action="store_true",
+                        help="vllm: keep a reduced draft vocabulary (lm_head rows + d2t) instead of dropping it")
     export.set_defaults(func=cmd_export)
 
 
 def cmd_export(args) -> None:
     from .formats import export_for_engine
 
-    out, notes = export_for_engine(args.folder, args.out, args.format)
+    out, notes = export_for_engine(args.folder, args.out, args.format, target=args.target,
+                                   mask_token_id=args.mask_token_id, draft_vocabulary=args.draft_vocabulary)
     for note in notes:
         print(f"note: {note}")
     print(f"exported for {args.format} to {out}")

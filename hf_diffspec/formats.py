@@ -16,6 +16,7 @@ layouts vLLM and SGLang load. The math of all of them is the DFlash drafter; onl
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -110,15 +111,38 @@ def published_logit_fields(config: DiffusionDrafterConfig) -> dict:
     return fields
 
 
-def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
+#: what vLLM's DFlash loader (vllm 0.32, `qwen3_dflash`) reads beside the weights for a MASK that is not a target
+#: token's row: `{"mask_token_id": id, "embedding": vector}`, substituted for that token inside the drafter only
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+
+
+def export_for_engine(drafter_dir, out, engine: str, target=None, mask_token_id: int | str = "auto",
+                      draft_vocabulary: bool = False) -> tuple[Path, list[str]]:
     """Write the z-lab layout that vLLM's and SGLang's DFlash loaders read. Returns (folder, notes on what was
-    dropped or needs care); raises when the drafter cannot run on that engine at all."""
+    dropped or needs care); raises when the drafter cannot run on that engine at all.
+
+    A drafter that learned its own MASK vector goes to vLLM as `mask_token_id` (an id, or "auto": a token the target
+    never reads, found through `target`'s tokenizer) plus `MASK_EMBEDDING_FILE`. `draft_vocabulary` writes a reduced
+    draft vocabulary as vLLM reads one (`draft_vocab_size`, the target's head rows as `lm_head.weight`, `d2t`: each
+    draft id's offset to its target id); `target` (a built-in name or a folder, `load_target`) gives the rows.
+    `out` appears complete or not at all."""
     if engine not in FORMATS_OUT:
         raise ValueError(f"unknown export format {engine!r}; choose from {list(FORMATS_OUT)}")
     drafter_dir, out = Path(drafter_dir), Path(out)
     config = DiffusionDrafterConfig.from_pretrained(drafter_dir)
     state = read_state_dict(drafter_dir)
-    notes = []
+    notes, extra_files = [], {}
+    loaded_target = []
+
+    def target_model():
+        if target is None:
+            raise ValueError("this export needs the drafter's target (its tokenizer or head rows): pass --target "
+                             "NAME|FOLDER (a built-in name such as smollm2-135m-instruct, or the target's folder)")
+        if not loaded_target:
+            from .targets import load_target
+
+            loaded_target.extend(load_target(str(target), dtype=torch.float32))
+        return loaded_target
     if config.draft_role != "first":
         raise ValueError(f"{engine} runs first (DFlash) drafters only; this one is a {config.draft_role} drafter")
     if config.block_conv:
@@ -137,18 +161,38 @@ def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
         notes.append(f"dropped the candidate selector ({len(selector)} tensors): {engine}'s DFlash loader drafts "
                      "each slot's argmax")
         state = {k: v for k, v in state.items() if k not in selector}
+    dtype = next(v.dtype for v in state.values() if v.is_floating_point())
+    zlab_vocab = {}
     if "draft_vocab_ids" in state:
-        notes.append(f"dropped the reduced draft vocabulary ({config.draft_vocab_size} tokens): {engine}'s DFlash "
-                     "loader drafts over the full vocabulary")
-        state = {k: v for k, v in state.items() if k != "draft_vocab_ids"}
+        ids = state.pop("draft_vocab_ids")
+        if draft_vocabulary and engine == "vllm":
+            head = target_model()[0].get_output_embeddings()
+            if getattr(head, "bias", None) is not None:
+                raise ValueError("the target's output head has a bias, which vLLM's draft head has no place for; "
+                                 "export without --draft-vocabulary")
+            state["lm_head.weight"] = head.weight.detach()[ids].to(dtype)
+            state["d2t"] = ids - torch.arange(len(ids))
+            zlab_vocab = {"draft_vocab_size": len(ids)}
+            notes.append(f"the reduced draft vocabulary ({len(ids)} tokens) as vLLM reads one: draft_vocab_size, "
+                         "the target's head rows as lm_head.weight, d2t")
+        else:
+            notes.append(f"dropped the reduced draft vocabulary ({config.draft_vocab_size} tokens): {engine}'s DFlash "
+                         "loader drafts over the full vocabulary" + (" (--draft-vocabulary keeps it)"
+                                                                      if engine == "vllm" else ""))
+    exported_mask_id = config.mask_token_id
     if config.mask_token_id is None:
-        raise ValueError(
-            f"this drafter learned its own MASK embedding, and {engine}'s DFlash loader takes the MASK embedding from "
-            "a target token (dflash_config.mask_token_id). Fine-tune it with a mask_token_id (e.g. a reserved or "
-            "unused token of the target) before exporting."
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+        if engine != "vllm":
+            raise ValueError(
+                f"this drafter learned its own MASK embedding, and {engine}'s DFlash loader embeds MASK through the "
+                "target's embedding table only (no separate vector). Export it with --format vllm, which carries "
+                f"the vector in {MASK_EMBEDDING_FILE}, or fine-tune it with a mask_token_id (a reserved or unused "
+                "token of the target) first.")
+        exported_mask_id = _mask_token_for_export(mask_token_id, config.vocab_size, target_model)
+        vector = state.pop("mask_embedding")
+        extra_files[MASK_EMBEDDING_FILE] = lambda path: torch.save(
+            {"mask_token_id": exported_mask_id, "embedding": vector.clone()}, path)
+        notes.append(f"the learned MASK vector goes as token {exported_mask_id} with {MASK_EMBEDDING_FILE}, which "
+                     "vLLM substitutes for that token inside the drafter only (the target never reads it)")
     zlab = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
@@ -161,20 +205,51 @@ def export_for_engine(drafter_dir, out, engine: str) -> tuple[Path, list[str]]:
         "vocab_size": config.vocab_size, "tie_word_embeddings": False, "use_sliding_window": config.uses_sliding_window,
         "sliding_window": config.sliding_window, "layer_types": config.layer_types,
         "block_size": config.block_size, "num_target_layers": config.num_target_layers,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids,
+        "dflash_config": {"mask_token_id": exported_mask_id, "target_layer_ids": config.target_layer_ids,
                           **published_logit_fields(config)},
-        "torch_dtype": str(next(iter(state.values())).dtype).replace("torch.", ""),
+        "torch_dtype": str(dtype).replace("torch.", ""), **zlab_vocab,
     }
-    (out / "config.json").write_text(json.dumps(zlab, indent=2))
     if sliding and not config.causal_layers:
         zlab["is_causal"] = False  # z-lab's loader would make its sliding-window layers causal
+    notes.append(f"vLLM's num_speculative_tokens k also sets the drafter's block (k + 1 slots): this drafter was "
+                 f"trained on {config.block_size}, and drafts worse in a shorter block (the shipped SmolLM2 drafter "
+                 "in vLLM 0.32, fp32 greedy: acceptance 1.36 at k=4 against 1.53 at k=15)")
     if config.num_draft_tokens:
         notes.append(f"verify length {config.num_draft_tokens} is an engine flag: pass it as num_speculative_tokens "
                      "(vLLM) / --speculative-num-draft-tokens (SGLang, counts the anchor: +1)")
-    readme = drafter_dir / "README.md"
-    if readme.is_file():
-        shutil.copyfile(readme, out / "README.md")
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors",
+                  metadata={"format": "pt"})
+        for name, write in extra_files.items():
+            write(staging / name)
+        readme = drafter_dir / "README.md"
+        if readme.is_file():
+            shutil.copyfile(readme, staging / "README.md")
+        (staging / "config.json").write_text(json.dumps(zlab, indent=2))  # last: a folder with a config is whole
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out, notes
+
+
+def _mask_token_for_export(mask_token_id: int | str, vocab_size: int, target_model) -> int:
+    """`--mask-token-id`: an id below `vocab_size`, or "auto" (`unused_target_token` of the target's tokenizer)."""
+    if mask_token_id == "auto":
+        from .targets import unused_target_token
+
+        return unused_target_token(target_model()[1], vocab_size)
+    try:
+        token = int(mask_token_id)
+    except (TypeError, ValueError):
+        raise ValueError(f"--mask-token-id takes a token id or 'auto', got {mask_token_id!r}") from None
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"--mask-token-id {token} is outside the target's vocabulary (0..{vocab_size - 1})")
+    return token
 
 
 def target_token_mask_reason(drafter, where: str) -> str | None:

@@ -160,8 +160,14 @@ def test_export_for_engines_round_trips(zlab_dir, tmp_path, capsys):
 def test_export_refuses_what_engines_cannot_run(tmp_path):
     target = tiny_target("llama")
     tiny_drafter(target).save_pretrained(tmp_path / "owned_mask")
-    with pytest.raises(ValueError, match="MASK embedding"):
+    with pytest.raises(ValueError, match="MASK embedding.*--format vllm"):
+        main(["export", str(tmp_path / "owned_mask"), "--format", "sglang", "--out", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="--target"):  # "auto" picks the MASK token with the target's tokenizer
         main(["export", str(tmp_path / "owned_mask"), "--format", "vllm", "--out", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        main(["export", str(tmp_path / "owned_mask"), "--format", "vllm", "--out", str(tmp_path / "x"),
+              "--mask-token-id", "100000"])
+    assert not (tmp_path / "x").exists()  # nothing half-written
     vp = tiny_drafter(target, mask_token_id=3, draft_role="variable_prefix")
     vp.save_pretrained(tmp_path / "vp")
     with pytest.raises(ValueError, match="variable_prefix"):
@@ -182,3 +188,35 @@ def test_broken_external_checkpoints_name_the_problem(zlab_dir, tmp_path):
     (zlab_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="mask_token_id"):
         main(["convert", str(zlab_dir), "--from", "zlab", "--out", str(tmp_path / "o")])
+
+
+def test_the_shipped_drafter_exports_to_vllm_with_its_learned_mask_and_draft_vocabulary(tmp_path):
+    """The shipped SmolLM2 drafter learned its own MASK vector and drafts over a reduced vocabulary: the vLLM export
+    carries the vector as an unused target token plus mask_embedding.pt, and the vocabulary as vLLM's draft head
+    (the target's rows, d2t offsets), so vLLM drafts what our loop drafts (examples/vllm_round_trip.sh serves it)."""
+    from hf_diffspec.drafters import shipped_drafter
+    from hf_diffspec.targets import load_target, unused_target_token
+
+    shipped = shipped_drafter("smollm2-135m-instruct")
+    main(["export", str(shipped), "--format", "vllm", "--out", str(tmp_path / "vllm"),
+          "--target", "smollm2-135m-instruct", "--draft-vocabulary"])
+    target, tokenizer = load_target("smollm2-135m-instruct", dtype=torch.float32)
+    ours = load_file(shipped / "model.safetensors")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    token = unused_target_token(tokenizer, target.vocab_size)
+    assert config["dflash_config"]["mask_token_id"] == token and token not in tokenizer.all_special_ids
+    mask = torch.load(tmp_path / "vllm" / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == token and torch.equal(mask["embedding"], ours["mask_embedding"])
+    weights = load_file(tmp_path / "vllm" / "model.safetensors")
+    ids = ours["draft_vocab_ids"]
+    assert config["draft_vocab_size"] == len(ids) == 16384
+    assert torch.equal(weights["d2t"] + torch.arange(len(ids)), ids)
+    assert torch.equal(weights["lm_head.weight"], target.lm_head.weight.detach()[ids].to(weights["lm_head.weight"]))
+    assert not {"mask_embedding", "draft_vocab_ids"} & set(weights)
+    assert not any(k.startswith("length_head") for k in weights)
+    assert all(torch.equal(weights[k], v) for k, v in ours.items() if k.startswith(("layers.", "fc.", "norm.")))
+    main(["export", str(shipped), "--format", "vllm", "--out", str(tmp_path / "full"),
+          "--target", "smollm2-135m-instruct", "--mask-token-id", str(token)])
+    full = load_file(tmp_path / "full" / "model.safetensors")
+    assert "d2t" not in full and "lm_head.weight" not in full  # vLLM then shares the target's head
+    assert "draft_vocab_size" not in json.loads((tmp_path / "full" / "config.json").read_text())

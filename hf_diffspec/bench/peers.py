@@ -17,6 +17,7 @@ from ..formats import export_for_engine, native_dflash_drafter, target_token_mas
 from ..targets import load_target, unused_target_token
 from .counting import TargetForwardCounter, eos_token_ids
 from .method import PEER_METHODS, PROMPT_LOOKUP_TOKENS, Method
+from .vllm_peer import vllm_methods
 
 #: built-in target -> the smaller model of its family that `ar-assistant` drafts with (same tokenizer)
 ASSISTANT_SIBLINGS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
@@ -24,15 +25,19 @@ ASSISTED_ONE_ROW = "transformers' assisted generation decodes batch size 1 only"
 
 
 def peer_methods(methods: list[str], target, target_name: str, drafter=None, assistant_model=None,
-                 prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS, tokenizer=None) -> dict[str, Method]:
+                 prompt_lookup_tokens: int = PROMPT_LOOKUP_TOKENS, tokenizer=None,
+                 draft_tokens: int | None = None) -> dict[str, Method]:
     """Peer name -> `Method` (with a `skip_reason` where it cannot run):
     - `pld`: transformers' prompt-lookup decoding, `prompt_lookup_num_tokens=prompt_lookup_tokens`;
     - `hf-dflash`: `drafter`'s weights as transformers' own DFlash drafter, `speculation_type="dflash"`;
     - `zlab`: `drafter`'s weights in z-lab's `DFlashDraftModel`, decoded by z-lab's `dflash_generate`;
     - `ar-assistant`: `assistant_model` (a model, or a name/path for `load_target`; None: the smaller sibling of
-      built-in `target_name`, see `ASSISTANT_SIBLINGS`) as transformers' assistant model.
-    Both DFlash peers embed MASK as a target token. A drafter that learned its own MASK vector runs there with that
+      built-in `target_name`, see `ASSISTANT_SIBLINGS`) as transformers' assistant model;
+    - `vllm`, `vllm-dflash`: vLLM's CPU build, plainly and with `drafter` exported for it (`vllm_peer`),
+      `draft_tokens` per step (default its block - 1).
+    The transformers and z-lab DFlash peers embed MASK as a target token. A drafter that learned its own MASK vector runs there with that
     vector in the row of a token the target never reads (`MaskVectorRow`; needs `tokenizer` to find one)."""
+    built = vllm_methods([m for m in methods if m.startswith("vllm")], target, drafter, k=draft_tokens)
     mask_row = None
     if {"hf-dflash", "zlab"} & set(methods) and drafter is not None and tokenizer is not None \
             and drafter.config.mask_token_id is None and drafter.config.draft_role == "first":
@@ -42,8 +47,9 @@ def peer_methods(methods: list[str], target, target_name: str, drafter=None, ass
             drafter = mask_row.drafter(drafter)
         except ValueError:
             pass  # no token is free to carry the vector: the peers say why they skip (`target_token_mask_reason`)
-    built = {}
     for method in methods:
+        if method in built:
+            continue
         if method == "pld":
             built[method] = Method(generate_kwargs={"prompt_lookup_num_tokens": prompt_lookup_tokens},
                                    single_row=ASSISTED_ONE_ROW, peer=True)

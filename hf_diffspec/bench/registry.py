@@ -44,7 +44,7 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
         FileNotFoundError: a drafter that cannot be found.
     """
     _check_methods(methods)
-    needs_drafter = set(methods) & {*SPECULATIVE_METHODS, "hf-dflash", "zlab"}
+    needs_drafter = set(methods) & {*SPECULATIVE_METHODS, "hf-dflash", "zlab", "vllm-dflash"}
     # chains for the chain methods, whatever the checkpoint's default (the shipped drafter drafts trees)
     # pure drafter methods: no prompt lookup, whatever the checkpoint's default
     first = (load_drafter(drafter, target, target_name, draft_tree_budget=None, prompt_lookup_num_tokens=None)
@@ -53,7 +53,7 @@ def build_method_drafters(methods: list[str], target, target_name: str, drafter:
     tree = dict(num_branches=num_branches, tree_budget=tree_budget, max_depth=max_depth, branch_length=branch_length)
     peers = peer_methods([m for m in methods if m in PEER_METHODS], target, target_name, first,
                          assistant_model=assistant_model, prompt_lookup_tokens=prompt_lookup_tokens,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, draft_tokens=dflash_length)
     drafters = {}
     for method in methods:
         if method in peers:

@@ -63,6 +63,8 @@ def run_method(target, method: Method, inputs, max_new_tokens,
         with method.target_patch(target):
             return run_method(target, replace(method, target_patch=None), inputs, max_new_tokens, sampling)
     if method.runner is not None:
+        if getattr(method.runner, "samples", False):
+            return method.runner(target, inputs, max_new_tokens, sampling)
         return method.runner(target, inputs, max_new_tokens)
     sampling = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, **sampling, **method.generate_kwargs)
@@ -123,7 +125,8 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
     then differ from `ar`'s by chance, not by error (`identical` counts them all the same)."""
     methods = {"ar": Method(), **{k: m if isinstance(m, Method) else Method(m) for k, m in methods.items()}}
     skipped = {name: m.skip_reason or (m.single_row if batch_size > 1 else None)
-               or ("its loop decodes greedily only" if sampling is not None and m.runner is not None else None)
+               or ("its loop decodes greedily only" if sampling is not None and m.runner is not None
+                   and not getattr(m.runner, "samples", False) else None)
                for name, m in methods.items()}
     skipped = {name: reason for name, reason in skipped.items() if reason}
     batches = encode_batches(tokenizer, prompts, batch_size, target.device)
