@@ -55,6 +55,9 @@ def main() -> int:
     parser.add_argument("--domains", default="code,math,chat")
     parser.add_argument("--prompts", type=int, default=2, help="per domain")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=None,
+                        help="drafts per step on both sides (default: the block - 1, the only k at which vLLM "
+                             "drafts the block the drafter was trained on; the tolerance applies there only)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="|vLLM's acceptance - ours|, shipped drafter")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--report", help="write the figures as JSON here")
@@ -96,7 +99,7 @@ def main() -> int:
             drafter.save_pretrained(tmp / case)
             exported, notes = export_for_engine(tmp / case, tmp / f"{case}-vllm", "vllm", target=folder,
                                                 draft_vocabulary=True)
-            k = drafter.config.block_size - 1
+            k = min(args.k or drafter.config.block_size - 1, drafter.config.block_size - 1)
             ours, our_tau = our_loop(target, drafter, prompts, args.max_new_tokens, k, eos)
             engine = VllmWorker(folder, exported, k=k, dtype="float32", threads=args.threads, python=args.vllm_python)
             answer = engine.generate(prompts, args.max_new_tokens)
@@ -111,7 +114,7 @@ def main() -> int:
                 failures.append(f"{case}: vLLM with the drafter differs from plain output on {_differing(rows, plain)}")
             if ours != plain:
                 failures.append(f"{case}: our loop differs from plain output on {_differing(ours, plain)}")
-            if case == "shipped" and abs(vllm_tau - our_tau) > args.tolerance:
+            if case == "shipped" and k == drafter.config.block_size - 1 and abs(vllm_tau - our_tau) > args.tolerance:
                 failures.append(f"shipped: vLLM's acceptance {vllm_tau:.3f} is not within {args.tolerance} of ours "
                                 f"({our_tau:.3f})")
     report["seconds"] = round(time.perf_counter() - started, 1)

@@ -118,7 +118,8 @@ def add_bench_parser(sub) -> None:
                             "3 timed calls per method and batch size; at 16-64 rows a few prompts make one batch)")
     bench.add_argument("--dflash-length", type=int, default=None,
                        help="drafts verified per step by `dflash` (default: the drafter's num_draft_tokens)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0,
+                       help="draws the prompts (0: the first --prompts of each domain; any other seed: a reproducible random sample) and seeds sampling")
     bench.add_argument("--do-sample", action="store_true",
                        help="sample instead of greedy decoding, every method alike (with the three settings below)")
     bench.add_argument("--temperature", type=float, default=None, help="with --do-sample (Qwen3 ships 0.6)")
@@ -171,7 +172,8 @@ def cmd_bench(args) -> None:
     if args.prompts_file:
         prompts = load_prompts_file(args.prompts_file, tokenizer=tok)
     else:
-        prompts = load_prompts(comma_separated(args.domains), n_per_domain=args.prompts, tokenizer=tok)
+        prompts = load_prompts(comma_separated(args.domains), n_per_domain=args.prompts, tokenizer=tok,
+                               seed=args.seed)
     if args.context_tokens:
         context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and args.context_tokens + args.max_new_tokens > context:

@@ -298,6 +298,7 @@ def test_bench_cli_prints_the_machine_first_and_reports_peers(tiny_cli, tmp_path
     assert rows[("pld", 1, "all")]["identical_to_ar"] and "batch size 1" in rows[("pld", 2, "all")]["skipped"]
     assert "MASK embedding" in rows[("hf-dflash", 1, "all")]["skipped"]  # a random drafter owns its MASK too
     assert "no smaller sibling" in rows[("ar-assistant", 1, "all")]["skipped"]
+    assert "vLLM" in rows[("vllm", 1, "all")]["skipped"] and "vLLM" in rows[("vllm-dflash", 1, "all")]["skipped"]
     assert {"isa_flags", "native_bf16", "avx512", "amx", "dtype", "verify_cost_curve"} <= set(payload["machine"])
 
 
@@ -335,6 +336,17 @@ def test_bench_json_keeps_its_schema(tiny_cli, tmp_path):
     curve = payload["machine"]["verify_cost_curve"]
     assert list(curve) == ["ms_one_token", "ratio", "profile"] and list(curve["ratio"]) == ["1", "2", "4", "8", "16"]
     assert set(payload["config"]) == CONFIG and payload["config"]["command"] == "bench"
+
+
+def test_bench_seed_draws_the_prompts(tiny_cli, monkeypatch):
+    """`--seed` reaches the prompt draw: a rule tuned on the first prompts of each domain can be judged on others."""
+    import hf_diffspec.prompts
+    from hf_diffspec.cli import main
+
+    asked = {}
+    monkeypatch.setattr(hf_diffspec.prompts, "load_prompts", lambda *args, **kwargs: asked.update(kwargs) or PROMPTS[:1])
+    main(["bench", "--target", "tiny", "--methods", "ar", "--max-new-tokens", "2", "--seed", "7"])
+    assert asked["seed"] == 7
 
 
 def test_bench_cli_oracle_mode(tiny_cli, tmp_path, capsys):

@@ -32,7 +32,8 @@ def vllm_python() -> str | None:
 
 class VllmWorker:
     """One vLLM engine in a worker process of vLLM's venv (`vllm_worker.py`): `generate` sends prompts as token ids
-    and returns the worker's answer (`output_ids` per prompt, `seconds`, `drafts`, `accepted`)."""
+    and returns the worker's answer (`output_ids` per prompt, `seconds`, `drafts`, `accepted`); `k`: its drafts per
+    step (0 without a drafter)."""
 
     def __init__(self, model_dir, drafter_dir=None, k: int | None = None, dtype: str = "bfloat16",
                  threads: int | None = None, python: str | None = None):
@@ -47,7 +48,8 @@ class VllmWorker:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                         text=True, bufsize=1)
         atexit.register(self.close)
-        self.version = self._read()["vllm"]
+        ready = self._read()
+        self.version, self.k = ready["vllm"], ready["k"]
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()
@@ -96,8 +98,10 @@ class VllmRunner:
         new = torch.full((len(prompts), width), pad, dtype=ids.dtype, device=ids.device)
         for i, out in enumerate(answer["output_ids"]):
             new[i, :len(out)] = torch.tensor(out, dtype=ids.dtype)
-        counts = StepCounts(committed=answer["accepted"] + answer["drafts"], steps=answer["drafts"])
-        return torch.cat([ids, new], dim=1), counts if answer["drafts"] else None
+        steps, width = answer["drafts"], self.worker.k + 1  # a step verifies the anchor and k drafts
+        counts = StepCounts(committed=answer["accepted"] + steps, steps=steps, verified=steps * width,
+                            slots=steps * width, forwards=steps)
+        return torch.cat([ids, new], dim=1), counts if steps else None
 
 
 def _vllm_sampling(sampling: dict | None) -> dict | None:

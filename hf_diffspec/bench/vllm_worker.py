@@ -7,7 +7,7 @@ A request is `{"prompts": [[token ids], ...], "max_new_tokens": N}` plus optiona
 `top_k`, `top_p`, `seed`), decoded as one batch; the answer, one JSON line on the stdout it was started with, is
 `{"output_ids": [[...], ...], "seconds": wall time of the call, "drafts": drafting steps, "accepted": accepted
 drafts}`. vLLM's own logging goes to stderr.
-The first line it writes is `{"ready": true, "vllm": version}` once the engine is up.
+The first line it writes is `{"ready": true, "vllm": version, "k": drafts per step}` once the engine is up.
 """
 
 import argparse
@@ -59,7 +59,8 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, distributed_executor_backend="uni",
               max_model_len=args.max_model_len, speculative_config=speculative, disable_log_stats=False,
               seed=0)
-    answers.write(json.dumps({"ready": True, "vllm": vllm.__version__}) + "\n")
+    answers.write(json.dumps({"ready": True, "vllm": vllm.__version__,
+                              "k": speculative["num_speculative_tokens"] if speculative else 0}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue
