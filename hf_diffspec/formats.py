@@ -13,6 +13,12 @@ layouts vLLM and SGLang load. The math of all of them is the DFlash drafter; onl
 | layers.N.block_convs.{0,1}| layers.N.{attention,mlp}_conv (DFlash 2) | -                               |
 
 `reduce_vocabulary` turns one of our drafters into one drafting over a reduced vocabulary (same weights).
+
+What the engines read of an export (`export_for_engine`): vLLM 0.32 (`qwen3_dflash`) reads the config, the weights,
+`mask_embedding.pt` (a MASK vector substituted for `mask_token_id` inside the drafter) and, where shipped, a draft
+head (`lm_head.weight`, `d2t`, `draft_vocab_size`); SGLang (`sglang/srt/models/dflash.py`, read, not run here) loads
+`layers.*`, `fc`, `hidden_norm` and `norm`, embeds through the target's table (MASK included) and scores with the
+target's head, ignoring other tensors: it has no place for a learned MASK vector or a draft head.
 """
 
 import json
