@@ -68,8 +68,8 @@ def main() -> None:
         temperature = request.get("temperature") or 0.0
         params = SamplingParams(
             max_tokens=request["max_new_tokens"], temperature=temperature,
-            top_k=request.get("top_k") or -1 if temperature else -1,
-            top_p=request.get("top_p") or 1.0 if temperature else 1.0,
+            top_k=(request.get("top_k") or 0) if temperature else 0,  # 0: no top-k
+            top_p=(request.get("top_p") or 1.0) if temperature else 1.0,
             seed=request.get("seed"),
         )
         drafts, accepted = spec_counters(llm) if speculative else (0, 0)
