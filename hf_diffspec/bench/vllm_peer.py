@@ -90,6 +90,9 @@ class VllmRunner:
             self.worker = self.start_worker()
 
     def __call__(self, target, inputs, max_new_tokens: int, sampling: dict | None = None):
+        if self.worker.k and (sampling or {}).get("top_k") and self.worker.version == "0.32.0":
+            raise RuntimeError("vLLM 0.32.0's CPU rejection sampler fails on top-k sampling with a drafter (an index "
+                               "out of bounds in apply_top_k_top_p, seen here): run vllm-dflash without --top-k")
         ids, mask = inputs["input_ids"], inputs["attention_mask"].bool()
         prompts = [row[m].tolist() for row, m in zip(ids, mask)]
         answer = self.worker.generate(prompts, max_new_tokens, _vllm_sampling(sampling))
