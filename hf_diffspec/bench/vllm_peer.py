@@ -101,9 +101,9 @@ class VllmRunner:
         new = torch.full((len(prompts), width), pad, dtype=ids.dtype, device=ids.device)
         for i, out in enumerate(answer["output_ids"]):
             new[i, :len(out)] = torch.tensor(out, dtype=ids.dtype)
-        steps, width = answer["drafts"], self.worker.k + 1  # a step verifies the anchor and k drafts
-        counts = StepCounts(committed=answer["accepted"] + steps, steps=steps, verified=steps * width,
-                            slots=steps * width, forwards=steps)
+        steps, slots = answer["drafts"], self.worker.k + 1  # a step verifies the anchor and k drafts
+        counts = StepCounts(committed=answer["accepted"] + steps, steps=steps, verified=steps * slots,
+                            slots=steps * slots, forwards=steps)
         return torch.cat([ids, new], dim=1), counts if steps else None
 
 
@@ -134,8 +134,13 @@ def vllm_methods(methods: list[str], target, drafter=None, k: int | None = None)
             built[method] = Method(runner=VllmRunner(lambda: VllmWorker(folder, dtype=dtype, python=python)),
                                    peer=True)
         else:
-            built[method] = Method(runner=VllmRunner(lambda: VllmWorker(folder, _exported(drafter, folder), k=k,
-                                                                        dtype=dtype, python=python)), peer=True)
+            try:
+                exported = _exported(drafter, folder)
+            except ValueError as error:  # a drafter vLLM cannot run: the export says why
+                built[method] = Method(skip_reason=str(error), peer=True)
+                continue
+            built[method] = Method(runner=VllmRunner(lambda: VllmWorker(folder, exported, k=k, dtype=dtype,
+                                                                        python=python)), peer=True)
     return built
 
 
