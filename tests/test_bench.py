@@ -365,3 +365,25 @@ def test_bench_cli_oracle_mode(tiny_cli, tmp_path, capsys):
         main(["bench", "--target", "tiny", "--oracle-taus", "two"])
     with pytest.raises(SystemExit, match="--top-k applies to sampling; add --do-sample"):
         main(["bench", "--target", "tiny", "--top-k", "20"])
+
+
+def test_the_vllm_peers_say_why_they_cannot_run(tmp_path, monkeypatch):
+    """Without vLLM's venv both vLLM peers are skipped naming the script that makes it; with one, a drafter the
+    export refuses (a D²SD variable-prefix drafter) is skipped with the export's reason before any engine starts,
+    while plain vLLM is ready to start (its engine starts in the bench's untimed `prepare`)."""
+    import sys
+
+    from hf_diffspec.bench.vllm_peer import VLLM_PYTHON_ENV, VllmRunner, vllm_methods
+
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    target.name_or_path = str(tmp_path / "target")  # what from_pretrained sets
+    vp = tiny_drafter(target, mask_token_id=3, draft_role="variable_prefix")
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(tmp_path / "no-venv" / "python"))
+    missing = vllm_methods(["vllm", "vllm-dflash"], target, vp)
+    assert all("examples/vllm_round_trip.sh --setup" in m.skip_reason for m in missing.values())
+    monkeypatch.setenv(VLLM_PYTHON_ENV, sys.executable)
+    methods = vllm_methods(["vllm", "vllm-dflash"], target, vp)
+    assert "variable_prefix" in methods["vllm-dflash"].skip_reason
+    assert methods["vllm"].skip_reason is None and isinstance(methods["vllm"].runner, VllmRunner)
+    assert methods["vllm"].runner.worker is None

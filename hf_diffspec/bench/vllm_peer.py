@@ -122,9 +122,11 @@ def vllm_methods(methods: list[str], target, drafter=None, k: int | None = None)
     `mask_embedding.pt`, a reduced draft vocabulary kept; `k` drafts per step, default the drafter's block - 1) as
     `Method`s, skipped with the reason where vLLM's venv or the target's folder is missing."""
     python = vllm_python()
-    folder = Path(getattr(target, "name_or_path", "") or "")
+    name = getattr(target, "name_or_path", "") or ""
+    folder = Path(name)
     reason = (NO_VLLM if python is None else None) or \
-        (None if (folder / "config.json").is_file() else f"vLLM loads the target from a folder, and {folder} is not one")
+        (None if name and (folder / "config.json").is_file() else
+         f"vLLM loads the target from its folder, and this target was not loaded from one ({name!r})")
     dtype = str(target.dtype).replace("torch.", "")
     built = {}
     for method in methods:
