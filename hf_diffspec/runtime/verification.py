@@ -53,8 +53,8 @@ def rejection_choices(target: CompactLaw, tokens: torch.Tensor, children: torch.
     a path then follows these choices exactly as a greedy one follows the argmax."""
     rows, nodes = tokens.shape
     residual, support = target.probs.float(), target.ids
-    choice = torch.full((rows, nodes), -1, dtype=torch.long, device=tokens.device)
-    decided = torch.zeros((rows, nodes), dtype=torch.bool, device=tokens.device)
+    choice = torch.zeros_like(tokens)  # read only where decided
+    decided = torch.zeros_like(tokens, dtype=torch.bool)
     flat_index = torch.arange(rows, device=tokens.device)[:, None] * nodes
     for rank in range(children.shape[-1]):  # the few sibling ranks; every row and node at once
         child = children[..., rank]
