@@ -58,8 +58,9 @@ EOF
     fi
     cd "$work"
     echo "mutating $source_file against $(tests_for "$module") in $work"
+    # the whole log is kept (a failing clean run names its test there); a failed run still writes the summary
     nice -n 19 env OMP_NUM_THREADS=1 ./venv/bin/python -m mutmut run --max-children "${MUTMUT_MAX_CHILDREN:-2}" \
-        2>&1 | tail -n 5
+        > run.log 2>&1 || echo "mutmut stopped early: see $work/run.log" >&2
     ./venv/bin/python -m mutmut results --all true > results.txt 2>&1 || true
     awk -F': ' 'NF == 2 {n[$2]++} END {for (s in n) print s ": " n[s]}' results.txt | sort > summary.txt
     : > survivors.txt
