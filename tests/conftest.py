@@ -43,8 +43,8 @@ def real_target():
 @pytest.fixture(autouse=True)
 def every_step_speculates_where_marked(request, monkeypatch):
     """Tests run what users run: the first speculative call measures a verify-cost profile (into the session's own
-    cache) and the live gates choose plain or speculative steps. A test marked `every_step_speculates(reason)`
-    asserts on drafting (accepted drafts, tree shapes, step counts), which the gates' wall-clock timings would make
+    cache) and the live controller chooses each step's kind. A test marked `every_step_speculates(reason)`
+    asserts on drafting (accepted drafts, tree shapes, step counts), which the controller's wall-clock timings would make
     depend on machine load: it alone gets every step speculating, no automatic profile and a cache with no profile
     in it (it saves one if it needs one)."""
     if request.node.get_closest_marker("every_step_speculates") is None:
@@ -52,9 +52,11 @@ def every_step_speculates_where_marked(request, monkeypatch):
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
     # and no profile that an earlier test measured on first use into the session's cache
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(cache_sharing_downloads()))
-    from hf_diffspec.runtime.control_gates import SpeculationGate
+    import itertools
 
-    monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: True)
+    from helpers import steer_steps
+
+    steer_steps(monkeypatch, itertools.repeat(True))
 
 
 @pytest.fixture(scope="module")

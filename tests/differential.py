@@ -15,10 +15,10 @@ A seeded generator draws cases (`make_case(seed, number)`, the same case on ever
   random branches, depth and budget);
 - batches of 1-4 rows: equal prompt lengths (with or without an all-ones attention mask; transformers drops it) and
   left-padded prompts with an attention mask (ragged, or equal lengths with extra padding columns);
-- runtime: the speculation gate speculates at every step, alternately, or at seeded random steps (plain steps in
+- runtime: the speculation controller speculates at every step, alternately, or at seeded random steps (plain steps in
   between); draft lengths fixed, or chosen by the cost model from a synthetic verify-cost profile; or, in 15% of
   cases (a stream of their own), a user's first call: the profile measured on first use into an empty cache and the
-  live gates (these cases do not rerun step for step: the gates follow the clock); and, in 25% of the cases of
+  live controller (these cases do not rerun step for step: the controller follows the clock); and, in 25% of the cases of
   full-attention targets (a stream of their own), the capture-ready step (`cache_implementation="static"`); and, in
   20% of the greedy cases (a stream of their own), the speculative call in 2-4 threads at once on the same target
   and drafter beside a thread running the plain call, every thread's output compared with plain generate's;
@@ -97,6 +97,7 @@ from helpers import (  # noqa: E402
     char_tokenizer,
     install_oracle,
     run_in_threads,
+    steer_steps,
     tiny_drafter,
     tiny_dual_drafter,
     tiny_family_target,
@@ -105,7 +106,7 @@ from helpers import (  # noqa: E402
 )
 
 SAMPLES = 400  # draws per sampling case
-FIRST_USE_SHARE = 0.15  # cases that run as a user's first call (first-use profile, live gates)
+FIRST_USE_SHARE = 0.15  # cases that run as a user's first call (first-use profile, live controller)
 # cases of full-attention targets whose speculative call passes cache_implementation="static" (the capture-ready step)
 STATIC_CACHE_SHARE = 0.25
 FULL_ATTENTION_KINDS = ("llama", "qwen3", "qwen3_moe")
@@ -213,10 +214,10 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
     - drafting goes to `oracle` when given (`helpers.install_oracle`);
     - verify-cost profiles come from an empty cache of their own (no profile measured, none found from other runs),
       holding the case's synthetic profile if it has one, so the cost model chooses draft lengths;
-    - the speculation gate (speculative or plain step, chosen from wall-clock timings) follows the case's fixed
+    - the speculation controller (each step's kind, chosen from wall-clock timings) follows the case's fixed
       pattern instead, so that a case reruns identically;
     - except in first-use cases (gate "live"): then nothing is switched off, as in a user's first call: the profile
-      is measured into the empty cache and the live gates choose each step."""
+      is measured into the empty cache and the live controller chooses each step."""
     import pytest
     from hf_diffspec.runtime.control_profiles import save_profile
     from hf_diffspec.runtime.control_state import reset_speculation_state
@@ -225,7 +226,7 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
         patch.setenv("HF_DIFFSPEC_CACHE", cache)
         if case.runtime["gate"] == "live":  # nothing switched off: as a user's first call runs
             patch.delenv("HF_DIFFSPEC_AUTO_PROFILE", raising=False)
-            reset_speculation_state()  # no profile or gates from earlier cases in this process
+            reset_speculation_state()  # no profile or controller from earlier cases in this process
             if oracle is not None:
                 install_oracle(patch, oracle)
             yield
@@ -236,13 +237,7 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
             base, per_slot = profile
             save_profile(target, {rows: {n: base + per_slot * n * rows for n in (1, 2, 4, 8, 16)}
                                   for rows in (1, 2, 4, 8)})
-        try:
-            from hf_diffspec.runtime.control_gates import SpeculationGate
-        except ImportError:  # a runtime without a gate speculates at every step
-            SpeculationGate = None
-        if SpeculationGate is not None:
-            steps = _gate_steps(case.runtime["gate"], case.seed * 31 + case.number)
-            patch.setattr(SpeculationGate, "should_speculate", lambda self, rows: next(steps))
+        steer_steps(patch, _gate_steps(case.runtime["gate"], case.seed * 31 + case.number))
         if oracle is not None:
             install_oracle(patch, oracle)
         yield

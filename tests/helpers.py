@@ -469,3 +469,20 @@ def run_in_threads(calls) -> list:
         if isinstance(result, BaseException):
             raise result
     return results
+
+
+def steer_steps(monkeypatch, speculate) -> None:
+    """Each step's kind from `speculate` (an iterator of bools) instead of the live controller: True drafts (every
+    lookup draft found grafted on); False verifies the lookup drafts alone when a row has some and the next value is
+    True, else decodes plainly. Tests that assert on drafting use it: the controller's choices follow the clock."""
+    from hf_diffspec.runtime.control_speculation import SpeculationController, StepKind
+
+    def decide(self, rows, ngrams, lookup_lengths):
+        deepest = max(lookup_lengths, default=0)
+        if next(speculate):
+            return StepKind.DRAFT, deepest
+        if deepest and next(speculate):
+            return StepKind.LOOKUP, deepest
+        return StepKind.PLAIN, 0
+
+    monkeypatch.setattr(SpeculationController, "decide", decide)

@@ -11,6 +11,7 @@ from helpers import (
     install_oracle,
     marginal_counts,
     oracle_drafter_outputs,
+    steer_steps,
     tiny_drafter,
     tiny_dual_drafter,
     tiny_target,
@@ -101,7 +102,6 @@ def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
     from itertools import cycle
 
     from transformers import RepetitionPenaltyLogitsProcessor
-    from hf_diffspec.runtime.control_gates import SpeculationGate
 
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=4)
@@ -111,7 +111,7 @@ def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
     oracle = NoisyOracle([torch.tensor(a) for a in alone], vocab_size=128, noise=0.5, seed=3)
     install_oracle(monkeypatch, oracle)
     steps = cycle([False, False, True])
-    monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: next(steps))
+    steer_steps(monkeypatch, steps)
     rows_seen = []
     penalty = RepetitionPenaltyLogitsProcessor.__call__
     monkeypatch.setattr(RepetitionPenaltyLogitsProcessor, "__call__",

@@ -12,10 +12,10 @@ import torch
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
-from hf_diffspec.runtime.control_gates import SpeculationGates
+from hf_diffspec.runtime.control_speculation import SpeculationController
 from hf_diffspec.runtime.control_cost import VerifyCost, best_node_count
 from hf_diffspec.runtime.control_profiles import measure_verify_cost, profile_key, save_profile, verify_cost_for
-from helpers import tiny_drafter, tiny_target
+from helpers import steer_steps, tiny_drafter, tiny_target
 
 
 def test_interpolation_and_extrapolation():
@@ -147,274 +147,40 @@ def test_a_disturbed_profile_is_measured_again(tmp_path, monkeypatch, caplog):
     assert cost.costs == quiet and "disturbed" in caplog.text
 
 
-def test_gate_decodes_plainly_where_speculation_loses_and_probes_again():
-    from hf_diffspec.runtime.control_gates import SpeculationGate
-
-    def simulate(gate, steps, spec_tokens, spec_seconds, plain_seconds=0.25):
-        """Decode `steps` steps (speculative ones commit `spec_tokens`); returns (choices, seconds, tokens)."""
-        choices, seconds, tokens = [], 0.0, 0
-        for _ in range(steps):
-            speculate = gate.should_speculate(1)
-            committed, took = (spec_tokens, spec_seconds) if speculate else (1, plain_seconds)
-            gate.record(speculate, 1, committed=committed, seconds=took)
-            choices.append(speculate)
-            seconds, tokens = seconds + took, tokens + committed
-        return choices, seconds, tokens
-
-    gate = SpeculationGate(probe_budget=0.02)
-    assert gate.should_speculate(1)          # unmeasured: speculation is tried first,
-    gate.record(True, 1, committed=2, seconds=1.0)
-    assert not gate.should_speculate(1)      # then a plain step
-    gate.record(False, 1, committed=1, seconds=0.25)
-    # speculation earns 2 tokens/s, plain 4: a probe costs 0.5 s, 2 plain steps, more than plain steps committing as
-    # much; it waits 2^2 / 0.004 = 1000 plain steps, capped at max_wait (256)
-    choices, seconds, tokens = simulate(gate, 1000, spec_tokens=2, spec_seconds=1.0)
-    probes = [i for i, s in enumerate(choices) if s]
-    assert [b - a for a, b in zip(probes, probes[1:])] == [257] * (len(probes) - 1) and len(probes) >= 3
-    assert tokens / seconds > 0.99 * 4  # a clear loss is probed rarely
-    # a near tie (3.9 vs 4 tokens/s) is probed far more often, for as little
-    near = SpeculationGate(probe_budget=0.02)
-    choices, seconds, tokens = simulate(near, 1000, spec_tokens=2, spec_seconds=2 / 3.9)
-    assert sum(choices) > 50 and tokens / seconds > 0.98 * 4
-    # a gate never waits longer than max_wait plain steps
-    hopeless = SpeculationGate(probe_budget=0.02, max_wait=64)
-    choices, _, _ = simulate(hopeless, 300, spec_tokens=1, spec_seconds=10.0)
-    probes = [i for i, s in enumerate(choices) if s]
-    assert [b - a for a, b in zip(probes, probes[1:])][1:] == [65] * (len(probes) - 2)
-    # acceptance is random: speculation that pays on average (1.7 tokens per 1.3 s, vs 1 per second) is kept on
-    # through unlucky steps; one that loses on average (per 2 s) costs little more than the probe budget
-    for spec_seconds, least in ((1.3, 0.95 * 1.7 / 1.3), (2.0, 0.975)):
-        rng = random.Random(0)
-        gate, seconds, tokens = SpeculationGate(), 0.0, 0
-        for _ in range(3000):
-            speculate = gate.should_speculate(1)
-            committed = rng.choices([1, 2, 3, 4], [0.6, 0.2, 0.1, 0.1])[0] if speculate else 1
-            took = (spec_seconds if speculate else 1.0) * rng.uniform(0.9, 1.1)
-            gate.record(speculate, 1, committed, took)
-            seconds, tokens = seconds + took, tokens + committed
-        assert tokens / seconds > least
-    fast = SpeculationGate()
-    fast.record(True, 4, committed=12, seconds=1.0)
-    fast.record(False, 4, committed=4, seconds=0.8)
-    assert all(fast.should_speculate(4) for _ in range(10))  # speculation pays at 4 rows: always on
-    assert fast.should_speculate(16)  # a batch size two sizes away is measured anew
-    assert (16, False) not in fast.steps
-    slow = SpeculationGate()
-    slow.record(False, 64, committed=64, seconds=0.5)
-    slow.record(True, 64, committed=40, seconds=1.0)  # speculation loses: plain steps for a while
-    assert not slow.should_speculate(63)  # a row left the batch: still the 64-row measurements, no new probe
-    # half the rows left: the 32-row size starts from the 64-row measurements (no probe), then refines its own
-    assert not slow.should_speculate(32)
-    assert slow.steps[(32, True)] == slow.steps[(64, True)]
-    slow.record(False, 32, committed=32, seconds=0.3)
-    assert slow.steps[(32, False)] != slow.steps[(64, False)]
-
-
-def test_one_lucky_first_speculative_step_does_not_decide_the_next_dozen():
-    from hf_diffspec.runtime.control_gates import SpeculationGate
-
-    gate = SpeculationGate()
-    assert gate.should_speculate(4)
-    gate.record(True, 4, committed=10, seconds=0.125)  # the first step after the prompt: 80 tokens/s
-    assert not gate.should_speculate(4)
-    gate.record(False, 4, committed=4, seconds=0.07)  # plain: 57 tokens/s
-    choices = []
-    for _ in range(12):  # speculation really commits 5 tokens per 0.105 s: 48 tokens/s
-        speculate = gate.should_speculate(4)
-        gate.record(speculate, 4, *((5, 0.105) if speculate else (4, 0.07)))
-        choices.append(speculate)
-    # a running mean drops it within 3 steps, then probes it now and then (a near tie: probes cost little); a first
-    # sample weighted 1 kept it on for all 12 steps
-    assert choices[:3] == [True, True, True] and not choices[3] and sum(choices) <= 6
-
-
-def test_one_unlucky_first_speculative_step_does_not_turn_speculation_off_for_dozens_of_steps():
-    from hf_diffspec.runtime.control_gates import SpeculationGate
-
-    gate = SpeculationGate()
-    assert gate.should_speculate(1)
-    gate.record(True, 1, committed=1, seconds=1.3)  # unlucky: 1 token where speculation usually commits 3
-    choices = []
-    for _ in range(8):
-        speculate = gate.should_speculate(1)
-        gate.record(speculate, 1, *((3, 1.3) if speculate else (1, 1.0)))
-        choices.append(speculate)
-    # a probe costs 0.3 of a plain step: speculation is measured again at once (the wait for such a loss is 23
-    # steps), and wins
-    assert choices[:2] == [False, True] and all(choices[2:])
-    # a clear loss (a drafter step of 16 rows costing 3 plain steps for a plain step's tokens) is not probed sooner
-    slow = SpeculationGate()
-    slow.record(True, 16, committed=16, seconds=3.0)
-    slow.record(False, 16, committed=16, seconds=1.0)
-    assert not any(slow.should_speculate(16) for _ in range(50))
-
-
-def test_speculation_that_lost_a_poor_stretch_of_text_is_taken_back_soon_after_it_pays_again():
-    """Acceptance comes in stretches. Probing a narrowly losing drafter costs little, so it is probed again after
-    (loss per probe in plain steps)^2 / 0.004 steps: at a loss of 0.3 plain steps, 23 steps. A wait in proportion
-    to the loss, within a budget shared by the four gates of a step with lookup drafts, waited 60 steps, then 20
-    more after a winning probe: 80 steps before it speculated again."""
-    from hf_diffspec.runtime.control_gates import SpeculationGates
-
-    gates = SpeculationGates()
-    for ngram in (1, 2, 3):  # the gates after each match length share the drafter gate's budget
-        gates.drafter_gate(ngram)
-    # a stretch where the drafter's guesses are wrong (0.77 tokens a plain step's time), then right (2.3)
-    _no_match_steps(gates, 40, spec_tokens=1, spec_seconds=1.3)
-    friendly = _no_match_steps(gates, 100, spec_tokens=3, spec_seconds=1.3)
-    assert friendly.index(True) <= 23 and sum(friendly[:40]) >= 22, friendly  # probed within 23 steps, then kept
-
-
-def test_a_fresh_gate_whose_first_steps_fall_where_the_drafter_fails_speculates_once_the_drafter_pays():
-    """On the built-in code prompts, the first drafter steps without a lookup match fall where the drafter fails (1
-    token each at 1.43 plain steps' time); later ones commit 1.8 on average. Those steps were plain for the rest of
-    the bench (5 calls, about 70 such steps) in three of six fresh processes: the gate waited 46 steps after its four
-    young probes, and a winning probe moved the estimate by a fifth. Now a probe costing under a plain step comes
-    within 8 steps (twice as long after each that lost), and one after more than 5 steps without a drafter step
-    weighs a third of the estimate, not a tenth."""
-    from hf_diffspec.runtime.control_gates import SpeculationGates
-
-    gates = SpeculationGates()
-    # the young gate measures four steps before it judges
-    assert sum(_no_match_steps(gates, 10, spec_tokens=1, spec_seconds=1.43)) >= 4
-    friendly = _no_match_steps(gates, 60, spec_tokens=2, spec_seconds=1.43)  # 1.4 tokens a plain step's time
-    assert sum(friendly) >= 45, friendly
-
-
-def _no_match_steps(gates, count: int, spec_tokens: int, spec_seconds: float) -> list[bool]:
-    """`count` steps without lookup drafts decided by `gates` (a `SpeculationGates`) at batch 1: a drafter step
-    commits `spec_tokens` in `spec_seconds`, a plain step 1 token in a second. Whether each step drafted."""
-    from hf_diffspec.runtime.control_gates import StepKind, StepRecord
-
-    drafted = []
-    for _ in range(count):
-        kind = gates.decide(1)
-        committed, seconds = (spec_tokens, spec_seconds) if kind is StepKind.DRAFT else (1, 1.0)
-        gates.record(StepRecord(kind, 1, 0, committed, seconds, slots=1, verify_seconds=seconds))
-        drafted.append(kind is StepKind.DRAFT)
-    return drafted
-
-
-def test_a_drafter_that_never_pays_is_probed_less_and_less_often():
-    """Cheap probes come soon after speculation starts losing, and back off while they keep losing: the plain runs
-    between them double up to the wait the loss earns ((loss in plain steps)^2 / 0.004: 47 steps at 0.43). Each probe
-    after a stale measurement is a pair (it weighs a third; a narrow loss is probed once more at once). The gates
-    after a lookup match wait as before: their other arm is speculative too, and one probe would decide on luck."""
-    import itertools
-
-    from hf_diffspec.runtime.control_gates import SpeculationGates
-
-    def decode(gate, steps):
-        choices = []
-        for _ in range(steps):
-            speculate = gate.should_speculate(1)
-            gate.record(speculate, 1, 1, 1.43 if speculate else 1.0)
-            choices.append(speculate)
-        runs = [(speculated, len(list(run))) for speculated, run in itertools.groupby(choices)]
-        return choices, [n for speculated, n in runs[:-1] if not speculated], [n for speculated, n in runs if speculated]
-
-    choices, plain_runs, probe_runs = decode(SpeculationGates().drafter, 600)
-    assert plain_runs[:4] == [1, 8, 16, 32] and set(plain_runs[4:]) == {47}, plain_runs
-    assert probe_runs[:2] == [1, 3] and set(probe_runs[2:]) == {2}, probe_runs  # the young gate's 4, then pairs
-    assert sum(choices) <= 32  # 5% of the steps, each losing 0.43 of a plain step
-    choices, plain_runs, _ = decode(SpeculationGates().drafter_gate(2), 300)
-    assert set(plain_runs[1:]) == {47} and sum(choices) <= 12, plain_runs
-
-
-def test_a_young_drafter_gate_counts_the_other_match_lengths_measurements_for_the_steps_it_lacks():
-    """On code at batch 1, the first drafter step without a lookup match committed 1 token (1.76 plain steps' time)
-    and kept such steps plain for the next 70, while drafter steps after 1-token matches committed 2.3 tokens a
-    step. Until a gate has 4 speculative steps of its own, the steps it lacks count as its siblings' mean."""
-    from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind, StepRecord
-
-    def step(kind, ngram, committed, seconds):
-        return StepRecord(kind, 1, ngram, committed, seconds, slots=1, verify_seconds=seconds)
-
-    gates = SpeculationGates()
-    for _ in range(6):  # after 1-token matches: drafter steps commit 2.3 tokens in 1.76 plain steps' time
-        kind = gates.decide(1, 1)
-        gates.record(step(kind, 1, *((2.3, 1.76) if kind is StepKind.DRAFT else (1, 1.0))))
-    assert gates.decide(1, 0) is StepKind.DRAFT  # the first step without a match: unmeasured, tried
-    gates.record(step(StepKind.DRAFT, 0, 1, 1.76))  # unlucky: 1 token
-    kinds = []
-    for _ in range(10):  # such steps really commit 2.3 tokens too
-        kind = gates.decide(1, 0)
-        gates.record(step(kind, 0, *((2.3, 1.76) if kind is StepKind.DRAFT else (1, 1.0))))
-        kinds.append(kind)
-    assert kinds.count(StepKind.DRAFT) >= 8, kinds
-
-
-def test_every_gate_of_a_setup_probes_within_the_setups_budget():
-    from hf_diffspec.runtime.control_gates import SpeculationGates
-
-    gates = SpeculationGates(probe_budget=0.005)
-    made = [gates.drafter, gates.drafter_gate(3), gates.lookups_alone_gate(3), gates.lookups_alone_gate(1)]
-    assert [g.probe_budget for g in made] == [0.005] * 4
-    assert SpeculationGates().drafter_gate(2).probe_budget == 0.02
-
-
-def test_gate_probes_plain_decoding_while_speculation_wins():
-    """A plain step first measured slow (a cold cache, a busy moment) must not keep a losing speculation on for
-    good: while speculation wins, plain steps are probed too, within the same budget."""
-    from hf_diffspec.runtime.control_gates import SpeculationGate
-
-    gate, seconds, tokens, plain_steps = SpeculationGate(probe_budget=0.02), 0.0, 0, 0
-    for step in range(3000):
-        speculate = gate.should_speculate(1)
-        if speculate:  # really 0.92 tokens/s
-            committed, took = 1.2, 1.3
-        else:  # really 1 token/s; the first plain step took twice as long
-            committed, took = 1, 2.0 if plain_steps == 0 else 1.0
-            plain_steps += 1
-        gate.record(speculate, 1, committed, took)
-        if step >= 2000:  # after the gate has settled
-            seconds, tokens = seconds + took, tokens + committed
-    assert tokens / seconds > 0.97  # plain decoding's 1.0 token/s, less the probes; speculating throughout: 0.92
-    # where speculation really wins, the plain probes cost about the budget
-    fast, seconds, tokens = SpeculationGate(probe_budget=0.02), 0.0, 0
-    for _ in range(2000):
-        speculate = fast.should_speculate(1)
-        committed, took = (2, 1.0) if speculate else (1, 1.0)
-        fast.record(speculate, 1, committed, took)
-        seconds, tokens = seconds + took, tokens + committed
-    assert tokens / seconds > 0.97 * 2
-
-
-def test_the_gate_outlives_a_generate_call_for_the_same_setup_only():
-    """What one call measured (speculation loses here) is where the next call starts, so it does not pay for the
-    probes again; another target, thread count or method starts afresh."""
+def test_the_controller_outlives_a_generate_call_for_the_same_setup_only():
+    """What one call learned (its drafter steps accepted nothing) is where the next call starts, weighed less; another
+    target, thread count or method starts afresh."""
+    from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, StepKind, StepRecord
     from hf_diffspec.runtime.drafting import candidate_generator_for
-    from hf_diffspec.runtime.control_gates import AlwaysSpeculate
 
     target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, block_size=4)
     policy = candidate_generator_for(drafter, target).policy
-    policy.gates.drafter.record(True, 1, committed=1, seconds=1.0)  # what a call measured
+    policy.control.record(StepRecord(StepKind.DRAFT, 1, 0, 1, 1.0, 4, 0.5, 0.5), [0], [0])  # what a call measured
     policy.keep_measurements()  # as the call does at its end
-    kept = candidate_generator_for(drafter, target).policy.gates
-    assert kept is not policy.gates and kept.drafter.steps == policy.gates.drafter.steps  # a copy: the call's own
-    assert not candidate_generator_for(drafter, other).policy.gates.drafter.steps
-    assert isinstance(candidate_generator_for(drafter, target, num_draft_tokens=2).policy.gates,
-                      AlwaysSpeculate)  # fixed: no measured gates
+    kept = candidate_generator_for(drafter, target).policy.control
+    assert kept is not policy.control and kept.drafter.trials == {k: 0.5 * v for k, v in
+                                                                  policy.control.drafter.trials.items()}
+    assert not candidate_generator_for(drafter, other).policy.control.drafter.trials
+    assert isinstance(candidate_generator_for(drafter, target, num_draft_tokens=2).policy.control,
+                      AlwaysSpeculate)  # fixed: no measured controller
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        assert not candidate_generator_for(drafter, target).policy.gates.drafter.steps
+        assert not candidate_generator_for(drafter, target).policy.control.drafter.trials
     finally:
         torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.every_step_speculates("counts the plain and drafter steps of a fixed gate pattern")
+@pytest.mark.every_step_speculates("counts the plain and drafter steps of a fixed pattern")
 def test_plain_steps_mixed_with_speculative_ones_stay_identical(monkeypatch, seed):
-    """Whatever the gate chooses, each step (plain or speculative) commits the target's own tokens; the drafter's
-    context catches up on the tokens committed by plain steps."""
+    """Whatever the controller chooses, each step (plain or speculative) commits the target's own tokens; the
+    drafter's context catches up on the tokens committed by plain steps."""
     import random
 
-    from hf_diffspec.runtime.control_gates import SpeculationGate
-
     rng = random.Random(seed)
-    monkeypatch.setattr(SpeculationGate, "should_speculate", lambda self, rows: rng.random() < 0.5)
+    steer_steps(monkeypatch, iter(lambda: rng.random() < 0.5, None))
     target = tiny_target("qwen3", seed=seed)
     drafter = tiny_drafter(target, block_size=4, seed=seed)
     ids = torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(seed))
@@ -480,9 +246,9 @@ def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monk
     monkeypatch.setattr(cost_model, "measure_verify_cost", measure)
     monkeypatch.setattr(cost_model, "MAX_OTHERS_LOAD", float("inf"))  # one attempt whatever else runs now
     step_seconds = []
-    record = SpeculationGates.record
-    monkeypatch.setattr(SpeculationGates, "record", lambda self, step: step_seconds.append(step.seconds) or
-                        record(self, step))
+    record = SpeculationController.record
+    monkeypatch.setattr(SpeculationController, "record", lambda self, step, *rest: step_seconds.append(step.seconds)
+                        or record(self, step, *rest))
     drafter = tiny_drafter(target, block_size=8)
     ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger="hf_diffspec.runtime.control_profiles"):
@@ -490,7 +256,7 @@ def test_live_steps_faster_than_the_profile_measure_it_again_once(tmp_path, monk
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False)
             assert torch.equal(out, target.generate(ids, max_new_tokens=40, do_sample=False))
     assert len(measured) == 1 and caplog.text.count("live steps disagree") == 1
-    assert max(step_seconds) < 0.9, "the re-measurement's time was charged to a step (and the gates)"
+    assert max(step_seconds) < 0.9, "the re-measurement's time was charged to a step (and the controller)"
     assert verify_cost_for(target).costs == QUIET
     assert cost_model.read_profile(cost_model.profile_path(target)) == (QUIET, None)
 

@@ -4,9 +4,8 @@ losslessness with them (grafted onto drafter trees and chains, and verified alon
 import pytest
 import torch
 
-from hf_diffspec.runtime.control_gates import AlwaysSpeculate, SpeculationGates, StepKind, StepRecord
+from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, SpeculationController, StepKind
 from hf_diffspec.runtime.drafting_lookup import PromptLookup, graft
-from hf_diffspec.runtime.control_policy import DraftLengthPolicy
 from hf_diffspec.runtime.tree import CandidateTree
 from helpers import tiny_drafter, tiny_target
 
@@ -55,15 +54,15 @@ def test_lookup_of_many_rows_at_once_equals_each_row_alone(max_ngram):
             assert (lookup.find(ids[row, : lengths[row]], limits[row])[0].tolist(), ngram) == (drafts.tolist(), ngram)
 
 
-def test_lookup_acceptance_is_measured_per_depth():
-    lookup = PromptLookup(num_tokens=4, prior=(0.5, 0.5), prior_weight=2.0)
-    assert lookup.reach(3, ngram=1) == pytest.approx([0.5, 0.25, 0.125])
-    assert PromptLookup(num_tokens=3, prior=(0.4, 0.8)).reach(3, ngram=1) == pytest.approx([0.4, 0.32, 0.256])
-    # drafts 1 2 3 4; the target committed 1 2 then 9 (3 rejected): depths 1-2 accepted, depth 3 rejected, 4 unseen
-    lookup.record(torch.tensor([1, 2, 3, 4]), 2, torch.tensor([1, 2, 9]))
-    assert lookup.trials[2] == [3, 3, 3, 2] and lookup.hits[2] == [2, 2, 1, 1]
-    assert lookup.reach(4, ngram=2) == pytest.approx([2 / 3, 4 / 9, 4 / 27, 2 / 27])
-    assert lookup.reach(2, ngram=1) == pytest.approx([0.5, 0.25])  # each match length is measured on its own
+def test_lookup_acceptance_is_measured_per_depth_and_match_length():
+    """Draft d is observed when the committed tokens reach it: accepted given d - 1 was, or rejected at the first
+    mismatch; each match length is measured on its own, from the pooled estimate."""
+    controller = SpeculationController()
+    assert controller._lookup_reach(2, 3, draw=False) == pytest.approx([0.5, 0.25, 0.125])  # Beta(1, 1)
+    controller.observe_lookups([2], [[1, 2, 3, 4]], [[1, 2, 9]])  # 2 accepted, the third rejected, the fourth unseen
+    assert controller.lookup.hits[2, 1] == 1 and controller.lookup.hits[2, 3] == 0
+    assert controller.lookup.trials[2, 3] == 1 and (2, 4) not in controller.lookup.trials
+    assert controller._lookup_reach(2, 1, draw=False)[0] > controller._lookup_reach(1, 1, draw=False)[0] > 0.5
 
 
 def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_differ():
@@ -104,9 +103,9 @@ def test_greedy_with_lookup_drafts_is_identical_to_plain_generate(kind, attn, tr
 
 @pytest.mark.every_step_speculates("counts drafter forwards and lookup tokens")
 def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkeypatch):
-    """Where the gate finds lookup drafts alone faster, those steps verify them without a drafter forward."""
-    monkeypatch.setattr(SpeculationGates, "decide",
-                        lambda self, rows, lookup_ngram=0: StepKind.LOOKUP if lookup_ngram else StepKind.DRAFT)
+    """Where the controller finds lookup drafts alone faster, those steps verify them without a drafter forward."""
+    monkeypatch.setattr(SpeculationController, "decide", lambda self, rows, ngrams, lengths: (
+        StepKind.LOOKUP, max(lengths)) if any(lengths) else (StepKind.DRAFT, 0))
     vocab = 24
     target = tiny_target("llama", seed=2, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
@@ -123,7 +122,7 @@ def test_steps_with_lookup_drafts_alone_are_lossless_and_skip_the_drafter(monkey
 
 def test_steps_without_the_drafter_decode_plainly_where_lookup_drafts_alone_were_measured_to_lose(monkeypatch):
     """Where verifying lookup drafts alone loses to a plain step, a step without the drafter is a plain one."""
-    monkeypatch.setattr(SpeculationGates, "decide", lambda self, rows, lookup_ngram=0: StepKind.PLAIN)
+    monkeypatch.setattr(SpeculationController, "decide", lambda self, rows, ngrams, lengths: (StepKind.PLAIN, 0))
     vocab = 24
     target = tiny_target("llama", seed=2, vocab_size=vocab)
     drafter = tiny_drafter(target, block_size=5, seed=2, prompt_lookup_num_tokens=4)
@@ -134,43 +133,6 @@ def test_steps_without_the_drafter_decode_plainly_where_lookup_drafts_alone_were
     stats = out.speculation_stats
     assert stats.lookup_tokens == 0 and stats.draft_forwards == 0
     assert stats.verified_slots == 2 * (stats.target_forwards - 1)  # one slot per row and step: plain steps
-
-
-def _step(kind, rows, lookup_ngram, committed, seconds, slots=1):
-    return StepRecord(kind, rows, lookup_ngram, committed, seconds, slots, verify_seconds=seconds)
-
-
-def test_lookup_drafts_alone_are_verified_only_while_they_beat_plain_steps():
-    """The cost model sizes lookup drafts from estimates; whether verifying them alone beats a plain step is
-    measured, per match length and batch size, with rare probes once it loses."""
-    gates = SpeculationGates()
-    alone = gates.lookups_alone_gate(1)
-    verified = [alone.should_speculate(16)]  # unmeasured: tried first
-    gates.record(_step(StepKind.LOOKUP, 16, 1, 18, 0.2, slots=5))
-    verified.append(alone.should_speculate(16))  # then a plain step
-    gates.record(_step(StepKind.PLAIN, 16, 1, 16, 0.1))
-    assert verified == [True, False]
-    decisions = []
-    for _ in range(250):  # 90 tokens/s alone against 160 plain: plain, probing lookup drafts now and then
-        verify = alone.should_speculate(16)
-        decisions.append(verify)
-        gates.record(_step(StepKind.LOOKUP, 16, 1, 18, 0.2, slots=5) if verify
-                     else _step(StepKind.PLAIN, 16, 1, 16, 0.1))
-    assert 1 <= sum(decisions) <= 3
-    # 3-token matches start from those measurements (no probe of their own at once), then measure their own:
-    # 200 tokens/s alone against 160 plain, so after their first probe they are verified
-    three = []
-    for _ in range(300):
-        verify = gates.lookups_alone_gate(3).should_speculate(16)
-        three.append(verify)
-        gates.record(_step(StepKind.LOOKUP, 16, 3, 40, 0.2, slots=5) if verify
-                     else _step(StepKind.PLAIN, 16, 3, 16, 0.1))
-    assert not three[0] and sum(three[-100:]) >= 80
-    # a drafter step is measured by the gate of its match length, not by the lookups-alone one
-    alone_steps = dict(gates.lookups_alone[3].steps)
-    gates.record(_step(StepKind.DRAFT, 16, 3, 30, 0.3, slots=8))
-    assert (16, True) in gates.after_match[3].steps and gates.lookups_alone[3].steps == alone_steps
-    assert AlwaysSpeculate().decide(16, lookup_ngram=1) is StepKind.DRAFT  # a fixed length always drafts
 
 
 @pytest.mark.every_step_speculates("asserts lookup drafts were verified")
@@ -189,64 +151,15 @@ def test_sampling_looks_up_and_bad_values_are_refused():
 
 
 def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_them_pay():
-    from hf_diffspec.runtime.control_profiles import VerifyCost
+    """How deep lookup drafts go is `best_node_count`'s answer on the measured cost at the batch's rows: at one row
+    (a flat cost) all of them, at four (each slot dearer) none; the batch's forward is a rectangle, so one depth for
+    every row. A fixed draft length verifies every lookup draft found."""
+    from hf_diffspec.runtime.control_cost import VerifyCost
 
     flat_at_one_row_steep_at_four = VerifyCost({1: {1: 1.0, 2: 1.0, 16: 1.0}, 4: {1: 1.0, 2: 2.0, 16: 16.0}})
-    policy = DraftLengthPolicy(block_size=16, verify_cost=flat_at_one_row_steep_at_four)
-    reach = [0.4, 0.32, 0.256]
-    assert policy.lookup_lengths([reach], rows=1) == [3]
-    assert policy.lookup_lengths([reach] * 4, rows=4) == [0, 0, 0, 0]
-    # one count for the batch's rectangle: a row with fewer drafts verifies what it has
-    assert policy.lookup_lengths([reach, reach[:1]], rows=1) == [3, 1]
-
-
-def test_a_first_step_with_lookup_drafts_starts_from_what_steps_without_them_measured():
-    """At a batch size where the drafter was measured to lose, the first steps with lookup drafts do not probe the
-    drafter again: they verify the lookup drafts alone; each match length then refines its own measurements."""
-    gates = SpeculationGates()
-    for _ in range(4):
-        kind = gates.decide(64)
-        gates.record(_step(kind, 64, 0, *((80, 2.0) if kind is StepKind.DRAFT else (64, 1.0))))
-    assert gates.decide(64, lookup_ngram=3) is StepKind.LOOKUP
-    gates.record(_step(StepKind.LOOKUP, 64, 3, 96, 1.1, slots=4))
-    assert gates.decide(64, lookup_ngram=3) is not StepKind.DRAFT
-    assert gates.after_match[3].steps[(64, False)] != gates.drafter.steps[(64, False)]
-    fresh = SpeculationGates()  # nothing measured yet: the drafter is tried first, as always
-    assert fresh.decide(64, lookup_ngram=3) is StepKind.DRAFT
-
-
-def test_a_new_match_length_starts_from_another_ones_measurements_where_every_step_had_lookup_drafts():
-    """At a large batch nearly every step has lookup drafts, so steps without them measure nothing there: a match
-    length met for the first time starts from one already measured instead of probing the drafter again."""
-    gates = SpeculationGates()
-    for _ in range(4):  # 3-token matches: the drafter loses at 16 rows
-        kind = gates.decide(16, lookup_ngram=3)
-        gates.record(_step(kind, 16, 3, *((20, 2.0) if kind is StepKind.DRAFT else (18, 1.0)), slots=2))
-    assert (16, True) not in gates.drafter.steps
-    assert gates.decide(16, lookup_ngram=2) is not StepKind.DRAFT
-    assert gates.after_match[2].steps[(16, True)] == gates.after_match[3].steps[(16, True)]
-
-
-def _drafter_probes(match_lengths: list[int], steps: int = 2000) -> int:
-    """Drafter steps the gates take at 16 rows where the drafter loses (3 plain steps' time for 1.2 tokens a row;
-    a plain step: 1 token a row) and lookup drafts alone lose too, over `steps` steps whose match lengths cycle
-    through `match_lengths`."""
-    gates, drafted = SpeculationGates(), 0
-    for i in range(steps):
-        ngram = match_lengths[i % len(match_lengths)]
-        kind = gates.decide(16, ngram)
-        drafted += kind is StepKind.DRAFT
-        committed, seconds = {StepKind.DRAFT: (19, 0.3), StepKind.LOOKUP: (17, 0.2), StepKind.PLAIN: (16, 0.1)}[kind]
-        gates.record(_step(kind, 16, ngram, committed, seconds))
-    return drafted
-
-
-def test_a_drafter_that_clearly_loses_is_probed_rarely_by_the_gates_of_every_match_length():
-    """At 16 rows a drafter step here commits 1.2 tokens a row for 3 plain steps' time: a probe costs 1.8 plain steps
-    more than plain steps committing as much, and the next waits 1.8^2 / 0.004 steps, capped at 256. One gate alone
-    probed it 22 times in 2,000 steps while waits grew in proportion to the loss. The gates of four match lengths
-    each probe it a few times while their own measurements are young (the first steps after a match also verify
-    lookup drafts alone, which lose too), then as rarely."""
-    alone, shared = _drafter_probes([0]), _drafter_probes([0, 1, 2, 3])
-    assert 1 <= alone <= 10, alone
-    assert shared <= 20, shared
+    controller = SpeculationController(flat_at_one_row_steep_at_four, draft_guess=100.0)  # never the drafter
+    for _ in range(30):  # 3-token matches: the first 3 drafts right
+        controller.observe_lookups([3], [[1, 2, 3, 4]], [[1, 2, 3, 9]])
+    assert controller.decide(1, [3], [4]) == (StepKind.LOOKUP, 4)
+    assert controller.decide(4, [3] * 4, [4] * 4) == (StepKind.PLAIN, 0)
+    assert AlwaysSpeculate().decide(16, [1] * 16, [3] * 16) == (StepKind.DRAFT, 3)

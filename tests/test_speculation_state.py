@@ -9,7 +9,7 @@ import torch
 import hf_diffspec
 from hf_diffspec.runtime.control_profiles import save_profile, verify_cost_for
 from hf_diffspec.runtime.drafting import candidate_generator_for
-from hf_diffspec.runtime.control_gates import keep_speculation_gates, speculation_gates_for
+from hf_diffspec.runtime.control_speculation import StepKind, StepRecord, controller_for, keep_controller
 from hf_diffspec.runtime.control_state import MEMORY_ATTRIBUTE, memory_of
 from helpers import tiny_drafter, tiny_target
 
@@ -21,10 +21,12 @@ def fresh_state():
     hf_diffspec.reset_speculation_state()
 
 
-def _speculation_loses(gates, rows: int = 1) -> None:
-    """Measurements that make the next steps at `rows` rows plain ones (a probe only after `max_wait` of them)."""
-    gates.drafter.record(True, rows, committed=1, seconds=100.0)
-    gates.drafter.record(False, rows, committed=1, seconds=0.001)
+def _speculation_loses(control, rows: int = 1) -> None:
+    """Measurements that make the next steps at `rows` rows plain ones: drafter steps that accept nothing and take
+    100 s."""
+    for _ in range(3):
+        control.record(StepRecord(StepKind.DRAFT, rows, 0, rows, 100.0, 4, 0.001, 99.999), [0] * rows, [0] * rows)
+        control.record(StepRecord(StepKind.PLAIN, rows, 0, rows, 0.001, 1, 0.001), [0] * rows, [0] * rows)
 
 
 def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
@@ -41,19 +43,19 @@ def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
                   prompt_lookup_num_tokens=0)
 
     policy = candidate_generator_for(drafter, target).policy
-    _speculation_loses(policy.gates)
+    _speculation_loses(policy.control)
     policy.keep_measurements()  # as a call does at its end
     out = target.generate(ids, **kwargs)
     stats = out.speculation_stats
     assert stats.plain_steps == stats.target_forwards - 1  # what was measured before the call held: no drafter step
     cost = verify_cost_for(target)
     assert cost.corrections  # the call's steps refined the profile, for the next call
-    kept = candidate_generator_for(drafter, target).policy.gates
-    assert kept is not policy.gates and kept.drafter.steps.keys() >= policy.gates.drafter.steps.keys()
+    kept = candidate_generator_for(drafter, target).policy.control
+    assert kept is not policy.control and kept.loop.trials.keys() >= policy.control.loop.trials.keys()
 
     hf_diffspec.reset_speculation_state()
-    fresh = candidate_generator_for(drafter, target).policy.gates
-    assert not fresh.drafter.steps
+    fresh = candidate_generator_for(drafter, target).policy.control
+    assert not fresh.drafter.trials and not fresh.loop.trials
     fresh_cost = verify_cost_for(target)
     assert not fresh_cost.corrections and fresh_cost.costs == cost.costs
     out = target.generate(ids, **kwargs)
@@ -61,25 +63,26 @@ def test_after_reset_a_call_starts_fresh(tmp_path, monkeypatch):
     assert stats.plain_steps < stats.target_forwards - 1  # unmeasured: speculation is tried first
 
 
-def test_gates_are_held_weakly_by_drafter_and_target():
+def test_controllers_are_held_weakly_by_drafter_and_target():
     """The measurements live on the target: a collected target's go with it (a model created later never starts
     from them, whatever address it gets), and a collected drafter's entries leave the target's memory."""
     target, other = tiny_target("llama", seed=0), tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, block_size=4)
     for model in (target, other):
-        gates = speculation_gates_for(drafter, model, "DiffusionCandidateGenerator")
-        _speculation_loses(gates)
-        keep_speculation_gates(drafter, model, "DiffusionCandidateGenerator", gates)
-    assert len(memory_of(target).gates[drafter]) == 1 and len(memory_of(other).gates[drafter]) == 1
-    assert speculation_gates_for(drafter, target, "DiffusionCandidateGenerator").drafter.steps == gates.drafter.steps
-    assert not speculation_gates_for(drafter, target, "BestFirstTreeCandidateGenerator").drafter.steps
+        control = controller_for(drafter, model, "DiffusionCandidateGenerator", None)
+        _speculation_loses(control)
+        keep_controller(drafter, model, "DiffusionCandidateGenerator", control)
+    assert len(memory_of(target).controllers[drafter]) == 1 and len(memory_of(other).controllers[drafter]) == 1
+    kept = controller_for(drafter, target, "DiffusionCandidateGenerator", None)
+    assert kept.loop.trials == {k: 0.5 * v for k, v in control.loop.trials.items()}
+    assert not controller_for(drafter, target, "BestFirstTreeCandidateGenerator", None).loop.trials
     memory = memory_of(other)
     del other, model
     gc.collect()
-    assert len(memory.gates) == 1  # held by nothing but this test now: the target that kept it is gone
+    assert len(memory.controllers) == 1  # held by nothing but this test now: the target that kept it is gone
     del drafter
     gc.collect()
-    assert len(memory_of(target).gates) == 0 and len(memory.gates) == 0
+    assert len(memory_of(target).controllers) == 0 and len(memory.controllers) == 0
 
 
 def test_a_fixed_length_keeps_no_state():

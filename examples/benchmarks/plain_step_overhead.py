@@ -23,7 +23,7 @@ from hf_diffspec import load_target
 from hf_diffspec.bench import encode_batches
 from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind
+from hf_diffspec.runtime.control_speculation import SpeculationController, StepKind
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     target, tok = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
     drafter = load_drafter(None, target, "smollm2-135m-instruct", length_head=False, draft_tree_budget=None,
                            prompt_lookup_num_tokens=None)  # the shipped drafter; it never drafts here
-    SpeculationGates.decide = lambda self, rows, lookup_ngram=0: StepKind.PLAIN  # plain steps only
+    SpeculationController.decide = lambda self, rows, ngrams, lengths: (StepKind.PLAIN, 0)  # plain steps only
     inputs = encode_batches(tok, load_prompts(n_per_domain=5, tokenizer=tok), args.rows, target.device)[0][1]
     common = dict(**inputs, max_new_tokens=args.tokens, do_sample=False)
     if args.hold == "eos":

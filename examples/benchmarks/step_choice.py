@@ -1,12 +1,12 @@
-"""How each step's kind is chosen, measured: the gates (the default) against a drafter forward at every step, on the
-built-in target and drafter, interleaved per batch and round on one machine; and, per step kind and prompt-lookup
-match length, what the gates' steps committed and cost.
+"""How each step's kind is chosen, measured: the speculation controller (the default) against a drafter forward at
+every step, on the built-in target and drafter, interleaved per batch and round on one machine; and, per step kind and
+prompt-lookup match length, what the controller's steps committed and cost.
 
     python examples/benchmarks/step_choice.py --domains code --prompts 5 --rows 1 --rounds 2
     python examples/benchmarks/step_choice.py --domains code,math,chat --prompts 6 --rows 16 --max-new-tokens 96
 
-Prints one line per arm (seconds, throughput relative to the gates, steps by kind; with --rows > 1 plain `generate`
-too) and the per-kind table of the gates' steps. Time on a quiet machine (docs/benchmarks.md).
+Prints one line per arm (seconds, throughput relative to the controller, steps by kind; with --rows > 1 plain `generate`
+too) and the per-kind table of the controller's steps. Time on a quiet machine (docs/benchmarks.md).
 """
 
 import argparse
@@ -17,7 +17,7 @@ import torch
 
 from hf_diffspec.drafters import load_drafter
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind
+from hf_diffspec.runtime.control_speculation import SpeculationController, StepKind
 from hf_diffspec.targets import load_target
 
 TARGET = "smollm2-135m-instruct"
@@ -39,21 +39,22 @@ def main():
     batches = [records[i:i + args.rows] for i in range(0, len(records) - args.rows + 1, args.rows)]
     inputs = [tok([r["text"] for r in b], return_tensors="pt", padding=True, add_special_tokens=False) for b in batches]
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    gates_decide = SpeculationGates.decide
-    arms = {"gates": gates_decide, "draft every step": lambda self, rows, lookup_ngram=0: StepKind.DRAFT}
+    decide = SpeculationController.decide
+    arms = {"controller": decide,
+            "draft every step": lambda self, rows, ngrams, lengths: (StepKind.DRAFT, max(lengths, default=0))}
     if args.rows > 1:
         arms["plain generate"] = None
     steps = []
-    record = SpeculationGates.record
+    record = SpeculationController.record
 
     def run(arm, batch, keep_steps=False):
         if arms[arm] is None:
             start = time.perf_counter()
             target.generate(**batch, **settings)
             return time.perf_counter() - start, (0, 0, 0)
-        SpeculationGates.decide = arms[arm]
-        kept = (lambda self, step: steps.append(step) or record(self, step)) if keep_steps else record
-        SpeculationGates.record = kept
+        SpeculationController.decide = arms[arm]
+        kept = (lambda self, step, *rest: steps.append(step) or record(self, step, *rest)) if keep_steps else record
+        SpeculationController.record = kept
         start = time.perf_counter()
         out = target.generate(**batch, assistant_model=drafter, return_dict_in_generate=True, **settings)
         seconds = time.perf_counter() - start
@@ -67,13 +68,13 @@ def main():
         for i, batch in enumerate(inputs):
             order = list(arms) if (i + round_) % 2 == 0 else list(arms)[::-1]
             for arm in order:
-                seconds, kinds = run(arm, batch, keep_steps=arm == "gates")
+                seconds, kinds = run(arm, batch, keep_steps=arm == "controller")
                 totals[arm][0] += seconds
                 totals[arm][1] = [a + b for a, b in zip(totals[arm][1], kinds)]
-    SpeculationGates.decide, SpeculationGates.record = gates_decide, record
+    SpeculationController.decide, SpeculationController.record = decide, record
     for arm, (seconds, kinds) in totals.items():
-        print(f"{arm}: {seconds:.2f} s, {totals['gates'][0] / seconds:.3f}x the gates' throughput; steps with the "
-              f"drafter / lookup drafts alone / plain: {kinds}")
+        print(f"{arm}: {seconds:.2f} s, {totals['controller'][0] / seconds:.3f}x the controller's throughput; "
+              f"steps with the drafter / lookup drafts alone / plain: {kinds}")
     by_kind = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
     for step in steps:
         row = by_kind[step.kind.value, step.lookup_ngram]

@@ -17,7 +17,7 @@ import torch
 from hf_diffspec import load_target
 from hf_diffspec.bench import Method, build_method_drafters, encode_batches, run_method
 from hf_diffspec.prompts import load_prompts, load_prompts_file
-from hf_diffspec.runtime.control_gates import SpeculationGates, StepKind
+from hf_diffspec.runtime.control_speculation import SpeculationController, StepKind
 
 
 def main() -> None:
@@ -39,13 +39,13 @@ def main() -> None:
     inputs = encode_batches(tokenizer, prompts, args.rows, target.device)[0][1]
 
     steps = []  # the StepRecord of every loop step of the method's call
-    record = SpeculationGates.record
+    record = SpeculationController.record
 
-    def recording(self, step):
+    def recording(self, step, *rest):
         steps.append(step)
-        return record(self, step)
+        return record(self, step, *rest)
 
-    SpeculationGates.record = recording
+    SpeculationController.record = recording
     for runner in (Method(), method):
         run_method(target, runner, inputs, 8)
     totals = {"ar": 0.0, args.method: 0.0}

@@ -9,39 +9,39 @@
 - `DraftLengthPolicy` without one: the drafter's configured `num_draft_tokens` (a one-time warning says how to
   measure a profile).
 
-Each holds the gates that decide whether a step speculates at all (`control_gates.py`; a fixed length always does).
-With prompt-lookup drafts (`drafting_lookup.py`), `lookup_lengths` sizes them with the same cost model. Every answer
-is capped by what is left to generate and by the target's context. Losslessness never depends on the answer: the
-target alone picks every committed token.
+Each holds the controller that decides each step's kind and how many prompt-lookup drafts it verifies
+(`control_speculation.py`; a fixed length always drafts and verifies every lookup draft found). Every answer is capped
+by what is left to generate and by the target's context. Losslessness never depends on the answer: the target alone
+picks every committed token.
 
-`speculation_policy` builds a call's policy and gates at the loop's start (measuring the verify-cost profile there
-the first time a target needs one); the loop hands them to drafting and prompt lookup, and `keep_measurements` hands
-what they measured back to the target's memory at the call's end.
+`speculation_policy` builds a call's policy and controller at the loop's start (measuring the verify-cost profile
+there the first time a target needs one); the loop hands them to drafting and prompt lookup, and `keep_measurements`
+hands what they measured back to the target's memory at the call's end.
 """
 
 import functools
 
 from .control_cost import VerifyCost, best_node_count
-from .control_gates import AlwaysSpeculate, SpeculationGates, StepRecord, keep_speculation_gates, speculation_gates_for
+from .control_speculation import AlwaysSpeculate, SpeculationController, StepRecord, controller_for, keep_controller
 from .control_profiles import keep_verify_cost, verify_cost_for
 
 
 class DraftLengthPolicy:
     """Decides drafts per row from measurements. `block_size`: the drafter's block; `default_length`: its
     configured `num_draft_tokens` (or None); `verify_cost`: the measured T_verify(n, rows) or None; `tree_depth`:
-    for draft trees, the deepest tree level; `max_positions`: the target's context; `gates`: the speculation gates
-    (fresh ones by default); `keep(gates, verify_cost)`: hands what the call measured back at its end
-    (`keep_measurements`; None: they are this call's alone)."""
+    for draft trees, the deepest tree level; `max_positions`: the target's context; `control`: the speculation
+    controller (a fresh one on `verify_cost` by default); `keep(control, verify_cost)`: hands what the call measured
+    back at its end (`keep_measurements`; None: they are this call's alone)."""
 
     def __init__(self, block_size: int, default_length: int | None = None, verify_cost: VerifyCost | None = None,
                  tree_depth: int | None = None, max_positions: int | None = None,
-                 gates: "SpeculationGates | AlwaysSpeculate | None" = None, keep=None):
+                 control: "SpeculationController | AlwaysSpeculate | None" = None, keep=None):
         self.block_size = block_size
         self.default_length = default_length
         self.verify_cost = verify_cost
         self.tree_depth = tree_depth
         self.max_positions = max_positions
-        self.gates = gates if gates is not None else SpeculationGates()
+        self.control = control if control is not None else SpeculationController(verify_cost)
         self.keep = keep
         self.draft_seconds: float | None = None  # running estimate of one drafting pass
 
@@ -87,23 +87,14 @@ class DraftLengthPolicy:
             return len(reach) + 1
         return best_node_count([reach], lambda n: self.verify_cost(n, rows), self.draft_seconds or 0.0)
 
-    def lookup_lengths(self, reach_rows: list[list[float]], rows: int) -> list[int]:
-        """How many of each row's prompt-lookup drafts to verify, given their estimated reach probabilities: they cost
-        no drafting, only verify slots, and the batch's forward is a rectangle, so one count for every row (none
-        when they do not pay: at a large batch a forward over more tokens costs more)."""
-        if self.verify_cost is None:
-            return [len(r) for r in reach_rows]
-        n = best_node_count(reach_rows, lambda n: self.verify_cost(n, rows), 0.0)
-        return [min(len(r), n - 1) for r in reach_rows]
-
     def record_draft_time(self, seconds: float) -> None:
         """One drafting pass took `seconds` (both passes for D²SD); smoothed, it prices the next step's drafts."""
         self.draft_seconds = seconds if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * seconds
 
     def keep_measurements(self) -> None:
-        """At the end of a call: what its gates and cost model measured becomes where the next call starts."""
+        """At the end of a call: what its controller and cost model measured becomes where the next call starts."""
         if self.keep is not None:
-            self.keep(self.gates, self.verify_cost)
+            self.keep(self.control, self.verify_cost)
 
     def record_step(self, step: StepRecord) -> bool:
         """A step's measured verify time refines the profiled cost model; True when the profile was measured again
@@ -115,10 +106,10 @@ class DraftLengthPolicy:
 
 class FixedLength(DraftLengthPolicy):
     """`length` drafts every step (fewer only where the row's length or the target's context ends them), every step
-    speculative: no cost model, no gates."""
+    speculative: no cost model, no controller."""
 
     def __init__(self, length: int, block_size: int, max_positions: int | None = None):
-        super().__init__(block_size, max_positions=max_positions, gates=AlwaysSpeculate())
+        super().__init__(block_size, max_positions=max_positions, control=AlwaysSpeculate())
         self.length = length
 
     def most_drafts(self) -> int:
@@ -126,9 +117,10 @@ class FixedLength(DraftLengthPolicy):
 
 
 def speculation_policy(drafter, target, fixed: int | None = None, method: str = "DiffusionCandidateGenerator"):
-    """The draft-length policy and gates of one call of `drafter` on `target`: `fixed` drafts per step when given,
-    else the measured cost model when this machine has a profile for the target (measured now the first time),
-    else the drafter's configured length. `method` names the drafting method, whose gates persist across calls."""
+    """The draft-length policy and controller of one call of `drafter` on `target`: `fixed` drafts per step when
+    given, else the measured cost model when this machine has a profile for the target (measured now the first time),
+    else the drafter's configured length. `method` names the drafting method, whose controller persists across
+    calls."""
     dual = drafter.config.model_type == "dual_diffusion_drafter"
     config = drafter.first.config if dual else drafter.config
     max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
@@ -138,13 +130,15 @@ def speculation_policy(drafter, target, fixed: int | None = None, method: str = 
     tree_depth = drafter.config.max_depth if dual else None
     if getattr(config, "draft_tree_budget", None):
         tree_depth = config.block_size - 1
+    verify_cost = verify_cost_for(target)
     return DraftLengthPolicy(
-        block_size=config.block_size, default_length=config.num_draft_tokens, verify_cost=verify_cost_for(target),
-        tree_depth=tree_depth, max_positions=max_positions, gates=speculation_gates_for(drafter, target, method),
+        block_size=config.block_size, default_length=config.num_draft_tokens, verify_cost=verify_cost,
+        tree_depth=tree_depth, max_positions=max_positions,
+        control=controller_for(drafter, target, method, verify_cost),
         keep=functools.partial(_keep, drafter, target, method))
 
 
-def _keep(drafter, target, method: str, gates, verify_cost) -> None:
-    keep_speculation_gates(drafter, target, method, gates)
+def _keep(drafter, target, method: str, control, verify_cost) -> None:
+    keep_controller(drafter, target, method, control)
     if verify_cost is not None:
         keep_verify_cost(target, verify_cost)

@@ -1,9 +1,9 @@
 """What the runtime keeps from one `generate` call to the next, and where: on the target model itself, in a
 `SpeculationMemory` (`memory_of(target)`), made at the first speculative call on it and freed with it.
 
-- `gates`: the speculation gates (`control_gates.py`) of each drafter decoding for this target, per setup (dtype,
-  device, thread count, drafting method). A second call starts from what the first measured instead of paying for
-  its probes again. Drafters are held weakly: their entries go with them.
+- `controllers`: the speculation controller (`control_speculation.py`) of each drafter decoding for this target, per
+  setup (dtype, device, thread count, drafting method). A second call starts from what the first measured, weighed
+  less. Drafters are held weakly: their entries go with them.
 - `verify_costs`: the verify-cost profiles in use (`control_profiles.py`), per profile file: its modification time,
   costs and the corrections live steps made to them (`VerifyCost.observe`), so these carry over to later calls.
   Plain numbers: the memory holds no model.
@@ -11,12 +11,12 @@
   disagreed with them (once per target).
 
 No module global is written while calls run. Calls running at once (threads of one process) share none of it while
-they run: each call takes its own copy of the gates and the verify cost at its start and hands them back at its end,
+they run: each call takes its own copy of the controller and the verify cost at its start and hands them back at its end,
 under the memory's lock (the last call to end is what the next one starts from). One thread measures a profile at a
 time (`MEASURING`); the others that need one wait, then read what it measured.
 
 `reset_speculation_state()` forgets all of it: every memory made before is discarded at its next use, so the next call
-measures its gates afresh and re-reads the profiles from disk (it does not re-measure them; `hf-diffspec profile`
+learns its controller afresh and re-reads the profiles from disk (it does not re-measure them; `hf-diffspec profile`
 does). A saved drafter's `custom_generate/` folder is a copy of this package with memories of its own.
 """
 
@@ -42,8 +42,8 @@ class SpeculationMemory:
     def __init__(self, epoch: int):
         self.epoch = epoch
         self.lock = threading.RLock()
-        # drafter (weakly) -> {(dtype, device, threads, method): SpeculationGates}
-        self.gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # drafter (weakly) -> {(dtype, device, threads, method): SpeculationController}
+        self.controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.verify_costs: dict[str, tuple] = {}  # profile path -> (mtime_ns, costs, corrections, observations)
         self.warned: set[str] = set()
         self.remeasured: set[str] = set()
@@ -101,7 +101,7 @@ def memory_of(target) -> SpeculationMemory:
 
 
 def reset_speculation_state() -> None:
-    """Forget every measurement kept across `generate` calls (speculation gates, verify-cost corrections, warnings
+    """Forget every measurement kept across `generate` calls (speculation controllers, verify-cost corrections, warnings
     given): the next call on any target starts as the first one of a fresh process would, from the profiles cached
     on disk."""
     with _MAKING:

@@ -2,18 +2,18 @@
 target itself picks. It reads in one screen (`speculative_generate`, `_step`); its parts:
 
     policy    = speculation_policy(...)        control: how many drafts, whether to speculate (`control_policy.py`,
-                                               `control_gates.py`, measured costs `control_profiles.py`)
+                                               `control_speculation.py`, measured costs `control_profiles.py`)
     drafting  = generator_class(drafter)(...)  one CandidateTree per row (`drafting*.py`)
     verifier  = TargetVerifier(model, ...)     the target's forward over the trees and every cache it leaves
                                                (`verifier.py`, `verify_*.py`)
     batch     = BatchState(...)                rows, what each committed, acceptance (`batch.py`)
 
     prefill (prompts) ──► first token per row (its anchor) ──► loop (`_step`):
-        lookup.propose(batch)          ──► prompt-lookup drafts per row (free: copied from the row's own text),
-                                           as many as the policy's cost model says pay
-        gates.decide(rows, match)      ──► the step's kind: DRAFT (the drafter's trees, lookup drafts grafted on
+        lookup.propose(batch)          ──► prompt-lookup drafts per row (free: copied from the row's own text)
+        control.decide(rows, lookups)  ──► the step's kind: DRAFT (the drafter's trees, lookup drafts grafted on
                                            as one more branch), LOOKUP (lookup drafts alone, no drafter forward)
-                                           or PLAIN (the anchors alone: a plain decode step)
+                                           or PLAIN (the anchors alone: a plain decode step), and how many lookup
+                                           drafts pay
         drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch)
         verifier.forward(trees)        ──► one target forward: trees as a rectangle, 4D mask, depth positions
         batch.accept(trees, logits)    ──► descend each tree with the target's choices: greedy, for every row and
@@ -23,8 +23,9 @@ target itself picks. It reads in one screen (`speculative_generate`, `_step`); i
         verifier.keep(paths)           ──► accepted paths kept in the cache, visible to their row; recurrent states
                                            rolled back and advanced along them; their target features become the
                                            drafter's new context (`drafting.add_context`)
-        gates.record / policy.record_step (a StepRecord, once its times are read)
-                                       ──► tokens per second of each kind of step, and the verify cost observed
+        control.observe_lookups        ──► every row's lookup drafts against what the target committed
+        control.record / policy.record_step (a StepRecord, once its times are read)
+                                       ──► what the step committed and cost, and the verify cost observed
         batch.drop_finished()          ──► finished rows leave the batch, the verifier's caches and the drafter's
 
 Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
@@ -32,9 +33,9 @@ Between two target forwards the host reads the device a fixed number of times wh
 lookup, stopping and root positions work from that copy. Nothing else in a step waits for the device: steps are
 timed by stamps on the device's own timeline (`device_clock.StepClock`; on the CPU the host clock), each ending after
 `keep` and the replay, so their time is the step's and not the next one's; on a GPU a step's times are read at a
-later step's read and reach the gates and the cost model then (`_record_timed_steps`).
+later step's read and reach the controller and the cost model then (`_record_timed_steps`).
 
-The gates and the verify-cost profile in use outlive the call, on the target (`control_state.py`;
+The controller and the verify-cost profile in use outlive the call, on the target (`control_state.py`;
 `reset_speculation_state` forgets them): the call works on copies of its own and hands them back at its end, so calls
 in several threads at once share no state while they run (the verify attention and the recurrent-state recording
 are per thread too). It is the `custom_generate` callable that `generate()` runs once it has prepared logits
@@ -52,7 +53,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch import PREFIX_FREE_WHEN_SAMPLING, BatchState, RowCommitter, TokenStore, row_processors
-from .control_gates import StepKind, StepRecord
+from .control_speculation import StepKind, StepRecord
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock, device_time
 from .drafting import DiffusionCandidateGenerator, generator_class
@@ -69,7 +70,7 @@ class SpeculationStats:
     included); `committed_per_step` has one entry per row and step. `drafted_tokens` counts every candidate after the
     anchors, `lookup_tokens` those copied by prompt lookup (some may coincide with the drafter's). `verified_tokens`
     counts real tree nodes, `verified_slots` the rectangle the target computed (rows x longest tree, padding
-    included). Steps by kind (`control_gates.StepKind`): `draft_steps` ran the drafter (lookup drafts grafted on),
+    included). Steps by kind (`control_speculation.StepKind`): `draft_steps` ran the drafter (lookup drafts grafted on),
     `lookup_steps` verified prompt-lookup drafts alone, `plain_steps` the anchors alone (a plain decode step).
     `linear_state_replays`: steps after which a linear-attention target's recurrent states
     were put back and advanced through the accepted tokens only (`verify_recurrent.py`)."""
@@ -301,19 +302,23 @@ def _step(call: DecodingCall, step_start):
     end's. It never waits for the device but in `batch.accept`'s one read of the outcome."""
     batch, policy, verifier, device = call.batch, call.policy, call.verifier, call.device
     rows, root_positions = len(batch.active), batch.root_positions  # host values: no device read
-    found = call.lookup.propose(batch, root_positions, policy)
-    kind = policy.gates.decide(rows, found.ngram)
+    found = call.lookup.propose(batch, root_positions, policy)  # as deep as each row may verify
+    ngrams, lengths = found.ngrams or [0] * rows, found.lengths or [0] * rows
+    kind, lookup_depth = policy.control.decide(rows, ngrams, lengths)
+    draft_start = call.clock.stamp() if kind is StepKind.DRAFT else None
     if kind is StepKind.DRAFT:
         trees = call.drafting.propose(batch.anchors, root_positions, batch.max_drafts())
     else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
         trees = [CandidateTree([anchor], [-1], device=device) for anchor in batch.anchors]
-    lookups = found if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
+    lookups = found.truncated(lookup_depth) if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
     trees = lookups.graft(trees)
 
     verify_start = call.clock.stamp()  # the drafter's forward is the draft's time
     out, layout = verifier.forward(trees, batch.root_position_tensor)
     paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device
-    call.lookup.record_verified(lookups, batch, paths)
+    if found.ngram:  # every row's lookup drafts against what it committed (on the host), whatever was verified
+        policy.control.observe_lookups(ngrams, found.drafts, [ids[len(ids) - len(p):].tolist()
+                                                              for ids, p in zip(batch.histories(), paths)])
     kept = verifier.keep(paths, batch.accepted, batch.next_slots)
     call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
                               kept.accepted, all_valid=kept.rows_all_valid)
@@ -323,14 +328,14 @@ def _step(call: DecodingCall, step_start):
     step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths), seconds=0.0,
                       slots=verifier.slots, verify_seconds=0.0)  # the times once read
     call.stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
-    call.timing.append((step, step_start, verify_start, step_end))
-    if _record_timed_steps(call):  # the profile was measured again: those seconds are no step's (nor the gates')
+    call.timing.append((step, ngrams, [len(p) - 1 for p in paths], (step_start, draft_start, verify_start, step_end)))
+    if _record_timed_steps(call):  # the profile was measured again: those seconds are no step's
         step_end = call.clock.stamp()
     return step_end
 
 
 def _record_timed_steps(call: DecodingCall, wait: bool = False) -> bool:
-    """Hand the gates and the cost model, in order, every step whose end the device has run, with its times: on
+    """Hand the controller and the cost model, in order, every step whose end the device has run, with its times: on
     the CPU the step just ended, on a GPU at the latest one step late (`device_clock.StepClock`); with `wait`, all
     of them after waiting for the device (a call's end). True when the profile was measured again meanwhile."""
     if wait and call.timing:
@@ -338,13 +343,15 @@ def _record_timed_steps(call: DecodingCall, wait: bool = False) -> bool:
     call.drafting.record_draft_times()
     measured = False
     while call.timing:
-        step, start, verify_start, end = call.timing[0]
+        step, ngrams, accepted, (start, draft_start, verify_start, end) = call.timing[0]
         seconds = call.clock.seconds(start, end)
         if seconds is None:
             break
         call.timing.pop(0)
-        step = replace(step, seconds=seconds, verify_seconds=call.clock.seconds(verify_start, end))
-        call.policy.gates.record(step)
+        drafting = call.clock.seconds(draft_start, verify_start) if draft_start is not None else 0.0
+        step = replace(step, seconds=seconds, verify_seconds=call.clock.seconds(verify_start, end),
+                       draft_seconds=drafting)
+        call.policy.control.record(step, ngrams, accepted)
         measured |= call.policy.record_step(step)
         call.stats.add_time(step)
     return measured

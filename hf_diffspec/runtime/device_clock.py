@@ -5,7 +5,7 @@ cache gathers of the verifier's `keep`, a recurrent replay) would leave their de
 into whichever later step first waits on the device. Inside the decoding loop, `StepClock` stamps the device's own
 timeline instead: CUDA events recorded on the stream, never waited for, and read once the device has passed them
 (the step's one host read passes everything launched before it, so a step's end is readable at the next step's
-read: its time reaches the gates and the cost model one step late; all of them are moving averages). On the CPU
+read: its time reaches the controller and the cost model one step late; all of them are moving averages). On the CPU
 work is done when it is launched, and the host clock is the stamp. `device_time` (a host clock read after waiting
 for the device) times whole calls and measurements. Tests substitute a fake device through `synchronize`, `clock`,
 `uses_events` and `Event`.

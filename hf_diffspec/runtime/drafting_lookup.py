@@ -3,8 +3,9 @@
 When the last few committed tokens of a row occurred earlier in it (the prompt, or what it generated), the tokens
 that followed them then are a guess for what follows now. Such guesses cost no drafter forward, and they are right
 often where a small drafter is weak: code that repeats names, answers that quote the question. The decoding loop
-verifies them as one more branch of the step's tree, or alone (a step without a drafter forward), and the measured
-cost model decides how many of them to verify from how often lookup drafts have been accepted at each depth so far.
+verifies them as one more branch of the step's tree, or alone (a step without a drafter forward); the speculation
+controller decides how many of them to verify from how often lookup drafts have been accepted at each depth, which it
+measures after every step (`control_speculation.py`).
 
 When sampling, a copied token is a deterministic draft: its law is a point mass, and rejection sampling accepts it
 with the target's probability of it (`verification.py`), beside the drafter's drawn siblings. Whether a lookup branch
@@ -23,8 +24,8 @@ from .tree import CandidateTree, read_token_lists
 @dataclass
 class LookupDrafts:
     """One step's prompt-lookup drafts: per active row, its drafts (a list of token ids, possibly empty) and the
-    length of the suffix match they were found after. `ngram`: the longest match among rows with drafts (0: no row has any); it picks the
-    step's speculation gates."""
+    length of the suffix match they were found after (0: none). `ngram`: the longest match among rows with drafts (0:
+    no row has any)."""
 
     drafts: list[list[int]]
     ngrams: list[int]
@@ -36,6 +37,16 @@ class LookupDrafts:
     @property
     def num_tokens(self) -> int:
         return sum(len(d) for d in self.drafts)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(d) for d in self.drafts]
+
+    def truncated(self, depth: int) -> "LookupDrafts":
+        """The first `depth` drafts of every row (the ones a step verifies)."""
+        if depth <= 0 or not self.ngram:
+            return NO_LOOKUP_DRAFTS
+        return LookupDrafts([d[:depth] for d in self.drafts], self.ngrams)
 
     def graft(self, trees: list[CandidateTree]) -> list[CandidateTree]:
         """Each row's tree with its lookup drafts as one more branch (see `graft`)."""
@@ -49,7 +60,8 @@ NO_LOOKUP_DRAFTS = LookupDrafts([], [])
 
 
 class PromptLookup:
-    """Finds lookup drafts per row and measures how often they are accepted.
+    """Finds lookup drafts per row; how many of them a step verifies is the speculation controller's decision
+    (`control_speculation.py`), which measures their acceptance.
 
     Args:
         num_tokens: most tokens copied per step (transformers' `prompt_lookup_num_tokens`); 0: lookup off.
@@ -57,46 +69,22 @@ class PromptLookup:
             it does not occur earlier. The loop uses 3 unless the generation config sets one: after 1-, 2- and
             3-token matches, 0.69, 1.72 and 3.57 lookup drafts were accepted per step on the built-in prompts, so
             the match length tells steps worth a drafter forward from steps that are not.
-        prior: acceptance probabilities assumed before any measurement, of the first lookup draft and of each later
-            one given the one before it was accepted, held as `prior_weight` pseudo steps. A copy, once right, tends
-            to stay right (SmolLM2's greedy outputs for the built-in prompts,
-            `examples/benchmarks/lookup_replay.py`: 0.39 for the first, then 0.62, 0.74, 0.81 ... 0.9), and a depth
-            that is never verified is never measured, so the later ones start high rather than at a guess that would
-            keep them unverified.
     """
 
-    def __init__(self, num_tokens: int, max_ngram: int = 3, prior: tuple[float, float] = (0.4, 0.8),
-                 prior_weight: float = 2.0):
+    def __init__(self, num_tokens: int, max_ngram: int = 3):
         if num_tokens < 0 or max_ngram < 1:
             raise ValueError(f"prompt lookup needs num_tokens >= 0 and max_ngram >= 1, got {num_tokens}, {max_ngram}")
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
-        # per matched n-gram length n and depth d: steps whose lookup draft reached depth d (d-1 accepted), and those
-        # that accepted depth d too. A longer match is right more often (see `max_ngram`), so each length is
-        # measured on its own
-        self.prior = [prior[min(d, 1)] for d in range(num_tokens)]
-        self.prior_weight = prior_weight
-        self.trials: dict[int, list[float]] = {}
-        self.hits: dict[int, list[float]] = {}
 
     def propose(self, batch, root_positions: list[int], policy) -> LookupDrafts:
         """The lookup drafts of every active row of `batch` (a `BatchState`) whose anchors sit at `root_positions`,
-        as many as `policy` (the `DraftLengthPolicy`) verifies given their measured acceptance."""
+        as many as the row may verify (`policy.depth_limits`)."""
         if not self.num_tokens:
             return NO_LOOKUP_DRAFTS
         limits = policy.depth_limits(root_positions, batch.max_drafts())
         found = self.find_rows(*batch.history_rows(), limits)
-        lengths = policy.lookup_lengths([self.reach(len(d), n) for d, n in found], len(found))
-        return LookupDrafts([list(d[:k]) for (d, _), k in zip(found, lengths)], [n for _, n in found])
-
-    def record_verified(self, lookups: LookupDrafts, batch, paths: list[list[int]]) -> None:
-        """A step verified `lookups` and each active row of `batch` accepted its path in `paths` (one committed
-        token per node, the bonus included): measure which lookup drafts were accepted."""
-        if not lookups.ngram:
-            return
-        for drafts, ngram, ids, path in zip(lookups.drafts, lookups.ngrams, batch.histories(), paths):
-            if len(drafts):
-                self.record(drafts, ngram, ids[-len(path) :].tolist())
+        return LookupDrafts([list(d) for d, _ in found], [n if len(d) else 0 for d, n in found])
 
     def find(self, ids, limit: int):
         """Up to `limit` tokens that followed the most recent earlier occurrence of the longest suffix of `ids` (1-D,
@@ -141,37 +129,6 @@ class PromptLookup:
                 start = int(best[r] % width) + 1
                 found.append((ids[r, start : min(start + limit, n)], int(best[r] // width)))
         return found
-
-    def _counts(self, ngram: int) -> tuple[list[float], list[float]]:
-        if ngram not in self.trials:
-            self.trials[ngram] = [self.prior_weight] * self.num_tokens
-            self.hits[ngram] = [p * self.prior_weight for p in self.prior]
-        return self.trials[ngram], self.hits[ngram]
-
-    def reach(self, length: int, ngram: int) -> list[float]:
-        """Estimated probability that verification accepts each of the first tokens of a `length`-token lookup draft
-        found after an `ngram`-token match."""
-        trials, hits = self._counts(ngram)
-        probabilities, reach = [], 1.0
-        for d in range(length):
-            reach *= hits[d] / trials[d]
-            probabilities.append(reach)
-        return probabilities
-
-    def record(self, drafts, ngram: int, committed) -> None:
-        """A step verified lookup `drafts` (token ids, found after an `ngram`-token match) and the row committed
-        `committed` (token ids, the bonus token included): the drafts matching the committed tokens were accepted,
-        the first mismatch was rejected."""
-        trials, hits = self._counts(ngram)
-        accepted = 0
-        drafts, committed = _ids(drafts), _ids(committed)
-        for draft, token in zip(drafts, committed):
-            if draft != token:
-                break
-            accepted += 1
-        for d in range(min(accepted + 1, len(drafts), len(committed))):
-            trials[d] += 1
-            hits[d] += d < accepted
 
 
 def _ids(tokens) -> list[int]:

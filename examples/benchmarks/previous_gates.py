@@ -1,4 +1,7 @@
-"""Whether a decoding step speculates: measured on this machine, per batch size, and kept across `generate` calls.
+"""The speculation gates that `hf_diffspec.runtime.control_speculation.SpeculationController` replaced (the runtime's
+`control_gates.py` until 2026-12-06), kept as the baseline of `controller_replay.py`. Not used by the library.
+
+Whether a decoding step speculates: measured on this machine, per batch size, and kept across `generate` calls.
 
 Unless the draft length is fixed, each step is a drafter step or a plain decode step (the anchor alone, no drafter
 forward). Both are measured as tokens committed per second of whole loop steps: the loop speculates while that beats
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .control_cost import rows_bucket
-from .control_state import memory_of
+from hf_diffspec.runtime.control_cost import rows_bucket
+from hf_diffspec.runtime.control_state import memory_of
 
 
 class StepKind(enum.Enum):

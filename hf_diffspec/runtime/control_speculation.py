@@ -1,0 +1,310 @@
+"""Whether a decoding step speculates, and with what: one estimator per arm, one decision rule, a stated bound on what
+it can lose.
+
+A step is one of three kinds (`StepKind`): the drafter's trees with the rows' prompt-lookup drafts grafted on (DRAFT),
+the lookup drafts alone (LOOKUP), or the anchors alone, a plain decode step (PLAIN). Each step takes the kind with the
+most expected tokens per second,
+
+    rate(kind) = sum over rows of E[tokens committed] / (overhead(kind) + T_verify(slots, rows)),
+
+where T_verify is the measured cost model (`control_cost.VerifyCost`, at the exact row count: rows enter only there)
+and overhead(kind) the measured rest of such a step (drafting, tree building, lookup), scaled to the row count by the
+cost model's one-token forward. The expectations:
+
+- PLAIN: 1 token a row.
+- LOOKUP: per row, 1 + the sum of its drafts' reach probabilities, verified as deep as `best_node_count` says pays.
+  Acceptance per depth (of draft d, given d - 1 accepted) is estimated per length of the suffix the drafts were found
+  after. It is scored with full information: after every step, whatever its kind, each row's lookup drafts are
+  compared with what the target committed, so lookup is never probed.
+- DRAFT: per row, 1 + the drafts a drafter step accepts (its lookup drafts grafted on), estimated per match length;
+  how deep the tree goes is the drafter's own per-node confidence and the cost model's decision (`best_node_count`),
+  so the estimate is of what a sized step commits, not per depth. Only drafter steps measure it.
+
+Every estimate is a posterior, discounted by `DISCOUNT` a step (acceptance comes in stretches of text), whose prior is
+the arm's estimate pooled over match lengths, weighing `PRIOR_WEIGHT` observations (the pooled one's prior: Beta(1, 1)
+for acceptance per depth, a mean of 1 drafter token accepted). Exploration is Thompson sampling: each step decides on
+one draw of every estimate, so an arm that may pay is tried about as often as it may.
+
+The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
+it committed, plus one step, as far as the cost model holds. A budget starts at one step, gains (1 + EPSILON) x the
+plain cost of what each step committed and loses what the step took; a kind other than PLAIN is taken only when the
+budget stays non-negative even if the step commits one token a row. So where speculation never pays, decoding runs at
+1 / (1 + EPSILON) of plain decoding at worst (0.971x), and where it pays the budget grows and never binds.
+
+What a call learned carries to the next call on the same drafter, target and setup (`control_state.py`), its
+observations weighed `CALL_DISCOUNT`. Losslessness never depends on any of it: the target alone picks every token.
+"""
+
+import copy
+import enum
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .control_cost import best_node_count
+from .control_state import memory_of
+
+EPSILON = 0.03  # the bound above: speculation may cost at most 3% over plain decoding (the run-to-run spread is 10%)
+DISCOUNT = 0.9  # per step: an observation counts half after 7 steps (acceptance changes with the text)
+CALL_DISCOUNT = 0.5  # a new call (another prompt) weighs what earlier calls saw as half
+PRIOR_WEIGHT = 2.0  # observations the pooled prior is worth: two steps of a match length decide for it
+
+
+class StepKind(enum.Enum):
+    """What a loop step verifies."""
+
+    DRAFT = "draft"  # the drafter's trees (with the rows' prompt-lookup drafts grafted on)
+    LOOKUP = "lookup"  # no drafter forward: the rows' prompt-lookup drafts alone
+    PLAIN = "plain"  # no drafts: the anchors alone, a plain decode step
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One loop step as the controller and the cost model learn from it.
+
+    Args:
+        kind: what it verified.
+        rows: rows in the batch.
+        lookup_ngram: the longest prompt-lookup match among its rows (0: none had lookup drafts).
+        committed: tokens committed, all rows together.
+        seconds: the whole step (lookup, draft, verify, commit).
+        slots: slots verified per row (the width of the target's forward).
+        verify_seconds: the target's forward and the commit.
+        draft_seconds: the drafter's pass and its trees (0 but in a drafter step).
+    """
+
+    kind: StepKind
+    rows: int
+    lookup_ngram: int
+    committed: int
+    seconds: float
+    slots: int
+    verify_seconds: float
+    draft_seconds: float = 0.0
+
+
+class _Counts:
+    """Discounted (successes, trials) per key and depth, with the pooled prior described in the module docstring.
+    A key's counts are discounted once per step that observes it: what is not observed keeps what was learned."""
+
+    def __init__(self):
+        self.hits: dict = {}
+        self.trials: dict = {}
+
+    def add_step(self, observations: list[tuple], discount: float | None = None) -> None:
+        """One step's observations, (key, depth, successes, trials) each; the keys observed are discounted first
+        (by `DISCOUNT` unless `discount` is given)."""
+        discount = DISCOUNT if discount is None else discount
+        seen = {(k, depth) for key, depth, _, _ in observations for k in (key, None)}
+        for entry in seen:
+            if entry in self.trials:
+                self.hits[entry] *= discount
+                self.trials[entry] *= discount
+        for key, depth, hit, trial in observations:
+            for k in (key, None):  # None: pooled over keys
+                self.hits[k, depth] = self.hits.get((k, depth), 0.0) + hit
+                self.trials[k, depth] = self.trials.get((k, depth), 0.0) + trial
+
+    def discount(self, factor: float) -> None:
+        for table in (self.hits, self.trials):
+            for k in table:
+                table[k] *= factor
+
+    def mean(self, key, guess: float, weight: float = PRIOR_WEIGHT) -> float:
+        """The mean of `key`'s observations (depth 0), `guess` weighing `weight` observations."""
+        trials = self.trials.get((key, 0), 0.0)
+        if trials + weight == 0:
+            return guess
+        return (self.hits.get((key, 0), 0.0) + weight * guess) / (trials + weight)
+
+    def posterior(self, key, depth: int, prior: tuple[float, float]) -> tuple[float, float]:
+        """(successes, trials) of `key` at `depth` with the pooled estimate as prior (`prior`: the pooled one's)."""
+        pooled_hits = self.hits.get((None, depth), 0.0) + prior[0]
+        pooled_trials = self.trials.get((None, depth), 0.0) + prior[1]
+        mean = pooled_hits / pooled_trials
+        return (self.hits.get((key, depth), 0.0) + PRIOR_WEIGHT * mean,
+                self.trials.get((key, depth), 0.0) + PRIOR_WEIGHT)
+
+
+class SpeculationController:
+    """Decides each step's kind and how many lookup drafts it verifies (see the module docstring).
+
+    `verify_cost(n, rows)`: the cost model (None: a flat cost, the mean verify time of the steps seen);
+    `draft_guess`: what a drafting pass costs, in one-token target forwards, until one is measured (the drafter's
+    layers over the target's); `seed`: of the Thompson draws (they never change output)."""
+
+    def __init__(self, verify_cost=None, draft_guess: float = 1.0, seed: int = 0):
+        self.verify_cost = verify_cost
+        self.draft_guess = draft_guess
+        self.rng = random.Random(seed)
+        self.lookup = _Counts()  # per match length and depth: lookup draft d accepted given d - 1 was
+        self.drafter = _Counts()  # per match length: drafts a drafter step accepted per row (depth 0)
+        # in profiled one-token forwards at the step's rows: each step's time beyond its verify forward and drafting
+        # (the loop's own work), and a drafter step's drafting
+        self.loop = _Counts()
+        self.drafting = _Counts()
+        self.slots = _Counts()  # per kind: slots verified
+        self.flat_verify = _Counts()  # without a cost model: verify seconds of the steps seen
+        self.budget: float | None = None  # seconds; None until the call's first decision
+
+    def start_call(self) -> "SpeculationController":
+        """A copy for a new call: earlier calls' observations weigh `CALL_DISCOUNT`, the budget starts afresh."""
+        call = copy.deepcopy(self)
+        for counts in (call.lookup, call.drafter, call.loop, call.drafting, call.slots, call.flat_verify):
+            counts.discount(CALL_DISCOUNT)
+        call.budget = None
+        return call
+
+    # ----- costs ----------------------------------------------------------------------------------------------------
+    def _verify(self, n: int, rows: int) -> float:
+        if self.verify_cost is not None:
+            return self.verify_cost(n, rows)
+        return self.flat_verify.mean("verify", 1e-3, weight=0.0)
+
+    def _unit(self, rows: int) -> float:
+        """A one-token forward at `rows` as profiled: what the other costs are measured in (not as corrected by live
+        steps, which drift), so that they carry over to other row counts."""
+        return getattr(self.verify_cost, "profiled", self._verify)(1, rows)
+
+    def _overhead(self, kind: StepKind, rows: int) -> float:
+        """The rest of a `kind` step at `rows`: the loop's own work, the same for every kind, and for a drafter step
+        the drafting pass (`draft_guess` until measured, and again as its measurements fade)."""
+        drafting = self.drafting.mean("drafting", self.draft_guess) if kind is StepKind.DRAFT else 0.0
+        return (self.loop.mean("loop", 0.0) + drafting) * self._unit(rows)
+
+    def _step_cost(self, kind: StepKind, rows: int, slots: float) -> float:
+        return self._overhead(kind, rows) + self._verify(slots, rows)
+
+    def _draft_slots(self) -> float:
+        return self.slots.mean(StepKind.DRAFT, 4.0)
+
+    # ----- the decision -------------------------------------------------------------------------------------------
+    def _lookup_reach(self, ngram: int, length: int, draw: bool) -> list[float]:
+        reach, out = 1.0, []
+        for d in range(1, length + 1):
+            hits, trials = self.lookup.posterior(ngram, d, (1.0, 2.0))
+            reach *= self.rng.betavariate(hits, trials - hits) if draw else hits / trials
+            out.append(reach)
+        return out
+
+    def _drafter_tokens(self, ngram: int, draw: bool) -> float:
+        """Drafts a drafter step accepts per row after an `ngram`-token match: the posterior mean, or with `draw`
+        the larger of it and a draw (optimistic Thompson sampling: only drafter steps tell what drafter steps
+        commit, so only an optimistic draw buys information; plain steps are known, lookup is observed anyway)."""
+        accepted, steps = self.drafter.posterior(ngram, 0, (1.0, 1.0))
+        mean = accepted / steps
+        return max(mean, self.rng.gammavariate(accepted, 1 / steps)) if draw else mean
+
+    def decide(self, rows: int, ngrams: list[int], lookup_lengths: list[int]) -> tuple[StepKind, int]:
+        """The next step's kind, and how many lookup drafts each row verifies in it (its found ones, up to this),
+        for `rows` rows whose lookup drafts were found after matches of `ngrams` tokens (0: none), `lookup_lengths`
+        deep."""
+        cost = lambda n: self._verify(n, rows)  # noqa: E731
+        plain_cost = self._step_cost(StepKind.PLAIN, rows, 1)
+        reach = [self._lookup_reach(m, k, draw=False) if k else [] for m, k in zip(ngrams, lookup_lengths)]
+        lookup_n = best_node_count(reach, cost, self._overhead(StepKind.LOOKUP, rows)) if any(lookup_lengths) else 1
+        lookup_tokens = rows + sum(sum(r[: lookup_n - 1]) for r in reach)
+        lookup_cost = self._step_cost(StepKind.LOOKUP, rows, lookup_n)
+        draft_tokens = sum(1 + self._drafter_tokens(m, draw=True) for m in ngrams)
+        draft_cost = self._step_cost(StepKind.DRAFT, rows, self._draft_slots())
+        options = [(rows / plain_cost, StepKind.PLAIN, plain_cost), (draft_tokens / draft_cost, StepKind.DRAFT,
+                                                                      draft_cost)]
+        if lookup_n > 1:
+            options.append((lookup_tokens / lookup_cost, StepKind.LOOKUP, lookup_cost))
+        _, kind, step_cost = max(options, key=lambda option: option[0])
+        if self.budget is None:
+            self.budget = plain_cost  # one plain step's credit
+        # the bound: even if it commits one token a row, the step must leave the budget non-negative
+        if kind is not StepKind.PLAIN and self.budget + (1 + EPSILON) * plain_cost - step_cost < 0:
+            kind = StepKind.PLAIN
+        return kind, lookup_n - 1 if kind is not StepKind.PLAIN else 0
+
+    # ----- learning -----------------------------------------------------------------------------------------------
+    def observe_lookups(self, ngrams: list[int], proposals: list, committed: list) -> None:
+        """Full information: each row's lookup drafts found this step (`proposals`, token ids, after an
+        `ngrams[r]`-token match), against the tokens the target committed (`committed`, the bonus included),
+        whatever the step verified. Draft d is observed when the committed tokens reach it."""
+        observations = []
+        for ngram, drafts, tokens in zip(ngrams, proposals, committed):
+            accepted = 0
+            for draft, token in zip(drafts, tokens):
+                if draft != token:
+                    break
+                accepted += 1
+            observations += [(ngram, d, float(d <= accepted), 1.0)
+                             for d in range(1, min(accepted + 1, len(drafts), len(tokens)) + 1)]
+        self.lookup.add_step(observations)
+
+    def record(self, step: StepRecord, ngrams: list[int] | None = None, accepted: list[int] | None = None) -> None:
+        """A step's measured times and, for a drafter step, the drafts each row accepted (`accepted`, rows after
+        matches of `ngrams` tokens)."""
+        unit = self._unit(step.rows)
+        self.flat_verify.add_step([("verify", 0, step.verify_seconds, 1.0)])
+        loop = max(step.seconds - step.verify_seconds - step.draft_seconds, 0.0)
+        self.loop.add_step([("loop", 0, loop / unit, 1.0)])
+        self.slots.add_step([(step.kind, 0, float(step.slots), 1.0)])
+        # the drafter's estimates fade every step, observed or not: when not observed for a while, what a drafter
+        # step commits grows uncertain and its cost returns to the guess, so it is tried again (text that turned
+        # predictable is found, and one slow step, a busy moment, does not keep it off)
+        self.drafter.discount(DISCOUNT)
+        self.drafting.discount(DISCOUNT)
+        if step.kind is StepKind.DRAFT:
+            self.drafting.add_step([("drafting", 0, step.draft_seconds / unit, 1.0)], discount=1.0)
+            if accepted is not None:
+                self.drafter.add_step([(m, 0, float(a), 1.0) for m, a in zip(ngrams, accepted)], discount=1.0)
+        if self.budget is not None:  # charged at the cost model's price for the step, this step's times included
+            plain = self._step_cost(StepKind.PLAIN, step.rows, 1)
+            self.budget += (1 + EPSILON) * step.committed * plain / step.rows - self._step_cost(step.kind, step.rows,
+                                                                                                 step.slots)
+
+
+class AlwaysSpeculate:
+    """The control of a fixed draft length (`num_assistant_tokens`): every step drafts, every lookup draft found is
+    verified, nothing is measured."""
+
+    def start_call(self) -> "AlwaysSpeculate":
+        return self
+
+    def decide(self, rows: int, ngrams: list[int], lookup_lengths: list[int]) -> tuple[StepKind, int]:
+        return StepKind.DRAFT, max(lookup_lengths, default=0)
+
+    def observe_lookups(self, ngrams, proposals, committed) -> None:
+        pass
+
+    def record(self, step: StepRecord, ngrams=None, accepted=None) -> None:
+        pass
+
+
+def _setup(target, method: str) -> tuple:
+    return target.dtype, target.device, torch.get_num_threads(), method
+
+
+def controller_for(drafter, target, method: str, verify_cost) -> SpeculationController:
+    """The controller of one call of `drafter` on `target` with `method` (the candidate generator's name): a copy of
+    what the last call on the same setup kept (`start_call`), or a fresh one; `keep_controller` hands it back."""
+    memory = memory_of(target)
+    with memory.lock:
+        kept = memory.controllers.get(drafter, {}).get(_setup(target, method))
+        call = kept.start_call() if kept is not None else SpeculationController()
+    call.verify_cost = verify_cost
+    drafter_layers = sum(d.config.num_hidden_layers for d in _drafters(drafter))
+    call.draft_guess = drafter_layers / target.config.get_text_config().num_hidden_layers
+    return call
+
+
+def _drafters(drafter) -> list:
+    """The drafters a drafting pass runs (both of a dual drafter)."""
+    if drafter.config.model_type == "dual_diffusion_drafter":
+        return [drafter.first] + ([drafter.vp] if drafter.vp is not None else [])
+    return [drafter]
+
+
+def keep_controller(drafter, target, method: str, controller: SpeculationController) -> None:
+    """What a call's controller learned becomes where the next call on this drafter, target and setup starts (its
+    cost model stays with the profile: `control_profiles.keep_verify_cost`)."""
+    kept = copy.copy(controller)
+    kept.verify_cost = None
+    memory = memory_of(target)
+    with memory.lock:
+        memory.controllers.setdefault(drafter, {})[_setup(target, method)] = kept

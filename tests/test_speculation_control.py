@@ -1,0 +1,159 @@
+"""The speculation controller's properties (`control_speculation.py`), on simulated steps whose costs are the cost
+model's: the budget, regret where acceptance is stationary, the never-pays and always-pays suites, abrupt switches,
+lookup scored with full information, memory across calls."""
+
+import random
+
+import pytest
+
+from hf_diffspec.runtime.control_speculation import (CALL_DISCOUNT, EPSILON, SpeculationController, StepKind,
+                                                     StepRecord)
+
+PLAIN_SECONDS = 0.04
+
+
+def verify_cost(n, rows):
+    """A flat-ish cost curve: wider forwards cost a little more, more rows more."""
+    return PLAIN_SECONDS * (1 + 0.01 * (n - 1)) * (1 + 0.1 * (rows - 1))
+
+
+class Drafter:
+    """A simulated drafter: a drafter step costs `cost` one-token forwards beyond its verify forward (4 slots),
+    and each row accepts `accepted(rng)` drafts."""
+
+    def __init__(self, accepted, cost: float):
+        self.accepted, self.cost = accepted, cost
+
+
+def run(controller, drafter_at, steps: int, rows: int = 1, seed: int = 0, lookups=None):
+    """Decode `steps` steps; `drafter_at(step)` is the drafter of that step (a switch changes it). `lookups(rng)`:
+    per row, (match length, drafts found, drafts that would be accepted), or None for no lookup. Returns the kinds,
+    tokens, seconds, the plain decoding time of those tokens and the least budget seen."""
+    rng = random.Random(seed)
+    kinds, tokens, seconds, least = [], 0, 0.0, float("inf")
+    for i in range(steps):
+        drafter = drafter_at(i)
+        found = [lookups(rng) for _ in range(rows)] if lookups else [(0, 0, 0)] * rows
+        ngrams, lengths = [m for m, _, _ in found], [n for _, n, _ in found]
+        kind, depth = controller.decide(rows, ngrams, lengths)
+        if kind is StepKind.DRAFT:
+            accepted = [drafter.accepted(rng) for _ in range(rows)]
+            slots, extra = 4, drafter.cost * verify_cost(1, rows)
+        elif kind is StepKind.LOOKUP:
+            accepted = [min(a, depth) for _, _, a in found]
+            slots, extra = 1 + depth, 0.0
+        else:
+            accepted, slots, extra = [0] * rows, 1, 0.0
+        verify = verify_cost(slots, rows)
+        committed = rows + sum(accepted)
+        if lookups:
+            controller.observe_lookups(ngrams, [[1] * n for n in lengths],
+                                       [[1] * a + [0] + [1] * 5 for a in (min(x, len_) for (_, len_, x) in found)])
+        controller.record(StepRecord(kind, rows, max(ngrams), committed, extra + verify, slots, verify, extra),
+                          ngrams, accepted)
+        kinds.append(kind)
+        tokens, seconds = tokens + committed, seconds + extra + verify
+        least = min(least, controller.budget if controller.budget is not None else least)
+    return kinds, tokens, seconds, least
+
+
+def fixed(accepted: float, cost: float) -> Drafter:
+    """A drafter accepting `accepted` drafts a row on average (of 4, each accepted with probability accepted / 4)."""
+    return Drafter(lambda rng: sum(rng.random() < accepted / 4 for _ in range(4)), cost)
+
+
+def plain_rate(rows: int) -> float:
+    return rows / verify_cost(1, rows)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_budget_is_never_negative_where_the_cost_model_holds(seed):
+    """Whatever the drafter and the batch, a step other than a plain one is taken only when it leaves the budget
+    non-negative even if it commits one token a row; with costs as the model says (the drafter's guessed cost is
+    its real one), the budget never goes below zero."""
+    rng = random.Random(seed)
+    cost = rng.uniform(0.1, 3.0)
+    drafter = fixed(rng.uniform(0.0, 3.0), cost)
+    controller = SpeculationController(verify_cost, draft_guess=cost)
+    _, _, _, least = run(controller, lambda i: drafter, 400, rows=rng.choice([1, 4, 16]), seed=seed)
+    assert least >= -1e-12
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_where_speculation_never_pays_decoding_stays_within_epsilon_of_plain(rows):
+    """A drafter accepting 0.1 drafts a row for half a plain step more: fresh, a call's decoding time stays within
+    (1 + EPSILON) x plain decoding's for its tokens plus one plain step (256 steps: 0.967x), and over 3,000 steps
+    throughput is at least 1 - EPSILON of plain decoding's."""
+    for steps in (256, 3000):
+        for seed in range(5):
+            controller = SpeculationController(verify_cost, draft_guess=0.5)
+            _, tokens, seconds, _ = run(controller, lambda i: fixed(0.1, 0.5), steps, rows=rows, seed=seed)
+            assert seconds <= (1 + EPSILON) * tokens / plain_rate(rows) + verify_cost(1, rows) + 1e-9
+            if steps == 3000:
+                assert tokens / seconds >= (1 - EPSILON) * plain_rate(rows), seed
+
+
+def test_where_speculation_always_pays_it_drafts_from_the_first_step():
+    kinds, tokens, seconds, _ = run(SpeculationController(verify_cost, draft_guess=0.3), lambda i: fixed(2.0, 0.3),
+                                    200)
+    assert kinds[0] is StepKind.DRAFT and kinds[:20].count(StepKind.DRAFT) >= 18
+    assert tokens / seconds > 0.95 * 3.0 / (1.3 * verify_cost(4, 1) / verify_cost(1, 1)) * plain_rate(1)
+
+
+@pytest.mark.parametrize("accepted, cost", [(1.5, 0.3), (0.6, 0.3), (0.3, 0.3), (0.1, 0.3), (2.0, 1.0), (0.8, 1.0)])
+def test_regret_is_bounded_where_acceptance_is_stationary(accepted, cost):
+    """Over 2,000 steps, throughput is within 10% of the better of always drafting and always decoding plainly
+    (near ties included), and within 3% where one wins by 20% or more."""
+    drafter = fixed(accepted, cost)
+    draft_rate = (1 + accepted) / ((1 + cost) * verify_cost(1, 1) + verify_cost(4, 1) - verify_cost(1, 1))
+    best = max(draft_rate, plain_rate(1))
+    rates = []
+    for seed in range(3):
+        _, tokens, seconds, _ = run(SpeculationController(verify_cost, draft_guess=cost), lambda i: drafter, 2000,
+                                    seed=seed)
+        rates.append(tokens / seconds)
+    clear = max(draft_rate, plain_rate(1)) >= 1.2 * min(draft_rate, plain_rate(1))
+    assert sum(rates) / len(rates) >= (0.97 if clear else 0.90) * best
+
+
+def test_an_abrupt_switch_is_followed():
+    """A drafter that paid and stops paying drafts at most 30% of the steps from 50 steps after the switch on (the
+    rest of its steps are tries its fading estimate draws, paid from the budget); one that starts paying after a long
+    stretch of losing drafts at least 90% of the steps from 50 steps after the switch on."""
+    good, bad = fixed(2.0, 0.3), fixed(0.0, 0.3)
+    for first, then, least, most in ((good, bad, 0.0, 0.3), (bad, good, 0.9, 1.0)):
+        share = 0.0
+        for seed in range(5):
+            kinds, *_ = run(SpeculationController(verify_cost, draft_guess=0.3),
+                            lambda i: first if i < 300 else then, 600, seed=seed)
+            share += kinds[350:].count(StepKind.DRAFT) / 250 / 5
+        assert least <= share <= most
+
+
+def test_lookup_drafts_are_scored_with_full_information():
+    """Steps that verify no lookup draft still measure them (against what the target committed): a controller that
+    only ever decoded plainly knows how far the drafts of each match length would have gone, and verifies them as
+    soon as they pay."""
+    controller = SpeculationController(verify_cost, draft_guess=5.0)  # the drafter is far too dear to try
+
+    def lookups(rng):  # 3-token matches: 4 of 6 drafts right; 1-token matches: none
+        return (3, 6, 4) if rng.random() < 0.5 else (1, 6, 0)
+
+    for m, n in ((3, 6), (1, 6)):
+        assert controller._lookup_reach(m, n, draw=False)[0] == pytest.approx(0.5)  # the prior: nothing measured
+    controller.decide = lambda rows, ngrams, lengths: (StepKind.PLAIN, 0)  # as if every step were plain
+    run(controller, lambda i: fixed(0.0, 5.0), 60, lookups=lookups)
+    del controller.decide
+    assert controller._lookup_reach(3, 6, draw=False)[3] > 0.8 and controller._lookup_reach(1, 6, draw=False)[0] < 0.1
+    kind, depth = controller.decide(1, [3], [6])
+    assert kind is StepKind.LOOKUP and depth >= 4
+
+
+def test_a_call_starts_from_what_earlier_calls_learned_weighed_less():
+    controller = SpeculationController(verify_cost, draft_guess=0.3)
+    run(controller, lambda i: fixed(2.0, 0.3), 50)
+    call = controller.start_call()
+    assert call is not controller and call.budget is None
+    assert call.drafter.trials[0, 0] == pytest.approx(CALL_DISCOUNT * controller.drafter.trials[0, 0])
+    call.drafter.add_step([(0, 0, 1.0, 1.0)])  # the call's own: the kept controller does not see it
+    assert call.drafter.trials[0, 0] != pytest.approx(CALL_DISCOUNT * controller.drafter.trials[0, 0])
