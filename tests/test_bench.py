@@ -306,7 +306,7 @@ def test_bench_cli_prints_the_machine_first_and_reports_peers(tiny_cli, tmp_path
 #: row has only `SKIPPED_ROW`), the machine record, the config (the command's options) and an oracle row
 JSON_SECTIONS = ["results", "machine", "config"]
 RESULT_ROW = ["method", "batch_size", "domain", "prompts", "tau", "tokens_per_s", "speedup_vs_ar",
-              "first_round_speedup_vs_ar", "identical_to_ar", "identical_fraction", "nodes_per_step",
+              "speedup_interval", "first_round_speedup_vs_ar", "identical_to_ar", "identical_fraction", "nodes_per_step",
               "slots_per_forward", "new_tokens", "seconds", "prefill_seconds", "steps_by_kind"]
 SKIPPED_ROW = ["method", "batch_size", "domain", "skipped"]
 MACHINE = ["cpu", "cpu_count", "isa_flags", "avx512", "native_bf16", "amx", "gpu", "device", "torch_threads", "python",
@@ -387,3 +387,17 @@ def test_the_vllm_peers_say_why_they_cannot_run(tmp_path, monkeypatch):
     assert "variable_prefix" in methods["vllm-dflash"].skip_reason
     assert methods["vllm"].skip_reason is None and isinstance(methods["vllm"].runner, VllmRunner)
     assert methods["vllm"].runner.worker is None
+
+
+def test_the_speedup_interval_is_a_paired_bootstrap_over_timed_calls():
+    """Each timed call is paired with ar's on the same batch: calls twice as fast in every pair give exactly 2x; a
+    spread gives an interval around the ratio of totals; under three calls, none."""
+    from hf_diffspec.bench.report import speedup_interval
+
+    ar = ((10, 1.0), (10, 2.0), (10, 1.5), (10, 1.0))
+    assert speedup_interval(tuple((t, s / 2) for t, s in ar), ar) == [2.0, 2.0]
+    spread = ((10, 0.4), (10, 1.5), (10, 0.5), (10, 0.6))
+    low, high = speedup_interval(spread, ar)
+    point = (40 / sum(s for _, s in spread)) / (40 / sum(s for _, s in ar))
+    assert low < point < high and high - low > 0.2
+    assert speedup_interval(spread[:2], ar[:2]) is None

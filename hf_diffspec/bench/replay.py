@@ -109,7 +109,9 @@ def record(args) -> None:
 
     torch.manual_seed(0)
     target, tokenizer = load_target(args.target, dtype=torch.float32)
-    drafter = load_drafter(args.drafter, target, args.target).float()
+    # an untrained drafter gets the shipped one's tree settings (the default method drafts best-first trees)
+    trees = dict(draft_tree_budget=15, draft_tree_width=8) if args.drafter == "random" else {}
+    drafter = load_drafter(args.drafter, target, args.target, **trees).float()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()

@@ -4,6 +4,7 @@ up to its EOS), the ratio to `ar` at the same batch size from the same run, and 
 token for token; as rows (`summarize`), a markdown table, JSON (with the machine record) and a plot."""
 
 import json
+import random
 
 from ..machine import machine_description
 from ..runtime.files import atomic_write
@@ -38,6 +39,7 @@ def summarize(results: dict[tuple[str, int, str], MethodRun]) -> list[dict]:
                     "prompts": run.prompts, "tau": round(run.tau, 3),
                     "tokens_per_s": round(run.tokens_per_s, 2),
                     "speedup_vs_ar": round(run.tokens_per_s / ar_rate, 3) if ar_rate else None,
+                    "speedup_interval": speedup_interval(run.calls, ar.calls) if method != "ar" else None,
                     "first_round_speedup_vs_ar": (round(run.first_round_tokens_per_s / ar_first, 3)
                                                   if ar_first else None),
                     "identical_to_ar": run.identical == run.prompts,
@@ -52,9 +54,27 @@ def summarize(results: dict[tuple[str, int, str], MethodRun]) -> list[dict]:
     return rows
 
 
+def speedup_interval(calls: tuple, ar_calls: tuple, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """A 95% paired bootstrap interval of the speedup over `ar`: the timed calls (batches of a round, paired with
+    `ar`'s call on the same batch) resampled with replacement, each resample's ratio of tokens per second. None with
+    fewer than 3 paired calls."""
+    pairs = list(zip(calls, ar_calls))
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        tokens, seconds = sum(c[0] for c, _ in drawn), sum(c[1] for c, _ in drawn)
+        ar_tokens, ar_seconds = sum(a[0] for _, a in drawn), sum(a[1] for _, a in drawn)
+        ratios.append((tokens / seconds) / (ar_tokens / ar_seconds))
+    ratios.sort()
+    return [round(ratios[int(0.025 * resamples)], 3), round(ratios[int(0.975 * resamples) - 1], 3)]
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| method | batch | domain | rows | tau | tokens verified/row/step | slots/forward | tokens/s | "
-             "vs ar (same batch) | first round vs ar | identical to ar |", "|---" * 11 + "|"]
+             "vs ar (same batch) [95% interval] | first round vs ar | identical to ar |", "|---" * 11 + "|"]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['method']} | {r['batch_size']} | {r['domain']} | - | skipped: {r['skipped']} "
@@ -63,10 +83,15 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['method']} | {r['batch_size']} | {r['domain']} | {r['prompts']} | {r['tau']:.2f} | "
             f"{r['nodes_per_step']:.1f} | {r['slots_per_forward']:.0f} | {r['tokens_per_s']:.1f} | "
-            f"{r['speedup_vs_ar']:.2f}x | {r['first_round_speedup_vs_ar']:.2f}x | "
+            f"{r['speedup_vs_ar']:.2f}x{_interval(r)} | {r['first_round_speedup_vs_ar']:.2f}x | "
             f"{r['identical_fraction'] * 100:.0f}% |"
         )
     return "\n".join(lines)
+
+
+def _interval(row: dict) -> str:
+    interval = row.get("speedup_interval")
+    return f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
 
 
 def write_json(path: str, rows: list[dict], config: dict, machine: dict | None = None, **extra) -> None:

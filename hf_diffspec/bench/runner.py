@@ -24,8 +24,9 @@ MIN_TIMED_CALLS = 3  # per method and batch size, by default: one timed call dri
 @dataclass
 class MethodRun:
     """Totals of one method on one (batch size, domain): new tokens and seconds (and those of the first round
-    alone), rows identical to `ar`'s, prompts, and what the loop did (`counts`, zeros for plain `generate`). Runs add
-    up with `+`; `skipped`: why the method did not run (no totals then)."""
+    alone), rows identical to `ar`'s, prompts, and what the loop did (`counts`, zeros for plain `generate`); `calls`:
+    (tokens, seconds) of each timed call, in the order the batches ran (every method runs each batch once a round, so
+    calls pair up across methods). Runs add up with `+`; `skipped`: why the method did not run (no totals then)."""
 
     new_tokens: int = 0
     seconds: float = 0.0
@@ -34,6 +35,7 @@ class MethodRun:
     identical: int = 0
     prompts: int = 0
     counts: StepCounts = field(default_factory=StepCounts)
+    calls: tuple = ()
     skipped: str | None = None
 
     def __add__(self, other: "MethodRun") -> "MethodRun":
@@ -161,7 +163,8 @@ def run_benchmark(target, tokenizer, methods: dict, prompts: list[dict], max_new
             elapsed = device_time(target.device) - start
             outputs[name] = _rows_up_to_eos(out, prompt_length, eos)
             tokens = sum(len(r) for r in outputs[name])
-            call = MethodRun(new_tokens=tokens, seconds=elapsed, counts=counts or StepCounts())
+            call = MethodRun(new_tokens=tokens, seconds=elapsed, counts=counts or StepCounts(),
+                             calls=((tokens, elapsed),))
             if first_round:
                 call.prompts, call.first_round_seconds, call.first_round_tokens = len(outputs[name]), elapsed, tokens
             key = (name, batch_size, domain)
