@@ -30,12 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from previous_gates import SpeculationGates  # noqa: E402
+from previous_gates import PreviousLookupEstimate, SpeculationGates  # noqa: E402
 
 from hf_diffspec.bench.replay import ReplayCosts, load_traces, positions_of, replay_call  # noqa: E402
 from hf_diffspec.runtime.control_cost import best_node_count  # noqa: E402
 from hf_diffspec.runtime.control_speculation import SpeculationController, StepKind  # noqa: E402
-from hf_diffspec.runtime.drafting_lookup import PromptLookup  # noqa: E402
 
 
 class Fixed:
@@ -67,13 +66,13 @@ class PreviousGates:
     def __init__(self, costs: ReplayCosts, lookup_tokens: int = 10):
         self.costs = costs
         self.gates = SpeculationGates()
-        self.lookup = PromptLookup(lookup_tokens, 3)
+        self.lookup = PreviousLookupEstimate(lookup_tokens)
         self.last = None
 
     def start_call(self):
         call = copy.copy(self)
         call.gates = copy.deepcopy(self.gates)  # the gates outlive a call; prompt lookup's estimator did not
-        call.lookup = PromptLookup(self.lookup.num_tokens, 3)
+        call.lookup = PreviousLookupEstimate(self.lookup.num_tokens)
         return call
 
     def decide(self, rows, ngrams, lengths):

@@ -357,3 +357,41 @@ def keep_speculation_gates(drafter, target, method: str, gates: SpeculationGates
     memory = memory_of(target)
     with memory.lock:
         memory.gates.setdefault(drafter, {})[_setup(target, method)] = gates
+
+
+class PreviousLookupEstimate:
+    """Prompt lookup's acceptance estimate of then (`drafting_lookup.PromptLookup` until 2026-12-06): per match length
+    and depth, measured on verified steps only, from a prior of 0.4 for the first draft and 0.8 for each later one
+    (two pseudo steps)."""
+
+    def __init__(self, num_tokens: int, prior: tuple[float, float] = (0.4, 0.8), prior_weight: float = 2.0):
+        self.num_tokens = num_tokens
+        self.prior = [prior[min(d, 1)] for d in range(num_tokens)]
+        self.prior_weight = prior_weight
+        self.trials: dict[int, list[float]] = {}
+        self.hits: dict[int, list[float]] = {}
+
+    def _counts(self, ngram: int) -> tuple[list[float], list[float]]:
+        if ngram not in self.trials:
+            self.trials[ngram] = [self.prior_weight] * self.num_tokens
+            self.hits[ngram] = [p * self.prior_weight for p in self.prior]
+        return self.trials[ngram], self.hits[ngram]
+
+    def reach(self, length: int, ngram: int) -> list[float]:
+        trials, hits = self._counts(ngram)
+        probabilities, reach = [], 1.0
+        for d in range(length):
+            reach *= hits[d] / trials[d]
+            probabilities.append(reach)
+        return probabilities
+
+    def record(self, drafts, ngram: int, committed) -> None:
+        trials, hits = self._counts(ngram)
+        accepted = 0
+        for draft, token in zip(drafts, committed):
+            if draft != token:
+                break
+            accepted += 1
+        for d in range(min(accepted + 1, len(drafts), len(committed))):
+            trials[d] += 1
+            hits[d] += d < accepted
