@@ -59,3 +59,43 @@ def test_a_length_gated_processor_binds_at_its_boundary_token(monkeypatch, name)
                           num_assistant_tokens=5, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, plain)
     assert max(out.speculation_stats.committed_per_step) > 1  # steps committed several tokens at once
+
+
+@pytest.mark.parametrize("name", ["begin_suppress_tokens", "min_new_tokens", "min_length", "forced_eos_token_id",
+                                  "forced_bos_token_id"])
+def test_a_length_gated_processor_binds_when_a_step_starts_at_its_boundary(monkeypatch, name):
+    """Plain steps only (one token each): some step starts exactly at every boundary, so a processor judged inactive
+    one length early or late (the forced EOS at max_length - 2, say) changes the output."""
+    import itertools
+
+    from helpers import steer_steps
+
+    steer_steps(monkeypatch, itertools.repeat(False))
+    target = tiny_target("llama", seed=6, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6, seed=6)
+    ids = random_ids(6, 1 if name == "forced_bos_token_id" else 7)
+    kwargs = _binding_kwargs(name, target, ids)
+    plain = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          prompt_lookup_num_tokens=0, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, plain)
+    assert out.speculation_stats.plain_steps == out.speculation_stats.target_forwards - 1
+
+
+@pytest.mark.parametrize("option", [dict(repetition_penalty=8.0), dict(no_repeat_ngram_size=2)])
+@pytest.mark.every_step_speculates("the oracle's drafts must be verified at every step")
+def test_a_processor_that_reads_the_prefix_is_applied_at_every_position_of_a_speculative_step(monkeypatch, option):
+    """A processor that reads the prefix (not length-gated, not prefix-free) is never judged inactive: steps that
+    accept several drafts apply it at each position, token by token. It binds here (plain generate's output differs
+    without it), and the oracle proposes plain generate's own continuation."""
+    target = tiny_target("llama", seed=6, sharpen=4)
+    drafter = tiny_drafter(target, block_size=6, seed=6)
+    ids = random_ids(6, 7)
+    kwargs = dict(eos_token_id=None, pad_token_id=0, **option)
+    plain = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+    assert plain[0, ids.shape[1]:].tolist() != _unconstrained(target, ids), "the processor must bind"
+    oracle_drafter_outputs(monkeypatch, drafter, target, plain[0])
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          num_assistant_tokens=5, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, plain)
+    assert max(out.speculation_stats.committed_per_step) > 1
