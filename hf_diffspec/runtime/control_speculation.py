@@ -8,8 +8,9 @@ most expected tokens per second,
     rate(kind) = sum over rows of E[tokens committed] / (overhead(kind) + T_verify(slots, rows)),
 
 where T_verify is the measured cost model (`control_cost.VerifyCost`, at the exact row count: rows enter only there)
-and overhead(kind) the measured rest of such a step (drafting, tree building, lookup), scaled to the row count by the
-cost model's one-token forward. The expectations:
+and overhead(kind) the measured rest of such a step: the loop's own work (lookup, commit, bookkeeping), the same for
+every kind, and for a drafter step its drafting pass (`draft_guess` until measured), both in profiled one-token
+forwards at the step's rows. The expectations:
 
 - PLAIN: 1 token a row.
 - LOOKUP: per row, 1 + the sum of its drafts' reach probabilities, verified as deep as `best_node_count` says pays.
@@ -18,18 +19,23 @@ cost model's one-token forward. The expectations:
   compared with what the target committed, so lookup is never probed.
 - DRAFT: per row, 1 + the drafts a drafter step accepts (its lookup drafts grafted on), estimated per match length;
   how deep the tree goes is the drafter's own per-node confidence and the cost model's decision (`best_node_count`),
-  so the estimate is of what a sized step commits, not per depth. Only drafter steps measure it.
+  so the estimate is of what a sized step commits, not per depth. Only drafter steps measure it, so it is the one arm
+  explored: each step decides on the larger of its posterior mean and one posterior draw (optimistic Thompson
+  sampling; a draw below the mean would only pick an arm that is observed anyway).
 
-Every estimate is a posterior, discounted by `DISCOUNT` a step (acceptance comes in stretches of text), whose prior is
-the arm's estimate pooled over match lengths, weighing `PRIOR_WEIGHT` observations (the pooled one's prior: Beta(1, 1)
-for acceptance per depth, a mean of 1 drafter token accepted). Exploration is Thompson sampling: each step decides on
-one draw of every estimate, so an arm that may pay is tried about as often as it may.
+Every estimate is a posterior whose prior is the arm's estimate pooled over match lengths, weighing `PRIOR_WEIGHT`
+observations (the pooled one's prior: Beta(1, 1) for acceptance per depth, a mean of 1 drafter token accepted).
+Observations are discounted by `DISCOUNT` a step (acceptance changes with the text); the drafter's every step,
+observed or not, so a drafter not tried for a while grows uncertain, its cost returns to the guess, and it is tried
+again.
 
 The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
-it committed, plus one step, as far as the cost model holds. A budget starts at one step, gains (1 + EPSILON) x the
-plain cost of what each step committed and loses what the step took; a kind other than PLAIN is taken only when the
-budget stays non-negative even if the step commits one token a row. So where speculation never pays, decoding runs at
-1 / (1 + EPSILON) of plain decoding at worst (0.971x), and where it pays the budget grows and never binds.
+it committed, plus one plain step, as far as the cost model holds. A budget starts at one plain step, gains
+(1 + EPSILON) x the plain cost of what each step committed and is charged the step's cost at the model's price (its
+own times included, so one step slowed by the machine does not lock speculation out); a kind other than PLAIN is
+taken only when the budget stays non-negative even if the step commits one token a row. Where speculation never
+pays, the tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.971x plain decoding, no lower; where it
+pays the budget grows and never binds.
 
 What a call learned carries to the next call on the same drafter, target and setup (`control_state.py`), its
 observations weighed `CALL_DISCOUNT`. Losslessness never depends on any of it: the target alone picks every token.
