@@ -25,9 +25,8 @@ forwards at the step's rows. The expectations:
 
 Every estimate is a posterior whose prior is the arm's estimate pooled over match lengths, weighing `PRIOR_WEIGHT`
 observations (the pooled one's prior: Beta(1, 1) for acceptance per depth, a mean of 1 drafter token accepted).
-Observations are discounted by `DISCOUNT` a step (acceptance changes with the text); the drafter's every step,
-observed or not, so a drafter not tried for a while grows uncertain, its cost returns to the guess, and it is tried
-again.
+Observations are discounted by `DISCOUNT` a step (acceptance changes with the text); the drafter's acceptance every
+step, observed or not, so a drafter not tried for a while grows uncertain and is tried again.
 
 The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
 it committed, plus one plain step, as far as the cost model holds. A budget starts at one plain step, gains
@@ -176,14 +175,14 @@ class SpeculationController:
     def _overhead(self, kind: StepKind, rows: int) -> float:
         """The rest of a `kind` step at `rows`: the loop's own work, the same for every kind, and for a drafter step
         the drafting pass (`draft_guess` until measured, and again as its measurements fade)."""
-        drafting = self.drafting.mean("drafting", self.draft_guess) if kind is StepKind.DRAFT else 0.0
-        return (self.loop.mean("loop", 0.0) + drafting) * self._unit(rows)
+        drafting = self.drafting.mean("drafting", self.draft_guess, weight=0.0) if kind is StepKind.DRAFT else 0.0
+        return (self.loop.mean("loop", 0.0, weight=0.0) + drafting) * self._unit(rows)
 
     def _step_cost(self, kind: StepKind, rows: int, slots: float) -> float:
         return self._overhead(kind, rows) + self._verify(slots, rows)
 
     def _draft_slots(self) -> float:
-        return self.slots.mean(StepKind.DRAFT, 4.0)
+        return self.slots.mean(StepKind.DRAFT, 4.0, weight=0.0)
 
     # ----- the decision -------------------------------------------------------------------------------------------
     def _lookup_reach(self, ngram: int, length: int, draw: bool) -> list[float]:
@@ -250,13 +249,11 @@ class SpeculationController:
         loop = max(step.seconds - step.verify_seconds - step.draft_seconds, 0.0)
         self.loop.add_step([("loop", 0, loop / unit, 1.0)])
         self.slots.add_step([(step.kind, 0, float(step.slots), 1.0)])
-        # the drafter's estimates fade every step, observed or not: when not observed for a while, what a drafter
-        # step commits grows uncertain and its cost returns to the guess, so it is tried again (text that turned
-        # predictable is found, and one slow step, a busy moment, does not keep it off)
+        # what a drafter step commits fades every step, observed or not: when not observed for a while it grows
+        # uncertain, so it is tried again (text that turned predictable is found)
         self.drafter.discount(DISCOUNT)
-        self.drafting.discount(DISCOUNT)
         if step.kind is StepKind.DRAFT:
-            self.drafting.add_step([("drafting", 0, step.draft_seconds / unit, 1.0)], discount=1.0)
+            self.drafting.add_step([("drafting", 0, step.draft_seconds / unit, 1.0)])
             if accepted is not None:
                 self.drafter.add_step([(m, 0, float(a), 1.0) for m, a in zip(ngrams, accepted)], discount=1.0)
         if self.budget is not None:  # charged at the cost model's price for the step, this step's times included
