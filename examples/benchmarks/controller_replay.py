@@ -13,8 +13,8 @@ replacement) to their ends under each controller: fresh, and carried over (after
 process's later `generate` calls are). Reported per controller: throughput against plain decoding of the same traces
 (total tokens over total seconds, all seeds), against the per-step oracle (each step the kind that commits the most per
 second there, knowing the outcome) and against the best fixed kind (always lookup where found, or always the drafter);
-the 1st percentile of the per-call ratio against plain; and lock-in: calls where a fixed kind beats plain by 5% or
-more but the controller's second half took only plain steps.
+the 1st percentile of the per-call ratio against plain (`--min-tokens`: of calls that long); and lock-in: calls where
+a fixed kind beats plain by 5% or more but the controller's second half took only plain steps.
 
 `--draft-scale 10` makes drafting passes ten times dearer and `--no-lookup` drops the lookup drafts: with both,
 speculation never pays (the never-pays suite); a random drafter's traces are another.
@@ -113,6 +113,8 @@ def main():
     parser.add_argument("--draft-scale", type=float, default=1.0)
     parser.add_argument("--no-lookup", action="store_true")
     parser.add_argument("--controllers", default="previous,controller")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="the percentile column counts only calls that committed at least this many tokens")
     args = parser.parse_args()
 
     traces = load_traces(args.traces, None if args.split == "all" else args.split)
@@ -153,7 +155,8 @@ def main():
             for key, result in results.items():
                 tokens, seconds = totals.get(key, (0, 0.0))
                 totals[key] = (tokens + result.tokens, seconds + result.seconds)
-                per_call.setdefault(key, []).append(result.rate / results["plain"].rate)
+                if result.tokens >= args.min_tokens:
+                    per_call.setdefault(key, []).append(result.rate / results["plain"].rate)
                 if isinstance(key, tuple):
                     second_half = result.kinds[len(result.kinds) // 2:]
                     lock = best_fixed >= 1.05 * results["plain"].rate and all(k is StepKind.PLAIN for k in second_half)

@@ -254,11 +254,12 @@ class ReplayCosts:
 
 @dataclass
 class CallResult:
-    """One replayed call: tokens committed, seconds taken, steps of each kind, the kinds in order."""
+    """One replayed call: tokens committed, seconds taken, the kinds of its steps and what each committed, in order."""
 
     tokens: int
     seconds: float
     kinds: list
+    committed: list
 
     @property
     def rate(self) -> float:
@@ -275,7 +276,7 @@ def replay_call(controller, rows: list[list[Position]], costs: ReplayCosts, rng:
 
     at = [0] * len(rows)
     active = list(range(len(rows)))
-    tokens, seconds, kinds = 0, 0.0, []
+    tokens, seconds, kinds, per_step = 0, 0.0, [], []
     while active:
         n_rows = len(active)
         here = [rows[r][at[r]] for r in active]
@@ -303,10 +304,11 @@ def replay_call(controller, rows: list[list[Position]], costs: ReplayCosts, rng:
                                      drafting), ngrams, accepted)
         tokens, seconds = tokens + committed, seconds + took
         kinds.append(kind)
+        per_step.append(committed)
         for r, c in zip(active, per_row):
             at[r] += c
         active = [r for r in active if at[r] < len(rows[r])]
-    return CallResult(tokens, seconds, kinds)
+    return CallResult(tokens, seconds, kinds, per_step)
 
 
 def _outcome(kind, lookup_count: int, here: list[Position], costs: ReplayCosts, n_rows: int):
