@@ -23,6 +23,7 @@ Traces are appended one prompt at a time: an interrupted recording goes on where
 """
 
 import argparse
+import gzip
 import json
 import random
 import time
@@ -224,7 +225,11 @@ def positions_of(trace: dict) -> list[Position]:
 
 
 def load_traces(path: Path, split: str | None = None) -> list[dict]:
-    traces = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The traces of a recording (JSONL, or gzipped JSONL as committed in examples/benchmarks/results/), of `split`
+    ("tuning", "held-out"; None: all)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    traces = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [t for t in traces if split is None or t["split"] == split]
 
 
