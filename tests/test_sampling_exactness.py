@@ -489,6 +489,13 @@ def lookup_case():
     return target, drafter, {**kwargs, "top_k": VOCAB, "prompt_lookup_num_tokens": 3}
 
 
+def lookup_token_by_token_case():
+    """`lookup_case` with dense laws (no top-k): accepted token by token, where a grafted lookup node past the drawn
+    nodes' laws is tried with a point mass (`batch._law_of`)."""
+    target, drafter, kwargs = best_first_case()
+    return target, drafter, {**kwargs, "prompt_lookup_num_tokens": 3}
+
+
 # name: (case, rows per call, calls, siblings expected, accepted on the device). The rows of a call are independent
 # draws: 256 rows make 10,240 draws cheap. One row pays generate's fixed cost (~8 ms) per draw: 600 draws there, the
 # code path's check.
@@ -503,6 +510,7 @@ CASES = {
     "device_d2sd_tree_256_rows": (on_device(d2sd_case), 256, 40, True, True),
     "device_best_first_tree_256_rows": (on_device(best_first_case), 256, 40, True, True),
     "lookup_on_sampled_tree_256_rows": (lookup_case, 256, 40, True, True),
+    "lookup_on_sampled_tree_token_by_token_256_rows": (lookup_token_by_token_case, 256, 40, True, False),
 }
 
 
