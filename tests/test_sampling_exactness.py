@@ -490,9 +490,11 @@ def lookup_case():
 
 
 def lookup_token_by_token_case():
-    """`lookup_case` with dense laws (no top-k): accepted token by token, where a grafted lookup node past the drawn
-    nodes' laws is tried with a point mass (`batch._law_of`)."""
+    """`lookup_case` with dense laws (no top-k), accepted token by token, on drawn chains (one child a node), so the
+    lookup drafts branch off beside them often: a grafted node past the drawn nodes' laws is tried with a point mass
+    (`batch._law_of`)."""
     target, drafter, kwargs = best_first_case()
+    drafter.config.draft_tree_budget, drafter.config.draft_tree_width = 2, 1
     return target, drafter, {**kwargs, "prompt_lookup_num_tokens": 3}
 
 
