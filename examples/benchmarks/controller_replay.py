@@ -79,7 +79,7 @@ class PreviousGates:
         reach = [self.lookup.reach(k, m) for m, k in zip(ngrams, lengths)]
         k = best_node_count(reach, lambda n: self.costs.verify.profiled(n, rows), 0.0) - 1 if any(lengths) else 0
         ngram = max((m for m, n in zip(ngrams, lengths) if min(n, k)), default=0)
-        kind = StepKind(self.gates.decide(rows, ngram).value)
+        kind = self.gates.decide(rows, ngram)
         self.last = (kind, k, ngram)
         return kind, k
 
@@ -92,10 +92,7 @@ class PreviousGates:
                 self.lookup.record(drafts[:k], m, tokens)
 
     def record(self, step, ngrams=None, accepted=None):
-        from previous_gates import StepKind as OldKind, StepRecord as OldRecord
-
-        self.gates.record(OldRecord(OldKind(step.kind.value), step.rows, self.last[2], step.committed, step.seconds,
-                                    step.slots, step.verify_seconds))
+        self.gates.record(replace(step, lookup_ngram=self.last[2]))
 
 
 def percentile(values, q):

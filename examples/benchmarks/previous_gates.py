@@ -17,53 +17,15 @@ decodes plainly, gated the same way: the cost model sizes them from estimates (a
 of a wider forward at this context length), and at 16 rows steps of lookup drafts alone were seen to lose to plain
 steps where the estimates said they paid (`examples/benchmarks/step_timing.py`).
 
-The gates of a drafter, target and setup outlive one call (`speculation_gates_for`, held on the target:
-`control_state.py`), so a second call starts from what the first learned; each call measures in a copy of its own,
-handed back at its end.
+The gates of a drafter, target and setup outlived one call (held on the target), so a second call started from what
+the first learned (`controller_replay.py` carries them over the same way).
 Losslessness never depends on them: the target alone picks every token.
 """
 
-import copy
-import enum
 import math
-from dataclasses import dataclass
-
-import torch
 
 from hf_diffspec.runtime.control_cost import rows_bucket
-from hf_diffspec.runtime.control_state import memory_of
-
-
-class StepKind(enum.Enum):
-    """What a loop step verifies."""
-
-    DRAFT = "draft"  # the drafter's trees (with the rows' prompt-lookup drafts grafted on)
-    LOOKUP = "lookup"  # no drafter forward: the rows' prompt-lookup drafts alone
-    PLAIN = "plain"  # no drafts: the anchors alone, a plain decode step
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One loop step as the gates and the cost model learn from it.
-
-    Args:
-        kind: what it verified.
-        rows: rows in the batch.
-        lookup_ngram: the longest prompt-lookup match among its rows with lookup drafts (0: none had any); it picks
-            the gates that decided the step.
-        committed: tokens committed, all rows together.
-        seconds: the whole step (draft, verify, commit).
-        slots: slots verified per row (the width of the target's forward).
-        verify_seconds: the target's forward and the commit.
-    """
-
-    kind: StepKind
-    rows: int
-    lookup_ngram: int
-    committed: int
-    seconds: float
-    slots: int
-    verify_seconds: float
+from hf_diffspec.runtime.control_speculation import StepKind, StepRecord
 
 
 class SpeculationGate:
@@ -325,38 +287,6 @@ class SpeculationGates:
         if step.lookup_ngram and not drafted:
             self.lookups_alone_gate(step.lookup_ngram).record(step.kind is StepKind.LOOKUP, step.rows,
                                                               step.committed, step.seconds)
-
-
-class AlwaysSpeculate:
-    """The gates of a fixed draft length (`num_assistant_tokens`): every step drafts, nothing is measured."""
-
-    def decide(self, rows: int, lookup_ngram: int = 0) -> StepKind:
-        return StepKind.DRAFT
-
-    def record(self, step: StepRecord) -> None:
-        pass
-
-
-def _setup(target, method: str) -> tuple:
-    return target.dtype, target.device, torch.get_num_threads(), method
-
-
-def speculation_gates_for(drafter, target, method: str) -> SpeculationGates:
-    """A copy, for one call, of the gates that `drafter` decoding for `target` with `method` (the candidate
-    generator's name) keeps across `generate` calls (fresh ones the first time); `keep_speculation_gates` hands them
-    back at the call's end. Their measurements hold for one setup only: another target, dtype, device or thread
-    count gets gates of its own."""
-    memory = memory_of(target)
-    with memory.lock:
-        kept = memory.gates.get(drafter, {}).get(_setup(target, method))
-        return copy.deepcopy(kept) if kept is not None else SpeculationGates()
-
-
-def keep_speculation_gates(drafter, target, method: str, gates: SpeculationGates) -> None:
-    """What a call's gates measured becomes what the next call on this drafter, target and setup starts from."""
-    memory = memory_of(target)
-    with memory.lock:
-        memory.gates.setdefault(drafter, {})[_setup(target, method)] = gates
 
 
 class PreviousLookupEstimate:

@@ -116,12 +116,10 @@ class _Counts:
             for k in table:
                 table[k] *= factor
 
-    def mean(self, key, guess: float, weight: float = PRIOR_WEIGHT) -> float:
-        """The mean of `key`'s observations (depth 0), `guess` weighing `weight` observations."""
+    def mean(self, key, guess: float) -> float:
+        """The discounted mean of `key`'s observations (depth 0); `guess` before any."""
         trials = self.trials.get((key, 0), 0.0)
-        if trials + weight == 0:
-            return guess
-        return (self.hits.get((key, 0), 0.0) + weight * guess) / (trials + weight)
+        return self.hits[key, 0] / trials if trials else guess
 
     def posterior(self, key, depth: int, prior: tuple[float, float]) -> tuple[float, float]:
         """(successes, trials) of `key` at `depth` with the pooled estimate as prior (`prior`: the pooled one's)."""
@@ -165,7 +163,7 @@ class SpeculationController:
     def _verify(self, n: int, rows: int) -> float:
         if self.verify_cost is not None:
             return self.verify_cost(n, rows)
-        return self.flat_verify.mean("verify", 1e-3, weight=0.0)
+        return self.flat_verify.mean("verify", 1e-3)
 
     def _unit(self, rows: int) -> float:
         """A one-token forward at `rows` as profiled: what the other costs are measured in (not as corrected by live
@@ -175,14 +173,14 @@ class SpeculationController:
     def _overhead(self, kind: StepKind, rows: int) -> float:
         """The rest of a `kind` step at `rows`: the loop's own work, the same for every kind, and for a drafter step
         the drafting pass (`draft_guess` until measured, and again as its measurements fade)."""
-        drafting = self.drafting.mean("drafting", self.draft_guess, weight=0.0) if kind is StepKind.DRAFT else 0.0
-        return (self.loop.mean("loop", 0.0, weight=0.0) + drafting) * self._unit(rows)
+        drafting = self.drafting.mean("drafting", self.draft_guess) if kind is StepKind.DRAFT else 0.0
+        return (self.loop.mean("loop", 0.0) + drafting) * self._unit(rows)
 
     def _step_cost(self, kind: StepKind, rows: int, slots: float) -> float:
         return self._overhead(kind, rows) + self._verify(slots, rows)
 
     def _draft_slots(self) -> float:
-        return self.slots.mean(StepKind.DRAFT, 4.0, weight=0.0)
+        return self.slots.mean(StepKind.DRAFT, 4.0)
 
     # ----- the decision -------------------------------------------------------------------------------------------
     def _lookup_reach(self, ngram: int, length: int, draw: bool) -> list[float]:

@@ -11,8 +11,8 @@
   disagreed with them (once per target).
 
 No module global is written while calls run. Calls running at once (threads of one process) share none of it while
-they run: each call takes its own copy of the controller and the verify cost at its start and hands them back at its end,
-under the memory's lock (the last call to end is what the next one starts from). One thread measures a profile at a
+they run: each call takes its own copy of the controller and the verify cost at its start and hands them back at its
+end, under the memory's lock (the last call to end is what the next one starts from). One thread measures a profile at a
 time (`MEASURING`); the others that need one wait, then read what it measured.
 
 `reset_speculation_state()` forgets all of it: every memory made before is discarded at its next use, so the next call

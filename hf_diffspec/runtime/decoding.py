@@ -70,8 +70,8 @@ class SpeculationStats:
     included); `committed_per_step` has one entry per row and step. `drafted_tokens` counts every candidate after the
     anchors, `lookup_tokens` those copied by prompt lookup (some may coincide with the drafter's). `verified_tokens`
     counts real tree nodes, `verified_slots` the rectangle the target computed (rows x longest tree, padding
-    included). Steps by kind (`control_speculation.StepKind`): `draft_steps` ran the drafter (lookup drafts grafted on),
-    `lookup_steps` verified prompt-lookup drafts alone, `plain_steps` the anchors alone (a plain decode step).
+    included). Steps by kind (`control_speculation.StepKind`): `draft_steps` ran the drafter (lookup drafts grafted
+    on), `lookup_steps` verified prompt-lookup drafts alone, `plain_steps` the anchors alone (a plain decode step).
     `linear_state_replays`: steps after which a linear-attention target's recurrent states
     were put back and advanced through the accepted tokens only (`verify_recurrent.py`)."""
 
