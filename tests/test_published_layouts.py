@@ -255,7 +255,7 @@ def test_sliding_window_positions_survive_a_ragged_batch(target, tmp_path):
         """Per step: queue (features, positions, visible) and draft the block after them; the last draft."""
         context = DrafterContext(drafter)
         for feats, where, visible in steps:
-            context.pending.append((feats.expand(rows, -1, -1), where.expand(rows, -1), visible.expand(rows, -1)))
+            context.pending.append((feats.expand(rows, -1, -1), where.expand(rows, -1), visible.expand(rows, -1), None))
             context.all_valid &= bool(visible.all())  # what the loop's add_context tells the context on the host
             last = context.draft_block(torch.tensor([7] * rows), where[0, -1:].expand(rows) + 1, BLOCK)
         return last

@@ -80,7 +80,8 @@ def test_d2sd_branches_read_their_rows_context_without_a_copy_per_branch():
     context = DrafterContext(drafter)
     rows, length = 8, 512
     features = torch.randn(rows, length, drafter.fc.in_features)
-    context.pending.append((features, torch.arange(length).expand(rows, -1), torch.ones(rows, length, dtype=torch.bool)))
+    context.pending.append((features, torch.arange(length).expand(rows, -1), torch.ones(rows, length, dtype=torch.bool),
+                            None))
     roots, positions = random_ids(7, rows, rows=1)[0], torch.full((rows,), length)
     prefixes = [torch.tensor([5] * (1 + b)) for _ in range(rows) for b in range(3)]
     branch_rows = [row for row in range(rows) for _ in range(3)]
@@ -90,6 +91,31 @@ def test_d2sd_branches_read_their_rows_context_without_a_copy_per_branch():
     cached = sum(layer.keys.nbytes + layer.values.nbytes for layer in context.cache.layers)
     assert hidden.shape == (3 * rows, 8, drafter.config.hidden_size)
     assert peak < cached, (peak, cached)
+
+
+def test_finished_rows_leave_the_drafters_pending_features_without_a_copy_per_drop():
+    """Steps without a drafter forward (plain and lookup steps) pile up the target's features until the drafter next
+    runs; at 64 rows each finished row then copied all of them out (35 drops a call, seconds of it). A drop now
+    allocates nothing, and the drafter still gets exactly the rows left, in their order."""
+    from hf_diffspec.runtime.drafting import DrafterContext
+
+    target = tiny_target("llama", seed=7)
+    torch.manual_seed(7)
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    context, rows, width = DrafterContext(drafter), 6, drafter.fc.in_features
+    steps = [(torch.randn(rows, n, width), torch.arange(n).expand(rows, -1) + 10 * s, torch.rand(rows, n) > 0.3)
+             for s, n in enumerate((3, 1, 2))]
+    context.pending += [(*step, None) for step in steps[:2]]
+    drops = (torch.tensor([0, 2, 3, 4, 5]), torch.tensor([0, 1, 3, 4]))
+    for keep in drops:
+        _, peak = peak_extra_bytes(lambda: context.select_rows(keep))
+        assert peak < steps[0][0][:1].nbytes, peak  # less than one row of one step's features
+    context.pending.append((*(t[[0, 2, 4, 5]] for t in steps[2]), None))  # a later step has the rows left only
+    features, positions = context._take_pending(4)
+    left = torch.tensor([0, 2, 4, 5])  # the rows kept by both drops, in order
+    assert torch.equal(features, torch.cat([steps[0][0][left], steps[1][0][left], steps[2][0][left]], dim=1))
+    assert torch.equal(positions, torch.cat([s[1][left] for s in steps], dim=1))
+    assert torch.equal(context.valid, torch.cat([s[2][left] for s in steps], dim=1))
 
 
 @pytest.mark.parametrize("method", ["chains", "best-first trees", "prefix trees"])

@@ -54,12 +54,15 @@ class DrafterContext:
         self.cache = DynamicCache()
         self.valid: torch.Tensor | None = None  # (rows, ctx) bool over cached slots
         self.all_valid = True  # known on the host: every row may see every slot, cached or pending
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # features, positions, valid
+        # features, positions and valid of each step since the last forward, with the rows of them still in the batch
+        # (None: all): finished rows are left out when the features are taken, not copied out at every drop (steps
+        # without a drafter forward pile up features, which at 64 rows made each drop copy tens of megabytes)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     @property
     def length(self) -> int:
         cached = 0 if self.valid is None else self.valid.shape[1]
-        return cached + sum(p.shape[1] for _, p, _ in self.pending)
+        return cached + sum(p.shape[1] for _, p, _, _ in self.pending)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Drop finished rows: keep only `keep` (indices into the current rows)."""
@@ -67,16 +70,17 @@ class DrafterContext:
         self.all_valid = False  # the rows left may see every slot, but the host does not know it
         if self.valid is not None:
             self.valid = self.valid[keep]
-        self.pending = [(f[keep], p[keep], v[keep]) for f, p, v in self.pending]
+        self.pending = [(f, p, v, keep if kept is None else kept[keep]) for f, p, v, kept in self.pending]
 
     def _take_pending(self, rows: int):
         device = self.device
         if not self.pending:
             return None, torch.empty(rows, 0, dtype=torch.long, device=device)
-        if len(self.pending) == 1:  # a step's features (the usual case): nothing to join
-            context, positions, new_valid = (t.to(device) for t in self.pending[0])
+        steps = [(f, p, v) if kept is None else (f[kept], p[kept], v[kept]) for f, p, v, kept in self.pending]
+        if len(steps) == 1:  # a step's features (the usual case): nothing to join
+            context, positions, new_valid = (t.to(device) for t in steps[0])
         else:
-            context, positions, new_valid = (torch.cat(parts, dim=1).to(device) for parts in zip(*self.pending))
+            context, positions, new_valid = (torch.cat(parts, dim=1).to(device) for parts in zip(*steps))
         self.pending = []
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)
         return context, positions
@@ -194,7 +198,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if all_valid is None:
             all_valid = bool(valid.all())
         for context in self.contexts:
-            context.pending.append((features, positions, valid.bool()))
+            context.pending.append((features, positions, valid.bool(), None))
             context.all_valid = context.all_valid and all_valid
 
     def select_rows(self, keep: torch.Tensor) -> None:

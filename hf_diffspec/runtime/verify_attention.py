@@ -90,7 +90,10 @@ def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
         out = scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, kv), scale=scaling,
                                            enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None
-    mask = packed_mask(attention_mask, groups, q, kv, sliding_window, query.dtype, query.device, _memo())
+    # one new token per row that sees every key (a plain decode step): no mask, as plain generate's SDPA call
+    sees_all = attention_mask is None and q == 1 and (sliding_window is None or kv <= sliding_window)
+    mask = None if sees_all else packed_mask(attention_mask, groups, q, kv, sliding_window, query.dtype, query.device,
+                                             _memo())
     packed = query.reshape(rows, kv_heads, groups * q, dim)  # head h = k * groups + g reads key/value head k
     out = scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     # reshape, not view: CUDA kernels return this output strided (heads outermost in memory)
