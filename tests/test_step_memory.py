@@ -118,6 +118,36 @@ def test_finished_rows_leave_the_drafters_pending_features_without_a_copy_per_dr
     assert torch.equal(context.valid, torch.cat([s[2][left] for s in steps], dim=1))
 
 
+def test_finished_rows_leave_the_targets_cache_copying_only_the_rows_that_move():
+    """Rows leave the batch as they finish; indexing the cache's K/V by the rows kept copied all of them at every
+    drop (at 64 rows ~0.6 GB, 0.18 s, 35 times a call), where plain `generate` copies nothing. The rows kept are now
+    ordered so that only survivors past the new end move into finished rows' places, written in place."""
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache
+
+    from hf_diffspec.runtime.batch import BatchState
+    from hf_diffspec.runtime.verify_cache import select_rows
+
+    rows, finished = 8, {1, 4}
+    cache = DynamicCache()
+    for layer in range(2):
+        cache.update(torch.randn(rows, 2, 64, 16), torch.randn(rows, 2, 64, 16), layer)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    batch = BatchState.__new__(BatchState)  # the order `drop_finished` gives, without a decoding call around it
+    batch.committers = [SimpleNamespace(row=r, limit=99, cut=lambda limit: 0) for r in range(rows)]
+    batch.active, batch.cut_tokens, batch.anchors = list(range(rows)), {}, list(range(rows))
+    batch._finished = lambda committer: committer.row in finished
+    batch.root_position_tensor, batch._room = torch.arange(rows), None
+    keep, index = batch.drop_finished()
+    assert sorted(keep) == [0, 2, 3, 5, 6, 7] and sum(place != row for place, row in enumerate(keep)) == 2
+    _, peak = peak_extra_bytes(lambda: select_rows(cache, index, keep))
+    one_row = before[0][0][:1].nbytes
+    assert peak <= 2 * 2 * 2 * one_row, peak  # the two rows that move, keys and values, of two layers
+    for (keys, values), layer in zip(before, cache.layers):
+        assert torch.equal(layer.keys, keys[keep]) and torch.equal(layer.values, values[keep])
+
+
 @pytest.mark.parametrize("method", ["chains", "best-first trees", "prefix trees"])
 @pytest.mark.every_step_speculates("needs trees of several nodes, as a fixed length drafts them")
 def test_sampled_trees_keep_the_laws_of_their_nodes_alone(method):

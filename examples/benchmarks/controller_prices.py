@@ -4,7 +4,11 @@ with seed 11).
 
     python examples/benchmarks/controller_prices.py
 """
-import json, statistics, time, torch
+import statistics
+import time
+
+import torch
+
 from hf_diffspec.prompts import load_prompts
 import hf_diffspec
 from hf_diffspec.runtime.control_speculation import SpeculationController, StepKind
@@ -29,8 +33,18 @@ for kind in ("plain", "draft"):
         print(kind, len(rows), "ms: step %.1f verify %.1f draft %.1f rest %.1f | priced %.1f (plain priced %.1f, loop priced %.1f) slots %.1f" % (
             f(1), f(2), f(3), f(1) - f(2) - f(3), f(5), f(6), f(7), statistics.mean(r[4] for r in rows)))
 for m in msgs[:4]:
-    enc = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    t = time.perf_counter(); target.generate(**enc, max_new_tokens=128, do_sample=False); plain = time.perf_counter() - t
-    log.clear(); t = time.perf_counter(); out = target.generate(**enc, max_new_tokens=128, do_sample=False, assistant_model=drafter, return_dict_in_generate=True); ours = time.perf_counter() - t
-    s = out.speculation_stats
-    print("call: plain %.3f ours %.3f steps %.3f (n=%d, %d draft) prefill %.3f" % (plain, ours, sum(r[1] for r in log), len(log), sum(r[0]=="draft" for r in log), s.prefill_time_s))
+    enc = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)
+    start = time.perf_counter()
+    plain = target.generate(**enc, max_new_tokens=128, do_sample=False)
+    plain_s, plain_n = time.perf_counter() - start, plain.shape[1] - enc["input_ids"].shape[1]
+    log.clear()
+    start = time.perf_counter()
+    out = target.generate(**enc, max_new_tokens=128, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    ours_s, ours_n = time.perf_counter() - start, out.sequences.shape[1] - enc["input_ids"].shape[1]
+    print("call: plain %d tokens in %.3f s (%.1f ms a token), ours %d in %.3f s (%.1f ms a token; steps %.3f s, %d of "
+          "them, %d drafter steps; prefill %.3f s)" % (plain_n, plain_s, 1000 * plain_s / plain_n, ours_n, ours_s,
+                                                      1000 * ours_s / ours_n, sum(r[1] for r in log), len(log),
+                                                      sum(r[0] == "draft" for r in log),
+                                                      out.speculation_stats.prefill_time_s))

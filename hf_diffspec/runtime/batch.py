@@ -406,12 +406,18 @@ class BatchState:
             extra = c.cut(c.limit)
             if extra:
                 self.cut_tokens[c.row] = self.cut_tokens.get(c.row, 0) + extra
-        keep = [i for i, row in enumerate(self.active) if not self._finished(self.committers[row])]
-        if len(keep) == len(self.active):
+        survivors = [i for i, row in enumerate(self.active) if not self._finished(self.committers[row])]
+        if len(survivors) == len(self.active):
             return None
-        if not keep:
+        if not survivors:
             self.active = []
             return None
+        # the survivors among the first len(survivors) places stay; the others fill the finished rows' places there,
+        # so that the caches copy only the rows that move (`verify_cache.kept_rows`). Rows are known by their
+        # committers, never by their place, so the output does not depend on the order.
+        tail = [i for i in survivors if i >= len(survivors)]
+        alive = set(survivors)
+        keep = [i if i in alive else tail.pop() for i in range(len(survivors))]
         index = host_to_device(keep, self.root_position_tensor.device)
         self.root_position_tensor = self.root_position_tensor[index]
         if self._room is not None:

@@ -226,7 +226,7 @@ class DecodingCall:
         if kept is not None:
             keep, index = kept
             self.verifier.select_rows(index, keep)
-            self.drafting.select_rows(index)
+            self.drafting.select_rows(index, keep)
         return bool(self.batch.active)
 
 

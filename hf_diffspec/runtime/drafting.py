@@ -26,6 +26,7 @@ from .device_clock import StepClock
 from .drafting_prefix_tree import build_prefix_tree, plan_branches
 from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
+from .verify_cache import select_rows as select_cache_rows
 from .verify_inputs import additive_mask
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
@@ -64,9 +65,10 @@ class DrafterContext:
         cached = 0 if self.valid is None else self.valid.shape[1]
         return cached + sum(p.shape[1] for _, p, _, _ in self.pending)
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Drop finished rows: keep only `keep` (indices into the current rows)."""
-        self.cache.batch_select_indices(keep)
+    def select_rows(self, keep: torch.Tensor, kept: list[int] | None = None) -> None:
+        """Drop finished rows: keep only `keep` (indices into the current rows; `kept`: the same on the host, when
+        the caller has them, for the K/V to keep their rows in place)."""
+        select_cache_rows(self.cache, keep, kept)
         self.all_valid = False  # the rows left may see every slot, but the host does not know it
         if self.valid is not None:
             self.valid = self.valid[keep]
@@ -201,10 +203,10 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             context.pending.append((features, positions, valid.bool(), None))
             context.all_valid = context.all_valid and all_valid
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Forget finished rows (`keep`: indices of the rows still decoding)."""
+    def select_rows(self, keep: torch.Tensor, kept: list[int] | None = None) -> None:
+        """Forget finished rows (`keep`: indices of the rows still decoding; `kept`: the same on the host)."""
         for context in self.contexts:
-            context.select_rows(keep)
+            context.select_rows(keep, kept)
 
     @torch.no_grad()
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:

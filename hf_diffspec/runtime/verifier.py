@@ -265,7 +265,7 @@ class TargetVerifier:
 
     def select_rows(self, index: torch.Tensor, keep: list[int]) -> None:
         """Keep only the rows `keep` (`index`: the same on the device) in the cache and its bookkeeping."""
-        select_rows(self.cache, index)
+        select_rows(self.cache, index, keep)
         self.valid = self.valid[index]
         self._tail_counts = [self._tail_counts[i] for i in keep]
 
