@@ -29,12 +29,13 @@ Observations are discounted by `DISCOUNT` a step (acceptance changes with the te
 step, observed or not, so a drafter not tried for a while grows uncertain and is tried again.
 
 The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
-it committed, plus one plain step, as far as the cost model holds. A budget starts at one plain step, gains
-(1 + EPSILON) x the plain cost of what each step committed and is charged the step's cost at the model's price (its
-own times included, so one step slowed by the machine does not lock speculation out); a kind other than PLAIN is
-taken only when the budget stays non-negative even if the step commits one token a row. Where speculation never
-pays, the tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.971x plain decoding, no lower; where it
-pays the budget grows and never binds.
+it committed, plus one plain step, as far as the cost model and the lookup estimates hold. A budget starts at one
+plain step, gains (1 + EPSILON) x the plain cost of what each step committed and is charged the step's cost at the
+model's price (its own times included, so one step slowed by the machine does not lock speculation out); a drafter
+step is taken only when the budget stays non-negative even if it commits one token a row. Lookup steps are never
+tries (lookup is observed after every step, whatever was verified): they are taken on their estimate alone. Where
+speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
+decoding, no lower; where it pays the budget grows and never binds.
 
 What a call learned carries to the next call on the same drafter, target and setup (`control_state.py`), its
 observations weighed `CALL_DISCOUNT`. Losslessness never depends on any of it: the target alone picks every token.
@@ -50,7 +51,7 @@ import torch
 from .control_cost import best_node_count
 from .control_state import memory_of
 
-EPSILON = 0.03  # the bound above: speculation may cost at most 3% over plain decoding (the run-to-run spread is 10%)
+EPSILON = 0.01  # the bound above: the drafter's tries may cost at most 1% over plain decoding
 DISCOUNT = 0.9  # per step: an observation counts half after 7 steps (acceptance changes with the text)
 CALL_DISCOUNT = 0.5  # a new call (another prompt) weighs what earlier calls saw as half
 PRIOR_WEIGHT = 2.0  # observations the pooled prior is worth: two steps of a match length decide for it
@@ -215,12 +216,13 @@ class SpeculationController:
                                                                       draft_cost)]
         if lookup_n > 1:
             options.append((lookup_tokens / lookup_cost, StepKind.LOOKUP, lookup_cost))
-        _, kind, step_cost = max(options, key=lambda option: option[0])
         if self.budget is None:
             self.budget = plain_cost  # one plain step's credit
-        # the bound: even if it commits one token a row, the step must leave the budget non-negative
-        if kind is not StepKind.PLAIN and self.budget + (1 + EPSILON) * plain_cost - step_cost < 0:
-            kind = StepKind.PLAIN
+        # the bound: even if it commits one token a row, a drafter step must leave the budget non-negative (lookup is
+        # observed after every step, so a lookup step is never a try: it is taken on its estimate alone)
+        if self.budget + (1 + EPSILON) * plain_cost - draft_cost < 0:
+            options = [option for option in options if option[1] is not StepKind.DRAFT]
+        _, kind, _ = max(options, key=lambda option: option[0])
         return kind, lookup_n - 1 if kind is not StepKind.PLAIN else 0
 
     # ----- learning -----------------------------------------------------------------------------------------------
