@@ -320,8 +320,8 @@ def install_oracle(monkeypatch, oracle: NoisyOracle):
         init(self, *args, **kwargs)
         self.oracle_rows = oracle.active = list(range(len(oracle.references)))
 
-    def select(self, keep, kept=None):
-        select_rows(self, keep, kept)
+    def select(self, keep, moves=None):
+        select_rows(self, keep, moves)
         self.oracle_rows = oracle.active = [self.oracle_rows[i] for i in keep.tolist()]
 
     monkeypatch.setattr(DiffusionCandidateGenerator, "__init__", fresh)

@@ -113,8 +113,8 @@ def test_static_cache_matches_the_default_path_when_rows_finish_early(monkeypatc
     kwargs["prompt_lookup_num_tokens"] = 3
     rows_alive = []
     select_rows = verifier_module.select_rows
-    monkeypatch.setattr(verifier_module, "select_rows", lambda cache, index, keep=None: (
-        rows_alive.append(len(index)), select_rows(cache, index, keep)))
+    monkeypatch.setattr(verifier_module, "select_rows", lambda cache, index, moves=None: (
+        rows_alive.append(len(index)), select_rows(cache, index, moves)))
     default = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
     static = target.generate(ids, assistant_model=drafter, return_dict_in_generate=True,
                              cache_implementation="static", **kwargs)

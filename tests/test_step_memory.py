@@ -139,9 +139,9 @@ def test_finished_rows_leave_the_targets_cache_copying_only_the_rows_that_move()
     batch.active, batch.cut_tokens, batch.anchors = list(range(rows)), {}, list(range(rows))
     batch._finished = lambda committer: committer.row in finished
     batch.root_position_tensor, batch._room = torch.arange(rows), None
-    keep, index = batch.drop_finished()
+    keep, index, moves = batch.drop_finished()
     assert sorted(keep) == [0, 2, 3, 5, 6, 7] and sum(place != row for place, row in enumerate(keep)) == 2
-    _, peak = peak_extra_bytes(lambda: select_rows(cache, index, keep))
+    _, peak = peak_extra_bytes(lambda: select_rows(cache, index, moves))
     one_row = before[0][0][:1].nbytes
     assert peak <= 2 * 2 * 2 * one_row, peak  # the two rows that move, keys and values, of two layers
     for (keys, values), layer in zip(before, cache.layers):

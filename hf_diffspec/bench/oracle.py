@@ -52,8 +52,8 @@ class OracleCandidateGenerator(DiffusionCandidateGenerator):
     def add_context(self, *args, **kwargs) -> None:
         pass  # no drafter reads target features
 
-    def select_rows(self, keep: torch.Tensor, kept: list[int] | None = None) -> None:
-        self.rows = [self.rows[i] for i in (kept if kept is not None else keep.tolist())]
+    def select_rows(self, keep: torch.Tensor, moves=None) -> None:
+        self.rows = [self.rows[i] for i in keep.tolist()]
 
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
         trees = []

@@ -397,9 +397,10 @@ class BatchState:
                     self._room = None
         return committer.length >= committer.limit or (self.pads_stopped_rows and committer.stopped_at is not None)
 
-    def drop_finished(self) -> tuple[list[int], torch.Tensor] | None:
+    def drop_finished(self) -> tuple[list[int], torch.Tensor, tuple] | None:
         """Let finished rows leave the batch; the rows kept (indices into the active rows before, on the host and
-        on the device) when some left and some remain, for every cache to keep them too; else None (`active` is
+        on the device, and the moves that keep them in place: `verify_cache.kept_rows`) when some left and some
+        remain, for every cache to keep them too; else None (`active` is
         empty when no row is left). A row that generated past the batch's end (possible only when stopped rows
         generate on) is cut back to it (`cut_tokens`)."""
         for c in self.committers:
@@ -418,13 +419,17 @@ class BatchState:
         tail = [i for i in survivors if i >= len(survivors)]
         alive = set(survivors)
         keep = [i if i in alive else tail.pop() for i in range(len(survivors))]
-        index = host_to_device(keep, self.root_position_tensor.device)
+        moved = [(place, row) for place, row in enumerate(keep) if place != row]
+        packed = host_to_device(keep + [place for place, _ in moved] + [row for _, row in moved],
+                                self.root_position_tensor.device)  # one copy
+        index = packed[: len(keep)]
+        moves = (len(keep), packed[len(keep) : len(keep) + len(moved)], packed[len(keep) + len(moved) :])
         self.root_position_tensor = self.root_position_tensor[index]
         if self._room is not None:
             self._room = self._room[index]
         self.active = [self.active[i] for i in keep]
         self.anchors = [self.anchors[i] for i in keep]
-        return keep, index
+        return keep, index, moves
 
     def sequences(self, pad_token_id: int | None) -> torch.Tensor:
         """(rows, longest) committed tokens; rows that finished early are padded on the right (only possible when

@@ -224,9 +224,9 @@ class DecodingCall:
         """Finished rows leave the batch and every cache; False when no row is left."""
         kept = self.batch.drop_finished()
         if kept is not None:
-            keep, index = kept
-            self.verifier.select_rows(index, keep)
-            self.drafting.select_rows(index, keep)
+            keep, index, moves = kept
+            self.verifier.select_rows(index, keep, moves)
+            self.drafting.select_rows(index, moves)
         return bool(self.batch.active)
 
 

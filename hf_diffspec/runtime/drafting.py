@@ -65,10 +65,10 @@ class DrafterContext:
         cached = 0 if self.valid is None else self.valid.shape[1]
         return cached + sum(p.shape[1] for _, p, _, _ in self.pending)
 
-    def select_rows(self, keep: torch.Tensor, kept: list[int] | None = None) -> None:
-        """Drop finished rows: keep only `keep` (indices into the current rows; `kept`: the same on the host, when
-        the caller has them, for the K/V to keep their rows in place)."""
-        select_cache_rows(self.cache, keep, kept)
+    def select_rows(self, keep: torch.Tensor, moves=None) -> None:
+        """Drop finished rows: keep only `keep` (indices into the current rows; `moves`: how the K/V keep them in
+        place, from `BatchState.drop_finished`)."""
+        select_cache_rows(self.cache, keep, moves)
         self.all_valid = False  # the rows left may see every slot, but the host does not know it
         if self.valid is not None:
             self.valid = self.valid[keep]
@@ -203,10 +203,10 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             context.pending.append((features, positions, valid.bool(), None))
             context.all_valid = context.all_valid and all_valid
 
-    def select_rows(self, keep: torch.Tensor, kept: list[int] | None = None) -> None:
-        """Forget finished rows (`keep`: indices of the rows still decoding; `kept`: the same on the host)."""
+    def select_rows(self, keep: torch.Tensor, moves=None) -> None:
+        """Forget finished rows (`keep`: indices of the rows still decoding; `moves`: see `DrafterContext`)."""
         for context in self.contexts:
-            context.select_rows(keep, kept)
+            context.select_rows(keep, moves)
 
     @torch.no_grad()
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:

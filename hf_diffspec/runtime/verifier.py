@@ -263,9 +263,10 @@ class TargetVerifier:
             self.all_valid = self.rows_all_valid
         self._drop_old_keys(next_slots)
 
-    def select_rows(self, index: torch.Tensor, keep: list[int]) -> None:
-        """Keep only the rows `keep` (`index`: the same on the device) in the cache and its bookkeeping."""
-        select_rows(self.cache, index, keep)
+    def select_rows(self, index: torch.Tensor, keep: list[int], moves=None) -> None:
+        """Keep only the rows `keep` (`index`: the same on the device; `moves`: how, in place, from
+        `BatchState.drop_finished`) in the cache and its bookkeeping."""
+        select_rows(self.cache, index, moves)
         self.valid = self.valid[index]
         self._tail_counts = [self._tail_counts[i] for i in keep]
 

@@ -149,15 +149,16 @@ def count_linear_tokens(layer, tokens: int) -> None:
         layer.cumulative_length_linear.add_(tokens)
 
 
-def select_rows(cache, index: torch.Tensor, keep: list[int] | None = None) -> None:
+def select_rows(cache, index: torch.Tensor, moves=None) -> None:
     """Keep only the batch rows `index` in every layer of the cache: K/V, and linear-attention layers' conv and
-    recurrent states (`Cache.batch_select_indices` skips those). `keep`: the same indices on the host, when the
-    caller has them: a dynamic layer's K/V then keep their rows in place (`kept_rows`)."""
+    recurrent states (`Cache.batch_select_indices` skips those). `moves` (from `BatchState.drop_finished`): how a
+    dynamic layer's K/V keep their rows in place (`kept_rows`); None: they are indexed."""
     for layer in cache.layers:
         # a layer whose rows are its keys and values alone (DynamicLayer's own row selection)
-        if keep is not None and getattr(type(layer), "batch_select_indices", None) is DynamicLayer.batch_select_indices:
+        own_rows = getattr(type(layer), "batch_select_indices", None) is DynamicLayer.batch_select_indices
+        if moves is not None and own_rows:
             if layer.is_initialized:
-                layer.keys, layer.values = kept_rows(layer.keys, keep), kept_rows(layer.values, keep)
+                layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
         elif hasattr(layer, "batch_select_indices"):  # K/V (a layer may hold both K/V and linear states)
             layer.batch_select_indices(index)
         elif isinstance(layer, StaticLayer) and layer.is_initialized:  # new tensors: a new batch size's buffers
@@ -170,18 +171,15 @@ def select_rows(cache, index: torch.Tensor, keep: list[int] | None = None) -> No
                     states[key] = state[index]
 
 
-def kept_rows(tensor: torch.Tensor, keep: list[int]) -> torch.Tensor:
-    """`tensor[keep]` along the batch dim (dim 0), writing into `tensor`: each row that moves is copied into its new
-    place and the result is the first `len(keep)` rows, a view. With the order `BatchState.drop_finished` gives (a
-    survivor stays where it is unless it sits past the rows kept) only the moved rows are copied, where indexing copied
-    every row (at 64 rows, a K/V cache of ~0.6 GB at each row that finished). Any other `keep` is indexed."""
-    moved = [(place, row) for place, row in enumerate(keep) if place != row]
-    if any(row < len(keep) for _, row in moved):  # a row moves onto a place that is read later: no in-place order
-        return tensor[torch.tensor(keep, device=tensor.device)]
-    if moved:
-        places, rows = (torch.tensor(side, device=tensor.device) for side in zip(*moved))
+def kept_rows(tensor: torch.Tensor, moves) -> torch.Tensor:
+    """The rows `BatchState.drop_finished` keeps, along the batch dim (dim 0), written into `tensor`: `moves` =
+    (rows kept, the places rows move to, the rows that move). Each moving row is copied into its place and the result
+    is the first rows, a view: only the moved rows are copied, where indexing copied every row (at 64 rows, a K/V
+    cache of ~0.6 GB at each row that finished)."""
+    kept, places, rows = moves
+    if len(places):
         tensor[places] = tensor[rows]
-    return tensor[: len(keep)]
+    return tensor[:kept]
 
 
 class LinearStates:
