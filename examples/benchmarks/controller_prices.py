@@ -1,50 +1,65 @@
 """Live steps of chains with an untrained drafter at batch 1: what each step kind takes against the controller's price
-for it, then whole calls against plain `generate` (SmolLM2-135M-Instruct, bf16, prompts of the built-in sets drawn
-with seed 11).
+for it, then whole calls against plain `generate`, per token (SmolLM2-135M-Instruct, bf16, prompts of the built-in
+sets drawn with seed 11).
 
     python examples/benchmarks/controller_prices.py
 """
+
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
-from hf_diffspec.prompts import load_prompts
 import hf_diffspec
+from hf_diffspec.prompts import load_prompts
 from hf_diffspec.runtime.control_speculation import SpeculationController, StepKind
-target, tok = hf_diffspec.load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
-drafter = hf_diffspec.load_drafter("random", target, "smollm2-135m-instruct")
-log = []
-record = SpeculationController.record
-def rec(self, step, ngrams=None, accepted=None):
-    log.append((step.kind.value, step.seconds, step.verify_seconds, step.draft_seconds, step.slots,
-                self._step_cost(step.kind, step.rows, step.slots), self._step_cost(StepKind.PLAIN, step.rows, 1),
-                self.loop.mean("loop", 0.0) * self._unit(step.rows)))
-    return record(self, step, ngrams, accepted)
-SpeculationController.record = rec
-msgs = [p["prompt"] for p in load_prompts(n_per_domain=22, seed=11)][:6]
-for m in msgs:
-    enc = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    target.generate(**enc, max_new_tokens=128, do_sample=False, assistant_model=drafter)
-for kind in ("plain", "draft"):
-    rows = [r for r in log if r[0] == kind]
-    if rows:
-        f = lambda i: statistics.mean(r[i] for r in rows) * 1000
-        print(kind, len(rows), "ms: step %.1f verify %.1f draft %.1f rest %.1f | priced %.1f (plain priced %.1f, loop priced %.1f) slots %.1f" % (
-            f(1), f(2), f(3), f(1) - f(2) - f(3), f(5), f(6), f(7), statistics.mean(r[4] for r in rows)))
-for m in msgs[:4]:
-    enc = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=True)
-    start = time.perf_counter()
-    plain = target.generate(**enc, max_new_tokens=128, do_sample=False)
-    plain_s, plain_n = time.perf_counter() - start, plain.shape[1] - enc["input_ids"].shape[1]
-    log.clear()
-    start = time.perf_counter()
-    out = target.generate(**enc, max_new_tokens=128, do_sample=False, assistant_model=drafter,
-                          return_dict_in_generate=True)
-    ours_s, ours_n = time.perf_counter() - start, out.sequences.shape[1] - enc["input_ids"].shape[1]
-    print("call: plain %d tokens in %.3f s (%.1f ms a token), ours %d in %.3f s (%.1f ms a token; steps %.3f s, %d of "
-          "them, %d drafter steps; prefill %.3f s)" % (plain_n, plain_s, 1000 * plain_s / plain_n, ours_n, ours_s,
-                                                      1000 * ours_s / ours_n, sum(r[1] for r in log), len(log),
-                                                      sum(r[0] == "draft" for r in log),
-                                                      out.speculation_stats.prefill_time_s))
+
+
+@contextmanager
+def priced_steps():
+    """Every step the controller records, with the controller's price for it: (kind, seconds taken, seconds
+    priced), appended to the list yielded."""
+    steps, record = [], SpeculationController.record
+
+    def priced(self, step, ngrams=None, accepted=None):
+        steps.append((step.kind, step.seconds, self._step_cost(step.kind, step.rows, step.slots)))
+        return record(self, step, ngrams, accepted)
+
+    SpeculationController.record = priced
+    try:
+        yield steps
+    finally:
+        SpeculationController.record = record
+
+
+def main() -> None:
+    target, tok = hf_diffspec.load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
+    drafter = hf_diffspec.load_drafter("random", target, "smollm2-135m-instruct")
+    prompts = [p["prompt"] for p in load_prompts(n_per_domain=22, seed=11)][:6]
+    inputs = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True) for p in prompts]
+    with priced_steps() as steps:
+        for enc in inputs:
+            target.generate(**enc, max_new_tokens=128, do_sample=False, assistant_model=drafter)
+        for kind in (StepKind.PLAIN, StepKind.DRAFT):
+            taken = [(seconds, price) for k, seconds, price in steps if k is kind]
+            if taken:
+                print(f"{kind.value}: {len(taken)} steps, {1000 * statistics.mean(s for s, _ in taken):.1f} ms taken, "
+                      f"{1000 * statistics.mean(p for _, p in taken):.1f} ms priced")
+        for enc in inputs[:4]:
+            prompt_length = enc["input_ids"].shape[1]
+            start = time.perf_counter()
+            plain = target.generate(**enc, max_new_tokens=128, do_sample=False)
+            plain_s, plain_n = time.perf_counter() - start, plain.shape[1] - prompt_length
+            steps.clear()
+            start = time.perf_counter()
+            ours = target.generate(**enc, max_new_tokens=128, do_sample=False, assistant_model=drafter)
+            ours_s, ours_n = time.perf_counter() - start, ours.shape[1] - prompt_length
+            drafts = sum(k is StepKind.DRAFT for k, _, _ in steps)
+            print(f"call: plain {1000 * plain_s / plain_n:.1f} ms a token ({plain_n} tokens), ours "
+                  f"{1000 * ours_s / ours_n:.1f} ms a token ({ours_n} tokens, {len(steps)} steps, {drafts} drafter)")
+
+
+if __name__ == "__main__":
+    main()
