@@ -6,7 +6,7 @@ import torch
 
 from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, SpeculationController, StepKind
 from hf_diffspec.runtime.drafting_lookup import PromptLookup, graft
-from hf_diffspec.runtime.tree import CandidateTree
+from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 from helpers import tiny_drafter, tiny_target
 
 
@@ -65,12 +65,25 @@ def test_lookup_acceptance_is_measured_per_depth_and_match_length():
     assert controller._lookup_reach(2, 1, draw=False)[0] > controller._lookup_reach(1, 1, draw=False)[0] > 0.5
 
 
-def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_differ():
-    tree = CandidateTree(torch.tensor([0, 1, 2, 3]), [-1, 0, 1, 0])  # 0 -> 1 -> 2, 0 -> 3
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_differ(where):
+    """The lookup chain goes after the tree's nodes from the root, its shape known without the drafter's tokens;
+    acceptance reads it merged: the repeats of the tree's nodes left out, the rest hung below the node they repeat
+    (on the host for the token-by-token path, on the device for the batch's)."""
+    tokens = torch.tensor([0, 1, 2, 3]) if where == "device" else [0, 1, 2, 3]
+    tree = CandidateTree(tokens, [-1, 0, 1, 0])  # 0 -> 1 -> 2, 0 -> 3
     grafted = graft(tree, torch.tensor([1, 4, 5]))
-    assert grafted.tokens.tolist() == [0, 1, 2, 3, 4, 5]
-    assert grafted.parents == [-1, 0, 1, 0, 1, 4]  # 4 is a second child of node 1, 5 continues it
-    assert graft(tree, torch.tensor([1, 2])) is tree  # already in the tree: nothing to add
+    assert grafted.tokens.tolist() == [0, 1, 2, 3, 1, 4, 5]
+    assert grafted.parents == [-1, 0, 1, 0, 0, 4, 5]  # as the target's forward sees it
+    assert grafted.children == [{1: 1, 3: 3}, {2: 2, 4: 5}, {}, {}, {}, {5: 6}, {}]  # 4 a second child of node 1
+    other = CandidateTree(torch.tensor([0, 3, 7]), [-1, 0, 1])  # a second row: the chain 0 -> 3 -> 7
+    layout = TreeLayout.of([grafted, graft(other, [3, 7, 8, 9])], torch.device("cpu"))
+    assert layout.tokens.tolist() == [[0, 1, 2, 3, 1, 4, 5], [0, 3, 7, 3, 7, 8, 9]]
+    assert layout.repeats.tolist() == [[False] * 4 + [True, False, False], [False] * 3 + [True, True, False, False]]
+    assert layout.accept_parents.tolist() == [[0, 0, 1, 0, 0, 1, 5], [0, 0, 1, 0, 3, 2, 5]]
+    assert layout.accept_ancestors[0, 6].nonzero().flatten().tolist() == [0, 1, 5, 6]
+    assert layout.accept_ancestors[1, 6].nonzero().flatten().tolist() == [0, 1, 2, 5, 6]
+    assert layout.ancestors[1, 6].nonzero().flatten().tolist() == [0, 3, 4, 5, 6]  # what the forward attends to
     assert graft(CandidateTree.chain(7, torch.empty(0, dtype=torch.long)), torch.tensor([8, 9])).parents == [-1, 0, 1]
 
 

@@ -7,10 +7,9 @@ The first window (after the prefill) may also hold the prefill's own reads, once
 the first tokens). Where the remaining ones are, per step (`HostSyncCounter` counts them outside the target's and the drafter's
 forwards; see `hf_diffspec/bench/host_syncs.py`):
 - syncs (no wait for the whole device among them: steps are timed by stamps read later): one copy of the step's
-  outcome to the host (accepted length, committed tokens and stop flags of every row,
-  `BatchState.accept`); with prompt lookup, one copy of the drafter's tokens to graft the lookup drafts onto (they are
-  merged where they agree); with best-first trees, one copy of every row's top-k draft probabilities and tokens
-  (the tree's shape is chosen on the host);
+  outcome to the host (accepted length, committed tokens and stop flags of every row, `BatchState.accept`), with
+  prompt-lookup drafts too (they join the drafter's tokens unread: `CandidateTree.lookup`); with best-first trees,
+  one more: every row's top-k draft probabilities and tokens (the tree's shape is chosen on the host);
 - copies: the anchors and their positions to the drafter (one), the verified trees' tokens and parents when they were
   built on the host (one), and the rows still decoding when some finished (one, only on such steps).
 """
@@ -21,7 +20,7 @@ import torch
 from hf_diffspec.bench.host_syncs import HostSyncCounter
 from helpers import oracle_drafter_outputs, tiny_drafter, tiny_target
 
-SYNC_BUDGET = 3
+SYNC_BUDGET = {"chains": 1, "trees": 2}
 COPY_BUDGET = 3
 PREFILL_READS = 3
 
@@ -40,7 +39,7 @@ SAMPLING = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
 
 
 def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkeypatch,
-           sample: bool = False) -> HostSyncCounter:
+           sample: bool = False, length: int | None = 4) -> HostSyncCounter:
     target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
     drafter = tiny_drafter(target, block_size=6, seed=3, draft_tree_budget=tree_budget, draft_tree_width=2)
     ids = _prompts(rows)
@@ -51,7 +50,8 @@ def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkey
         oracle_drafter_outputs(monkeypatch, drafter, target, list(reference))
     counter = HostSyncCounter(target, [drafter])
     with counter:
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, num_assistant_tokens=4, prompt_lookup_num_tokens=lookup,
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                              num_assistant_tokens=length, prompt_lookup_num_tokens=lookup,
                               return_dict_in_generate=True, **kwargs)
     assert out.speculation_stats.target_forwards == counter.forwards
     assert len(counter.steps) >= 3
@@ -59,22 +59,27 @@ def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkey
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16])
-@pytest.mark.parametrize("tree_budget,lookup,oracle,sample",
-                         [(None, 0, False, False), (None, 3, False, False), (3, 0, False, False),
-                          (10, 3, False, False), (10, 3, True, False),
-                          (None, 0, False, True), (None, 3, False, True), (10, 3, False, True)],
+@pytest.mark.parametrize("tree_budget,lookup,oracle,sample,length",
+                         [(None, 0, False, False, 4), (None, 3, False, False, 4), (3, 0, False, False, 4),
+                          (10, 3, False, False, 4), (10, 3, True, False, 4),
+                          (None, 0, False, True, 4), (None, 3, False, True, 4), (10, 3, False, True, 4),
+                          (None, 3, False, False, None), (None, 3, False, True, None), (10, 3, False, True, None)],
                          ids=["chains", "chains+lookup", "small-trees", "trees+lookup", "trees+lookup-high-tau",
-                              "sampled-chains", "sampled-chains+lookup", "sampled-trees+lookup"])
+                              "sampled-chains", "sampled-chains+lookup", "sampled-trees+lookup",
+                              "live-chains+lookup", "live-sampled-chains+lookup", "live-sampled-trees+lookup"])
 def test_host_syncs_per_step_stay_within_a_budget_independent_of_rows_trees_and_tau(rows, tree_budget, lookup,
-                                                                                    oracle, sample, monkeypatch):
+                                                                                    oracle, sample, length,
+                                                                                    monkeypatch):
     """Greedy and sampling alike (sampling: the target's and the drafter's laws compact after top-k, accepted on
-    the device; the sampled trees' laws, drawn on the host, go to the device in one more copy)."""
-    counter = _count(rows, tree_budget, lookup, oracle, monkeypatch, sample)
+    the device; the sampled trees' laws, drawn on the host, go to the device in one more copy), at a fixed draft
+    length and with the cost model choosing it (`live`)."""
+    counter = _count(rows, tree_budget, lookup, oracle, monkeypatch, sample, length)
+    budget = SYNC_BUDGET["chains" if tree_budget is None else "trees"]
     worst = counter.worst()
     syncs, copies = counter.per_step_syncs, counter.per_step_copies
     # the first window also holds what the prefill reads once (the prompts' padding, the first tokens)
-    assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
-    assert max(syncs[1:]) <= SYNC_BUDGET, f"syncs per step {syncs}; worst: {worst}"
+    assert syncs[0] <= budget + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
+    assert max(syncs[1:]) <= budget, f"syncs per step {syncs}; worst: {worst}"
     assert max(copies[1:]) <= COPY_BUDGET + sample, f"copies per step {copies}; worst: {worst}"
     # no wait for the whole device inside a step: steps are timed by stamps read later (`device_clock.StepClock`;
     # the first window holds the prefill's one wait, which times the prefill)
@@ -103,7 +108,8 @@ def test_torch_calls_per_step_grow_with_the_targets_depth_only_by_the_caches_cro
     """Accepted tree paths stay in the slots the verify forward wrote them to (the nodes off them are hidden, and
     dropped every few dozen slots): per step the loop touches each K/V layer only to crop it (two views), where moving
     the accepted paths together took a gather and a write per tensor and layer on every step whose path was not its
-    tree's first slots (here: prompt-lookup branches)."""
+    tree's first slots (here: prompt-lookup branches). Beside the crop, a layer's hidden slots are compacted every
+    few dozen slots, which lookup nodes repeating the drafter's bring about sooner (measured: 3.07 calls a layer)."""
     calls = {}
     for layers in (2, 10):
         target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0, layers=layers)
@@ -116,7 +122,7 @@ def test_torch_calls_per_step_grow_with_the_targets_depth_only_by_the_caches_cro
         assert out.speculation_stats.lookup_tokens > 0
         steps = counter.per_step_calls[1:]
         calls[layers] = sum(steps) / len(steps)
-    assert (calls[10] - calls[2]) / 8 <= 3, calls
+    assert (calls[10] - calls[2]) / 8 <= 3.5, calls
 
 
 def test_repeat_interleave_counts_as_a_host_read_only_when_its_size_is_not_known_on_the_host():
@@ -179,4 +185,5 @@ def test_rolling_linear_attention_states_back_stays_within_the_budget(monkeypatc
                               return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference)
     assert out.speculation_stats.linear_state_replays >= 3
-    assert max(counter.per_step_syncs[1:]) <= SYNC_BUDGET, counter.worst()
+    budget = SYNC_BUDGET["chains" if drafter.config.draft_tree_budget is None else "trees"]
+    assert max(counter.per_step_syncs[1:]) <= budget, counter.worst()

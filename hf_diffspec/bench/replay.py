@@ -185,19 +185,6 @@ class Position:
         """Drafts accepted when the tree is verified at `nodes` nodes (anchor included)."""
         return max((d for d, ok in zip(self.depths[: nodes - 1], self.accepted[: nodes - 1]) if ok), default=0)
 
-    def grafted_slots(self, nodes: int, lookup: int) -> int:
-        """Slots of the tree at `nodes` nodes with the first `lookup` lookup drafts grafted on (they follow the tree's
-        nodes while the tokens agree, as `drafting_lookup.graft` does)."""
-        node, extra = 0, 0
-        for i, token in enumerate(self.lookup[:lookup]):
-            child = next((c + 1 for c in range(nodes - 1) if self.parents[c] == node and self.tokens[c] == token),
-                         None) if node >= 0 else None
-            if child is None:
-                extra, node = lookup - i, -1
-                break
-            node = child
-        return nodes + extra
-
 
 def positions_of(trace: dict) -> list[Position]:
     """A trace's positions, each with what every kind of step commits there (a row is done at the sequence's end)."""
@@ -333,7 +320,7 @@ def _outcome(kind, lookup_count: int, here: list[Position], costs: ReplayCosts, 
         else:
             n = best_node_count([p.scores], lambda n: costs.verify.profiled(n, n_rows), costs.draft_seconds(n_rows))
             accepted.append(max(p.tree_accepted(n), looked))
-            slots = max(slots, p.grafted_slots(n, k))
+            slots = max(slots, n + k)  # the lookup chain after the tree's nodes (`CandidateTree.lookup`)
     return len(here) + sum(accepted), slots, accepted
 
 

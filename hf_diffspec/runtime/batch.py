@@ -11,6 +11,7 @@ generating (plain `generate` does not pad it) until every row has stopped, and a
 """
 
 import copy
+from collections import Counter
 
 import numpy as np
 import torch
@@ -346,7 +347,7 @@ class BatchState:
         rows, nodes = layout.tokens.shape
         if self.sampling is not None:
             target, exact = self.sampling.laws(logits)
-            choice = rejection_choices(target, layout.tokens, _children(trees, nodes, logits.device),
+            choice = rejection_choices(target, layout.tokens, _children(trees, layout),
                                        _node_laws(trees, layout, logits.shape[-1]))
             return choice, (~exact & layout.real).any(-1)
         # the argmax of the logits' own dtype is that of their float32 copy (exact): no (rows, nodes, vocab) copy
@@ -473,15 +474,22 @@ def _law_of(laws: CompactLaw, node: int, token: int, logits: torch.Tensor) -> to
     return laws[node].dense(logits.shape[-1])
 
 
-def _children(trees, nodes: int, device) -> torch.Tensor:
-    """(rows, nodes, most children) each node's children in the order they were drawn (node order), -1 for none;
-    from the trees' shapes on the host, in one copy."""
-    table = [[[] for _ in range(nodes)] for _ in trees]
-    for row, tree in zip(table, trees):
-        for child, parent in enumerate(tree.parents[1:], start=1):
-            row[parent].append(child)
-    width = max(1, max(len(c) for row in table for c in row))
-    return host_to_device([[c + [-1] * (width - len(c)) for c in row] for row in table], device)
+def _children(trees, layout: TreeLayout) -> torch.Tensor:
+    """(rows, nodes, most children) each node's children in the order they were drawn (node order), -1 for none,
+    in the trees acceptance reads (`TreeLayout.accept_parents`); built on the device."""
+    rows, nodes = layout.tokens.shape
+    device = layout.tokens.device
+    # at most: a tree's widest node, and one more child where a lookup chain branches off
+    width = max(max(Counter(t.parents[1 : t.base_size]).values(), default=1) + bool(t.lookup) for t in trees)
+    child = layout.real & (layout.depths > 0)
+    if layout.repeats is not None:
+        child &= ~layout.repeats
+    parents, slots = layout.accept_parents, index_range(nodes, device)
+    earlier = (parents[:, :, None] == parents[:, None, :]) & child[:, None, :] & (slots[None, :] < slots[:, None])
+    place = torch.where(child, parents * width + earlier.sum(-1), nodes * width)  # the rest to a spare column
+    table = torch.full((rows, nodes * width + 1), -1, dtype=torch.long, device=device)
+    table.scatter_(1, place, slots.expand(rows, nodes))
+    return table[:, :-1].view(rows, nodes, width)
 
 
 def _node_laws(trees, layout: TreeLayout, vocab: int) -> CompactLaw:
@@ -521,17 +529,19 @@ def _accepted_paths(layout: TreeLayout, choice: torch.Tensor):
     if layout.uniform_chains:  # slot i is depth i: the path is the leading drafts that match their parent's choice
         matches = layout.tokens[:, 1:] == choice[:, :-1]
         return matches.cumprod(-1).sum(-1) + 1, None, choice
-    depths = layout.depths
+    depths, ancestors = layout.depths, layout.accept_ancestors
     # a drafted node is rejected when it does not carry its parent's choice (a padding slot, depth -1, is never the
-    # deepest: the root, depth 0, always qualifies)
-    rejected = (layout.tokens != choice.gather(1, layout.parents)) & (depths > 0)
-    on_accepted_path = ~(layout.ancestors & rejected[:, None, :]).any(-1)
+    # deepest: the root, depth 0, always qualifies); so is a lookup node that repeats a tree node
+    rejected = (layout.tokens != choice.gather(1, layout.accept_parents)) & (depths > 0)
+    if layout.repeats is not None:
+        rejected |= layout.repeats
+    on_accepted_path = ~(ancestors & rejected[:, None, :]).any(-1)
     # siblings carry distinct tokens: the deepest node on the accepted path is unique
     deepest_depth, deepest = torch.where(on_accepted_path, depths, -1).max(-1)
     if layout.chains:
         path_nodes = layout.levels.expand(rows, -1)
     else:  # the deepest node's ancestors in node order (parents come first), then the last slot repeated
-        on_path = layout.ancestors[index_range(rows, device), deepest]  # (rows, nodes)
+        on_path = ancestors[index_range(rows, device), deepest]  # (rows, nodes)
         slots = torch.where(on_path, index_range(nodes, device), nodes - 1)
         path_nodes = slots.sort(-1).values[:, : layout.max_depth + 1]
     return deepest_depth + 1, path_nodes, choice.gather(1, path_nodes)  # committed: (rows, max depth + 1)

@@ -11,6 +11,10 @@ When sampling, a copied token is a deterministic draft: its law is a point mass,
 with the target's probability of it (`verification.py`), beside the drafter's drawn siblings. Whether a lookup branch
 joins a drafted node depends on that node's drawn token, never on the target's draws, which rejection sampling
 allows: a node's children may depend on everything drawn before them.
+
+A step's lookup drafts join its drafted trees without the host reading the drafter's tokens: each row's drafts go
+after its tree's nodes as a chain from the root (`CandidateTree.lookup`), and where they repeat the tree's own
+nodes, acceptance merges them on the device (`tree.TreeLayout`).
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .tree import CandidateTree, read_token_lists
+from .tree import CandidateTree
 
 
 @dataclass
@@ -52,7 +56,6 @@ class LookupDrafts:
         """Each row's tree with its lookup drafts as one more branch (see `graft`)."""
         if not self.ngram:
             return trees
-        read_token_lists(trees)  # the drafter's tokens, every row's in one read: grafting merges where they agree
         return [graft(tree, drafts) for tree, drafts in zip(trees, self.drafts)]
 
 
@@ -131,28 +134,14 @@ class PromptLookup:
         return found
 
 
-def _ids(tokens) -> list[int]:
-    return tokens.tolist() if isinstance(tokens, (torch.Tensor, np.ndarray)) else list(tokens)
-
-
 def graft(tree: CandidateTree, drafts) -> CandidateTree:
-    """`tree` with the chain root -> drafts[0] -> drafts[1] ... added: it follows the tree's own nodes while their
-    tokens agree and branches off at the first token that differs. The nodes it adds to a sampled tree are
-    deterministic drafts, point masses (the tree's laws cover its drawn nodes only). `drafts`: token ids (a list, or
-    a tensor)."""
-    drafts = _ids(drafts)
-    if not len(drafts):
+    """`tree` with the chain root -> drafts[0] -> drafts[1] ... after its nodes (`drafts`: token ids, a list or a
+    tensor). Its first nodes repeat the tree's where the tokens agree; acceptance reads the merged tree
+    (`CandidateTree.children`, `TreeLayout.accept_parents`). The added nodes are deterministic drafts, point masses
+    when sampling (the tree's laws cover its drawn nodes only)."""
+    drafts = drafts.tolist() if isinstance(drafts, (torch.Tensor, np.ndarray)) else list(drafts)
+    if not drafts:
         return tree
-    tokens, parents, node = list(tree.token_list), list(tree.parents), 0
-    for token in drafts:
-        child = tree.children[node].get(token) if node < len(tree) else None
-        if child is None:
-            tokens.append(token)
-            parents.append(node)
-            node = len(tokens) - 1
-        else:
-            node = child
-    if len(tokens) == len(tree):
-        return tree
-    device = tree.device if tree.knows_tokens() else tree.tokens.device
-    return CandidateTree(tokens, parents, draft_laws=tree.draft_laws, device=device)
+    tokens = tree.token_list if tree.knows_tokens() else tree.tokens
+    return CandidateTree(tokens, tree.parents, draft_laws=tree.draft_laws, confidences=tree.confidences,
+                         device=tree.device if tree.knows_tokens() else tree.tokens.device, lookup=drafts)

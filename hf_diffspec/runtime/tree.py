@@ -8,6 +8,12 @@ the drafter drew them (chains), on the host when the host chose them (best-first
 reads device tokens on the host unless it must (`token_list`), so building, verifying and accepting the trees of a
 whole batch costs a fixed number of host synchronisations (`TreeLayout`).
 
+Prompt-lookup drafts join a drafted tree as a chain from the root after its nodes (`lookup`), whatever the drafter's
+tokens: where the two agree, the chain's first nodes repeat the tree's. The target computes the same thing at a
+repeated node as at its original (same tokens, same positions), so acceptance reads the tree merged: the repeats are
+left out, and the first lookup node past them is a child of the tree node they repeat (`TreeLayout.accept_parents`,
+found on the device). The tree's shape thus never waits for the drafter's tokens.
+
 The index tensors the loop reads every step (ranges, bit values, a fixed chain's shape) are built once per call and
 kept in the call's context (`call_indices`, entered by the call's `TargetVerifier`): read only, and nothing of them
 outlives the call or is seen by another thread. Outside a call they are built afresh.
@@ -32,16 +38,25 @@ class CandidateTree:
             drafts (argmax, prompt lookup), whose laws are point masses. Used by rejection sampling; siblings are
             ordered as drawn.
         confidences: optional (n,) drafter confidence of each node's token.
+        lookup: optional, prompt-lookup drafts (host ints) joined as a chain from the root after the nodes of
+            `tokens`: the tree's last len(lookup) nodes (see the module docstring).
     """
 
     def __init__(self, tokens, parents: list[int], draft_laws=None,
-                 confidences: torch.Tensor | None = None, device=None):
+                 confidences: torch.Tensor | None = None, device=None, lookup: list[int] = ()):
+        self.lookup = [int(t) for t in lookup]
+        if self.lookup:
+            size = len(parents)
+            parents = list(parents) + [0] + list(range(size, size + len(self.lookup) - 1))
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1:
                 raise ValueError("tokens must be 1-D with one parent per node")
-            self._tokens, self._token_list, size = tokens, None, tokens.shape[0]
+            self._tokens, self._token_list, size = tokens, None, tokens.shape[0] + len(self.lookup)
+            self.base_size = tokens.shape[0]
         else:
-            self._tokens, self._token_list, size = None, [int(t) for t in tokens], len(tokens)
+            tokens = [int(t) for t in tokens]
+            self._tokens, self._token_list, size = None, tokens + self.lookup, len(tokens) + len(self.lookup)
+            self.base_size = len(tokens)
         self.device = device
         if len(parents) != size:
             raise ValueError("tokens must be 1-D with one parent per node")
@@ -61,7 +76,7 @@ class CandidateTree:
         self.confidences = confidences
         self._children = None
         # two siblings carrying one token are refused where they are made (`children` says which)
-        if not self.is_chain and (self._token_list is not None or tokens.device.type == "cpu"):
+        if not self.is_chain and (self._token_list is not None or tokens.device.type == "cpu") and not self.lookup:
             if len(set(zip(self.parents[1:], self.token_list[1:]))) < size - 1:
                 self.children  # noqa: B018
 
@@ -69,33 +84,40 @@ class CandidateTree:
     def tokens(self) -> torch.Tensor:
         if self._tokens is None:
             self._tokens = torch.tensor(self._token_list, dtype=torch.long, device=self.device)
+        elif self._tokens.shape[0] < len(self):  # the drafter's on the device, the lookup drafts after them
+            self._tokens = torch.cat([self._tokens, torch.tensor(self.lookup, device=self._tokens.device)])
         return self._tokens
+
+    @property
+    def base_tokens(self) -> torch.Tensor:
+        """The tokens of the nodes before the lookup chain (where they were made)."""
+        return self.tokens[: self.base_size] if self._tokens is None else self._tokens[: self.base_size]
 
     @property
     def token_list(self) -> list[int]:
         """The tokens on the host (read from the device once, when they were made there)."""
         if self._token_list is None:
-            self._token_list = self._tokens.tolist()
+            self._token_list = self._tokens[: self.base_size].tolist() + self.lookup
         return self._token_list
 
     def knows_tokens(self) -> bool:
         """True when the host holds the tokens (no synchronisation to read them)."""
         return self._token_list is not None
 
-    def set_token_list(self, tokens: list[int]) -> None:
-        """The host copy of device tokens, read together with other trees' (`read_token_lists`)."""
-        self._token_list = tokens[: len(self)]
-
     @property
     def children(self) -> list[dict[int, int]]:
-        """Per node, {token: child node}."""
+        """Per node, {token: child node}, the lookup chain merged into the tree (its repeats of the tree's nodes
+        left out)."""
         if self._children is None:
             children = [{} for _ in self.parents]
             token_list = self.token_list
-            for i, p in enumerate(self.parents[1:], start=1):
+            for i, p in enumerate(self.parents[1 : self.base_size], start=1):
                 if token_list[i] in children[p]:
                     raise ValueError(f"node {p} has two children carrying token {token_list[i]}; merge them")
                 children[p][token_list[i]] = i
+            node = 0
+            for i in range(self.base_size, len(self)):  # the lookup chain follows the tree while the tokens agree
+                node = children[node].setdefault(token_list[i], i)
             self._children = children
         return self._children
 
@@ -169,26 +191,18 @@ def host_to_device(data, device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def read_token_lists(trees: list[CandidateTree]) -> None:
-    """Bring the tokens of every tree whose tokens are only on the device to the host, in one copy."""
-    unknown = [t for t in trees if not t.knows_tokens()]
-    if not unknown:
-        return
-    if len(unknown) == 1:
-        unknown[0].token_list  # noqa: B018
-        return
-    padded = torch.nn.utils.rnn.pad_sequence([t.tokens for t in unknown], batch_first=True).tolist()
-    for tree, tokens in zip(unknown, padded):
-        tree.set_token_list(tokens)
-
-
 @dataclass
 class TreeLayout:
     """The trees of a batch as a rectangle on the device, n = the largest tree: `tokens` (rows, n), shorter trees
     padded with their root; `parents` (rows, n), the root and padding slots their own parent; `depths` (rows, n), -1
     for padding; `real` (rows, n), depths >= 0; `ancestors` (rows, n, n) bool, [r, i, j] True when node j is node i
     or one of its ancestors (a padding slot: itself only); `levels`, 0 .. max_depth. `chains`: every tree is a chain
-    (an accepted path is then a prefix); `uniform_chains`: chains of one length (slot i is the node at depth i)."""
+    (an accepted path is then a prefix); `uniform_chains`: chains of one length (slot i is the node at depth i).
+
+    What acceptance reads, the trees with their lookup chains merged in (see the module docstring): `repeats`
+    (rows, n), the lookup nodes that repeat a tree node, or None when no tree has lookup drafts after drafted nodes;
+    `accept_parents` and `accept_ancestors`, the merged trees' (the target's forward sees `parents` and
+    `ancestors`)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -200,6 +214,13 @@ class TreeLayout:
     max_depth: int
     chains: bool
     uniform_chains: bool
+    repeats: torch.Tensor | None = None
+    accept_parents: torch.Tensor | None = None
+    accept_ancestors: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.accept_parents is None:
+            self.accept_parents, self.accept_ancestors = self.parents, self.ancestors
 
     @classmethod
     def of(cls, trees: list[CandidateTree], device, width: int = 0) -> "TreeLayout":
@@ -211,6 +232,7 @@ class TreeLayout:
         chains = all(t.is_chain for t in trees)
         same_size = all(s == n for s in sizes)
         host_tokens = [t.token_list for t in trees] if all(t.knows_tokens() for t in trees) else None
+        grafted = any(t.lookup and t.base_size > 1 for t in trees)  # lookup chains beside drafted nodes
         if chains and same_size:
             parents, depths, real, ancestors, levels = _uniform_chains_shape(rows, n, device)
             if host_tokens is not None:
@@ -225,6 +247,9 @@ class TreeLayout:
                 shape.append([_ancestor_bits(t.parents) + [1 << i for i in range(len(t), n)] for t in trees])
             if host_tokens is not None:
                 shape.append([tokens + [tokens[0]] * (n - len(tokens)) for tokens in host_tokens])
+            if grafted:  # each lookup node's token at its slot, and the lookup token at each depth (-1: none)
+                shape.append([[-1] * t.base_size + t.lookup + [-1] * (n - len(t)) for t in trees])
+                shape.append([[-1] + t.lookup + [-1] * (n - 1 - len(t.lookup)) for t in trees])
             shape = host_to_device(shape, device)
             parents, depths = shape[0], shape[1]
             real = depths >= 0
@@ -237,17 +262,41 @@ class TreeLayout:
                 for _ in range(max_depth):
                     ancestors = ancestors | ancestors.gather(1, gather_index)
             if host_tokens is not None:
-                tokens = shape[-1]
-        if host_tokens is None:
-            tokens = [t.tokens.to(device) for t in trees]
-            if same_size:
+                tokens = shape[3 if ancestor_bits else 2]
+        if host_tokens is None:  # the drafter's tokens, the lookup drafts (copied with the shape) after them
+            tokens = [t.base_tokens.to(device) for t in trees]
+            if same_size and not grafted:
                 tokens = torch.stack(tokens)
             else:  # padded to n (any token: padding slots take their root's below)
                 tokens = torch.nn.functional.pad(torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True),
-                                                 (0, n - max(sizes)))
+                                                 (0, n - max(t.base_size for t in trees)))
+            if grafted:
+                tokens = torch.where(shape[-2] >= 0, shape[-2], tokens)
         if not same_size:
             tokens = torch.where(real, tokens, tokens[:, :1])
+        if grafted:
+            return cls(tokens, parents, depths, real, ancestors, levels, sizes, max_depth, chains, False,
+                       *_merged_lookup(tokens, parents, depths, real, ancestors, shape[-2] >= 0, shape[-1]))
         return cls(tokens, parents, depths, real, ancestors, levels, sizes, max_depth, chains, chains and same_size)
+
+
+def _merged_lookup(tokens, parents, depths, real, ancestors, is_lookup, lookup_at_depth) -> tuple[torch.Tensor, ...]:
+    """`TreeLayout`'s repeats, accept_parents and accept_ancestors: each row's lookup chain (`is_lookup` slots; its
+    token at each depth `lookup_at_depth`) merged into its tree on the device. A tree node repeats the chain's start
+    when it and every ancestor below the root carry the lookup token of their depth; the chain's nodes down to the
+    deepest such node's depth repeat it, and the next one hangs below it."""
+    rows, n = tokens.shape
+    drafted = real & ~is_lookup & (depths > 0)
+    differs = drafted & (tokens != lookup_at_depth.gather(1, depths.clamp(min=0)))
+    follows = real & ~is_lookup & ~(ancestors & differs[:, None, :]).any(-1)
+    # siblings carry distinct tokens: at most one node per depth follows the chain (the root, depth 0, always does)
+    reach, attach = torch.where(follows, depths, 0).max(-1)
+    repeats = is_lookup & (depths <= reach[:, None])
+    live = is_lookup & ~repeats
+    accept_parents = torch.where(live & (depths == reach[:, None] + 1), attach[:, None], parents)
+    attach_ancestors = ancestors.gather(1, attach[:, None, None].expand(rows, 1, n))
+    accept_ancestors = torch.where(live[:, :, None], (ancestors & ~repeats[:, None, :]) | attach_ancestors, ancestors)
+    return repeats, accept_parents, accept_ancestors
 
 
 def _ancestor_bits(parents: list[int]) -> list[int]:
