@@ -100,6 +100,17 @@ def test_where_speculation_always_pays_it_drafts_from_the_first_step():
     assert tokens / seconds > 0.95 * 3.0 / (1.3 * verify_cost(4, 1) / verify_cost(1, 1)) * plain_rate(1)
 
 
+def test_a_drafter_never_seen_is_tried_first_whatever_its_guessed_price():
+    """A fresh controller's first step runs the drafter even where the cost model prices it far above two plain steps
+    (a profile measured on a busy machine can): an arm never observed is played once, as UCB does, and the budget
+    pays for it (it stays non-negative). After a try that accepted nothing, the dear drafter is left alone."""
+    controller = SpeculationController(verify_cost, draft_guess=20.0)
+    kinds, _, _, least = run(controller, lambda i: fixed(0.0, 20.0), 40)
+    assert kinds[0] is StepKind.DRAFT and kinds[1:] == [StepKind.PLAIN] * 39 and least >= 0
+    assert SpeculationController(verify_cost, draft_guess=20.0).start_call().decide(1, [0], [0])[0] is StepKind.DRAFT
+    assert controller.start_call().decide(1, [0], [0])[0] is StepKind.PLAIN  # a later call remembers the try
+
+
 @pytest.mark.parametrize("accepted, cost", [(1.5, 0.3), (0.6, 0.3), (0.3, 0.3), (0.1, 0.3), (2.0, 1.0), (0.8, 1.0)])
 def test_regret_is_bounded_where_acceptance_is_stationary(accepted, cost):
     """Over 2,000 steps, throughput is within 10% of the better of always drafting and always decoding plainly
@@ -132,9 +143,10 @@ def test_an_abrupt_switch_is_followed():
 
 def test_lookup_drafts_are_scored_with_full_information():
     """Steps that verify no lookup draft still measure them (against what the target committed): a controller that
-    only ever decoded plainly knows how far the drafts of each match length would have gone, and verifies them as
-    soon as they pay."""
-    controller = SpeculationController(verify_cost, draft_guess=5.0)  # the drafter is far too dear to try
+    only ever decoded plainly (after the drafter's first try, which accepted nothing) knows how far the drafts of each
+    match length would have gone, and verifies them as soon as they pay."""
+    controller = SpeculationController(verify_cost, draft_guess=5.0)  # the drafter is far too dear to try again
+    controller.drafter.add_step([(0, 0, 0.0, 1.0)])  # its first try (a controller's first step: `decide`)
 
     def lookups(rng):  # 3-token matches: 4 of 6 drafts right; 1-token matches: none
         return (3, 6, 4) if rng.random() < 0.5 else (1, 6, 0)
