@@ -103,12 +103,18 @@ def test_where_speculation_always_pays_it_drafts_from_the_first_step():
 def test_a_drafter_never_seen_is_tried_first_whatever_its_guessed_price():
     """A fresh controller's first step runs the drafter even where the cost model prices it far above two plain steps
     (a profile measured on a busy machine can): an arm never observed is played once, as UCB does, and the budget
-    pays for it (it stays non-negative). After a try that accepted nothing, the dear drafter is left alone."""
+    pays for it (it stays non-negative). After a try that accepted nothing, the dear drafter is left alone; one that
+    paid is taken at a call's start, where a credit of one plain step would allow no step dearer than two."""
     controller = SpeculationController(verify_cost, draft_guess=20.0)
     kinds, _, _, least = run(controller, lambda i: fixed(0.0, 20.0), 40)
     assert kinds[0] is StepKind.DRAFT and kinds[1:] == [StepKind.PLAIN] * 39 and least >= 0
     assert SpeculationController(verify_cost, draft_guess=20.0).start_call().decide(1, [0], [0])[0] is StepKind.DRAFT
     assert controller.start_call().decide(1, [0], [0])[0] is StepKind.PLAIN  # a later call remembers the try
+    # a drafter that pays though a step of it costs 3 plain steps (2 beyond its verify): every call starts with it
+    paying = SpeculationController(verify_cost, draft_guess=2.0)
+    kinds, _, _, least = run(paying, lambda i: fixed(4.0, 2.0), 20)
+    assert kinds.count(StepKind.DRAFT) == 20 and least >= 0
+    assert paying.start_call().decide(1, [0], [0])[0] is StepKind.DRAFT
 
 
 @pytest.mark.parametrize("accepted, cost", [(1.5, 0.3), (0.6, 0.3), (0.3, 0.3), (0.1, 0.3), (2.0, 1.0), (0.8, 1.0)])

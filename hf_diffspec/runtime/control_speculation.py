@@ -29,12 +29,14 @@ Observations are discounted by `DISCOUNT` a step (acceptance changes with the te
 step, observed or not, so a drafter not tried for a while grows uncertain and is tried again.
 
 The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
-it committed, plus one plain step (or, for a controller that has never seen a drafter step, that step: an arm never
-observed is played first, as UCB does), as far as the cost model and the lookup estimates hold. A budget starts at one
-plain step, gains (1 + EPSILON) x the plain cost of what each step committed and is charged the step's cost at the
-model's price (its own times included, so one step slowed by the machine does not lock speculation out); a drafter
-step is taken only when the budget stays non-negative even if it commits one token a row. Lookup steps are never
-tries (lookup is observed after every step, whatever was verified): they are taken on their estimate alone. Where
+it committed, plus one step, as far as the cost model and the lookup estimates hold. A budget starts at one step's
+credit (a plain step's, or what a drafter step costs beyond the plain step it commits at least, if more: every call
+can try the drafter once, however dear a profile measured on a busy machine prices it), gains (1 + EPSILON) x the
+plain cost of what each step committed and is charged the step's cost at the model's price (its own times included,
+so one step slowed by the machine does not lock speculation out); a drafter step is taken only when the budget stays
+non-negative even if it commits one token a row. A controller that has never seen a drafter step takes one first,
+as UCB plays each arm once. Lookup steps are never tries (lookup is observed after every step, whatever was
+verified): they are taken on their estimate alone. Where
 speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
 decoding, no lower; where it pays the budget grows and never binds.
 
@@ -217,11 +219,9 @@ class SpeculationController:
                                                                       draft_cost)]
         if lookup_n > 1:
             options.append((lookup_tokens / lookup_cost, StepKind.LOOKUP, lookup_cost))
-        if self.budget is None:
-            self.budget = plain_cost  # one plain step's credit
-        if not self.drafter.trials:  # never seen: tried first, as UCB plays each arm once (whatever the cost model
-            # guesses, which on a busy machine may price it out), its price beyond a plain step's credit given
-            self.budget = max(self.budget, draft_cost - (1 + EPSILON) * plain_cost)
+        if self.budget is None:  # one step's credit: enough for a drafter step that commits one token a row
+            self.budget = max(plain_cost, draft_cost - (1 + EPSILON) * plain_cost)
+        if not self.drafter.trials:  # never seen: tried first, as UCB plays each arm once (whatever the estimates)
             return StepKind.DRAFT, lookup_n - 1
         # the bound: even if it commits one token a row, a drafter step must leave the budget non-negative (lookup is
         # observed after every step, so a lookup step is never a try: it is taken on its estimate alone)
