@@ -289,8 +289,9 @@ def _merged_lookup(tokens, parents, depths, real, ancestors, is_lookup, lookup_a
     drafted = real & ~is_lookup & (depths > 0)
     differs = drafted & (tokens != lookup_at_depth.gather(1, depths.clamp(min=0)))
     follows = real & ~is_lookup & ~(ancestors & differs[:, None, :]).any(-1)
-    # siblings carry distinct tokens: at most one node per depth follows the chain (the root, depth 0, always does)
-    reach, attach = torch.where(follows, depths, 0).max(-1)
+    # siblings carry distinct tokens: at most one node per depth follows the chain, and the root (depth 0) always
+    # does, so the deepest is unique (whichever index a device's max returns on ties)
+    reach, attach = torch.where(follows, depths, -1).max(-1)
     repeats = is_lookup & (depths <= reach[:, None])
     live = is_lookup & ~repeats
     accept_parents = torch.where(live & (depths == reach[:, None] + 1), attach[:, None], parents)
