@@ -84,7 +84,10 @@ def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_dif
     assert layout.accept_ancestors[0, 6].nonzero().flatten().tolist() == [0, 1, 5, 6]
     assert layout.accept_ancestors[1, 6].nonzero().flatten().tolist() == [0, 1, 2, 5, 6]
     assert layout.ancestors[1, 6].nonzero().flatten().tolist() == [0, 3, 4, 5, 6]  # what the forward attends to
-    assert graft(CandidateTree.chain(7, torch.empty(0, dtype=torch.long)), torch.tensor([8, 9])).parents == [-1, 0, 1]
+    root_only = graft(CandidateTree.chain(7, torch.empty(0, dtype=torch.long)), torch.tensor([8, 9]))  # a chain cut to 0
+    assert root_only.parents == [-1, 0, 1]
+    # its root on the device, its lookup drafts on the host: both reach the forward's tokens
+    assert TreeLayout.of([root_only], torch.device("cpu")).tokens.tolist() == [[7, 8, 9]]
 
 
 def _repetitive_prompts(vocab, rows, seed):

@@ -233,7 +233,9 @@ class TreeLayout:
         same_size = all(s == n for s in sizes)
         host_tokens = [t.token_list for t in trees] if all(t.knows_tokens() for t in trees) else None
         grafted = any(t.lookup and t.base_size > 1 for t in trees)  # lookup chains beside drafted nodes
-        if chains and same_size:
+        # lookup drafts (host) after device tokens, a drafted chain cut to its root included: copied with the shape
+        lookups = grafted or (host_tokens is None and any(t.lookup for t in trees))
+        if chains and same_size and not lookups:
             parents, depths, real, ancestors, levels = _uniform_chains_shape(rows, n, device)
             if host_tokens is not None:
                 tokens = host_to_device(host_tokens, device)
@@ -247,7 +249,7 @@ class TreeLayout:
                 shape.append([_ancestor_bits(t.parents) + [1 << i for i in range(len(t), n)] for t in trees])
             if host_tokens is not None:
                 shape.append([tokens + [tokens[0]] * (n - len(tokens)) for tokens in host_tokens])
-            if grafted:  # each lookup node's token at its slot, and the lookup token at each depth (-1: none)
+            if lookups:  # each lookup node's token at its slot, and the lookup token at each depth (-1: none)
                 shape.append([[-1] * t.base_size + t.lookup + [-1] * (n - len(t)) for t in trees])
                 shape.append([[-1] + t.lookup + [-1] * (n - 1 - len(t.lookup)) for t in trees])
             shape = host_to_device(shape, device)
@@ -265,12 +267,12 @@ class TreeLayout:
                 tokens = shape[3 if ancestor_bits else 2]
         if host_tokens is None:  # the drafter's tokens, the lookup drafts (copied with the shape) after them
             tokens = [t.base_tokens.to(device) for t in trees]
-            if same_size and not grafted:
+            if same_size and not lookups:
                 tokens = torch.stack(tokens)
             else:  # padded to n (any token: padding slots take their root's below)
                 tokens = torch.nn.functional.pad(torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True),
                                                  (0, n - max(t.base_size for t in trees)))
-            if grafted:
+            if lookups:
                 tokens = torch.where(shape[-2] >= 0, shape[-2], tokens)
         if not same_size:
             tokens = torch.where(real, tokens, tokens[:, :1])
