@@ -109,9 +109,12 @@ def test_concurrent_speculative_calls_match_plain_generate(monkeypatch, case):
             assert torch.equal(out.sequences, plain[i]), f"round {round_}, prompt {i}"
             stats = out.speculation_stats
             accepting += sum(stats.committed_per_step) > len(stats.committed_per_step)
-        # every thread's drafts were accepted (its own oracle), not one thread's; with the live gates, which follow
-        # the machine's timings, most threads'
-        assert accepting >= (THREADS - 1 if case.startswith("live") else THREADS), f"round {round_}"
+        # every thread's drafts were accepted (its own oracle), not one thread's. With the live controller, in the
+        # first round: each call starts from a controller of its own that never saw the drafter, so it drafts first;
+        # later calls start from what one of them kept, and draft as this machine's timings say (with several
+        # threads on a busy machine, Python's share of a drafting pass can price it out)
+        if not case.startswith("live") or round_ == 0:
+            assert accepting == THREADS, f"round {round_}"
         assert torch.equal(outs[-1], plain[-1]), f"round {round_}: the plain call beside the speculative ones"
     assert overlap.most >= 2  # verify forwards of several threads ran at the same time
 

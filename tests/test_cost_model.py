@@ -31,7 +31,7 @@ def test_the_profile_is_refined_by_what_steps_cost():
     """A profile measured on a short context, and steps that cost twice that at 1 slot and three times at 8 (a long
     context): the cost follows what is observed, between observed sizes too, per batch-size bucket."""
     cost = VerifyCost({1: {1: 1.0, 8: 2.0, 16: 4.0}, 4: {1: 2.0, 16: 8.0}})
-    for _ in range(60):
+    for _ in range(150):
         cost.observe(1, 1, 2.0)
         cost.observe(8, 1, 6.0)
     assert cost(1) == pytest.approx(2.0, rel=0.01) and cost(8) == pytest.approx(6.0, rel=0.01)
@@ -372,3 +372,41 @@ def test_a_cache_folder_that_cannot_be_written_gives_identical_output(tmp_path, 
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
             assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
     assert "cannot be cached (NotADirectoryError" in caplog.text
+
+
+def test_widths_observed_at_different_loads_keep_the_profiles_shape():
+    """Wide steps seen while the machine was busy, one-token steps while it was quiet (calls in threads come and go):
+    the load moves every width's price, so a wide forward is not priced out against a one-token one."""
+    cost = VerifyCost({1: {1: 1.0, 8: 2.0, 16: 4.0}})
+    for _ in range(3):
+        cost.observe(8, 1, 6 * cost.profiled(8))
+    cost.observe(1, 1, 2 * cost.profiled(1))
+    assert cost(8) / cost(1) == pytest.approx(cost.profiled(8) / cost.profiled(1), rel=0.15)
+    assert 2 < cost(1) < 6  # the load, between what was seen
+    assert cost.loaded(1) == pytest.approx(cost.profiled(1) * cost.loads[1])
+
+
+def test_a_machine_busier_than_its_profile_keeps_drafting_what_pays(tmp_path, monkeypatch):
+    """The profile measured quiet (the first call's), then every step timed 6x slower (other processes on the cores):
+    a drafter whose drafts are all accepted (an oracle's) keeps drafting. Its first step's cost and what that step
+    committed are priced at the same load (the cost model observes a step before the controller charges it), and
+    drafting timed at a load is priced against verifying at that load."""
+    from hf_diffspec.runtime.device_clock import StepClock
+    from helpers import PerThreadReference, oracle_drafter_outputs, random_ids
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("llama", seed=3, sharpen=4)
+    drafter = tiny_drafter(target, block_size=8, draft_tree_budget=10, draft_tree_width=3)
+    ids = random_ids(0, 6).repeat(1, 3)
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False)
+    reference = PerThreadReference()
+    reference.use(plain[0])
+    oracle_drafter_outputs(monkeypatch, drafter, target, reference)
+    verify_cost_for(target)  # the profile, measured now (quiet)
+    seconds = StepClock.seconds
+    monkeypatch.setattr(StepClock, "seconds", lambda self, start, end: 6 * seconds(self, start, end))
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    steps = out.speculation_stats.committed_per_step
+    assert sum(steps) >= 3 * len(steps), f"tokens a step: {steps}"

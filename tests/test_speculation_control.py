@@ -117,6 +117,28 @@ def test_a_drafter_never_seen_is_tried_first_whatever_its_guessed_price():
     assert paying.start_call().decide(1, [0], [0])[0] is StepKind.DRAFT
 
 
+def test_a_load_that_lifts_lowers_the_drafters_price_with_the_forwards():
+    """Drafter steps timed while other processes held the cores (every forward and the drafting pass 6x slower), then
+    the load lifts (plain steps at the profiled time): drafting is priced in forwards at the load it was timed at, so
+    a drafter step costs the same number of plain steps as on a quiet machine, not six times as many."""
+    from hf_diffspec.runtime.control_cost import VerifyCost
+
+    def price(loads):
+        cost = VerifyCost({1: {1: 0.01, 4: 0.012}})
+        controller = SpeculationController(cost, draft_guess=1.0)
+        controller.decide(1, [0], [0])
+        for load in loads:
+            kind, slots, drafting = (StepKind.DRAFT, 4, 0.01) if load > 1 else (StepKind.PLAIN, 1, 0.0)
+            verify = load * cost.profiled(slots)
+            cost.observe(slots, 1, verify)
+            controller.record(StepRecord(kind, 1, 0, slots, verify + load * drafting, slots, verify, load * drafting),
+                              [0], [slots - 1] if kind is StepKind.DRAFT else None)
+        return controller._step_cost(StepKind.DRAFT, 1, 4) / controller._step_cost(StepKind.PLAIN, 1, 1)
+
+    quiet = price([1.0] * 3)
+    assert price([6.0] * 3 + [1.0] * 12) == pytest.approx(quiet, rel=0.15)
+
+
 @pytest.mark.parametrize("accepted, cost", [(1.5, 0.3), (0.6, 0.3), (0.3, 0.3), (0.1, 0.3), (2.0, 1.0), (0.8, 1.0)])
 def test_regret_is_bounded_where_acceptance_is_stationary(accepted, cost):
     """Over 2,000 steps, throughput is within 10% of the better of always drafting and always decoding plainly

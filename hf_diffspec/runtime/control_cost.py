@@ -17,6 +17,10 @@ from pathlib import Path
 ONE_TOKEN_JUMP = 6.0  # a forward over a few tokens at most this many times a one-token one (`implausible_costs`)
 STALE_FACTOR = 2.0  # live steps this many times faster than profiled: the profile is re-measured
 STALE_AFTER_STEPS = 4  # steps observed at one batch size and width before they are compared with the profile
+# the load follows a step's time at once (other calls and processes come and go); the shape, what one width costs
+# against the others, slowly: it is only told apart from a change of load by widths observed at the same load
+LOAD_SMOOTHING = 0.5
+SHAPE_SMOOTHING = 0.05
 
 
 def _interpolate(points: dict[int, float], x: float) -> float:
@@ -41,21 +45,26 @@ class VerifyCost:
     {rows: {n: seconds}} (linear in n, then linear in rows), refined online.
 
     The profile is measured once, on a short context, without the loop around the forward. What a decoding step
-    really costs (a longer context, the loop's own work, other load) is observed at every step: `observe` keeps, per
-    batch-size bucket and slot count, the smoothed ratio of observed to profiled seconds, and the cost at n is the
-    profile times that ratio interpolated between the slot counts observed (flat beyond them). Each call gets its own
-    copy of what the last call on the profile kept (`control_profiles.verify_cost_for`): what one call observed, the
-    next starts from.
+    really costs is observed at every step (`observe`), per batch-size bucket, as two factors on the profile:
+    - the load: what slows every forward alike (other processes or calls on the cores, a longer context), smoothed
+      over every step whatever its width; the other costs of a step (drafting, the loop) are measured in profiled
+      forwards at this load (`loaded`), so that load changes every price in proportion;
+    - the shape: per slot count, what the load leaves unexplained, smoothed, interpolated between the slot counts
+      observed (flat beyond them).
+    Steps of different widths observed at different loads (calls in threads come and go) then move the load, not one
+    width's price against the others'. Each call gets its own copy of what the last call on the profile kept
+    (`control_profiles.verify_cost_for`): what one call observed, the next starts from.
 
     A step observed is never cheaper than the bare forward the profile timed (it also commits, on a longer context).
     So when steps run over `STALE_FACTOR` times faster than profiled, the profile was measured on a busy machine: it is
     measured again (`remeasure`, given by `control_profiles.verify_cost_for`)."""
 
-    def __init__(self, costs: dict[int, dict[int, float]], smoothing: float = 0.1, remeasure=None,
-                 path: Path | None = None, corrections: dict | None = None, observations: dict | None = None):
+    def __init__(self, costs: dict[int, dict[int, float]], remeasure=None,
+                 path: Path | None = None, corrections: dict | None = None, observations: dict | None = None,
+                 loads: dict | None = None):
         self.costs = costs
-        self.smoothing = smoothing
-        self.corrections: dict[int, dict[int, float]] = corrections or {}  # rows bucket -> {n: observed / profiled}
+        self.loads: dict[int, float] = loads or {}  # rows bucket -> observed / (profiled x shape)
+        self.corrections: dict[int, dict[int, float]] = corrections or {}  # rows bucket -> {n: the shape at n}
         self.observations: dict[tuple[int, int], int] = observations or {}  # (rows bucket, n) -> steps observed
         self.remeasure = remeasure  # called once when live steps disagree with the profile; None: never
         self.path = path  # the profile file whose costs these are, where the call hands them back
@@ -63,26 +72,37 @@ class VerifyCost:
     def profiled(self, n: int, rows: int = 1) -> float:
         return _interpolate({b: _interpolate(row, n) for b, row in self.costs.items()}, rows)
 
+    def loaded(self, n: int, rows: int = 1) -> float:
+        """The profiled forward at the load observed (the unit of a step's other costs)."""
+        return self.profiled(n, rows) * self.loads.get(rows_bucket(rows), 1.0)
+
+    def _shape(self, bucket: int, n: int) -> float:
+        shapes = self.corrections.get(bucket)
+        if not shapes:
+            return 1.0
+        return _interpolate(shapes, min(max(n, min(shapes)), max(shapes)))
+
     def observe(self, n: int, rows: int, seconds: float) -> bool:
         """A decoding step verified `rows` x `n` slots in `seconds` (forward and commit). True when that made the
         profile be measured again."""
         bucket = rows_bucket(rows)
-        ratios = self.corrections.setdefault(bucket, {})
         ratio = seconds / self.profiled(n, rows)
-        ratios[n] = ratio if n not in ratios else (1 - self.smoothing) * ratios[n] + self.smoothing * ratio
+        shape = self._shape(bucket, n)
+        load = self.loads.get(bucket)
+        load = self.loads[bucket] = ratio / shape if load is None else \
+            (1 - LOAD_SMOOTHING) * load + LOAD_SMOOTHING * ratio / shape
+        shapes = self.corrections.setdefault(bucket, {})
+        shapes[n] = (1 - SHAPE_SMOOTHING) * shape + SHAPE_SMOOTHING * ratio / load
         seen = self.observations[bucket, n] = self.observations.get((bucket, n), 0) + 1
-        if self.remeasure is not None and seen >= STALE_AFTER_STEPS and ratios[n] * STALE_FACTOR < 1:
+        if self.remeasure is not None and seen >= STALE_AFTER_STEPS and load * shapes[n] * STALE_FACTOR < 1:
             remeasure, self.remeasure = self.remeasure, None
-            self.costs = remeasure(f"steps of {rows} rows x {n} slots take {ratios[n]:.2f}x the profiled time")
-            self.corrections, self.observations = {}, {}
+            self.costs = remeasure(f"steps of {rows} rows x {n} slots take {load * shapes[n]:.2f}x the profiled time")
+            self.loads, self.corrections, self.observations = {}, {}, {}
             return True
         return False
 
     def __call__(self, n: int, rows: int = 1) -> float:
-        ratios = self.corrections.get(rows_bucket(rows))
-        if not ratios:
-            return self.profiled(n, rows)
-        return self.profiled(n, rows) * _interpolate(ratios, min(max(n, min(ratios)), max(ratios)))
+        return self.loaded(n, rows) * self._shape(rows_bucket(rows), n)
 
 
 def best_node_count(reach_rows: list[list[float]], verify_seconds, draft_seconds: float) -> int:

@@ -228,14 +228,14 @@ def verify_cost_for(target, measure: bool = True) -> VerifyCost | None:
     if kept is None:
         return None
     return VerifyCost(kept[0], remeasure=None if remeasured else remeasure, path=path, corrections=kept[1],
-                      observations=kept[2])
+                      observations=kept[2], loads=kept[3])
 
 
 def keep_verify_cost(target, cost: VerifyCost) -> None:
     """Hand a call's costs and corrections back: the next call on the target starts from them (a cost model that
     came from no profile file keeps nothing)."""
     if cost.path is not None:
-        memory_of(target).keep_costs(cost.path, cost.costs, cost.corrections, cost.observations)
+        memory_of(target).keep_costs(cost.path, cost.costs, cost.corrections, cost.observations, cost.loads)
 
 
 def _automatic() -> bool:

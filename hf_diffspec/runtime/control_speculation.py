@@ -170,9 +170,10 @@ class SpeculationController:
         return self.flat_verify.mean("verify", 1e-3)
 
     def _unit(self, rows: int) -> float:
-        """A one-token forward at `rows` as profiled: what the other costs are measured in (not as corrected by live
-        steps, which drift), so that they carry over to other row counts."""
-        return getattr(self.verify_cost, "profiled", self._verify)(1, rows)
+        """A one-token forward at `rows` as profiled, at the load live steps showed (`VerifyCost.loaded`): what the
+        other costs are measured in, so that they carry over to other row counts, and a load that slows every
+        forward raises every price alike (drafting measured on a busy machine does not outprice verifying)."""
+        return getattr(self.verify_cost, "loaded", self._verify)(1, rows)
 
     def _overhead(self, kind: StepKind, rows: int) -> float:
         """The rest of a `kind` step at `rows`: the loop's own work, the same for every kind, and for a drafter step

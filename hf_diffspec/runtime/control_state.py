@@ -44,12 +44,12 @@ class SpeculationMemory:
         self.lock = threading.RLock()
         # drafter (weakly) -> {(dtype, device, threads, method): SpeculationController}
         self.controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.verify_costs: dict[str, tuple] = {}  # profile path -> (mtime_ns, costs, corrections, observations)
+        self.verify_costs: dict[str, tuple] = {}  # profile path -> (mtime_ns, costs, corrections, observations, loads)
         self.warned: set[str] = set()
         self.remeasured: set[str] = set()
 
     def kept_costs(self, path) -> tuple | None:
-        """Copies of (costs, corrections, observations) the last call on the profile at `path` kept, while the file
+        """Copies of (costs, corrections, observations, loads) the last call on the profile at `path` kept, while the file
         is the one they came from."""
         with self.lock:
             kept = self.verify_costs.get(str(path))
@@ -58,7 +58,7 @@ class SpeculationMemory:
             return copy.deepcopy(kept[1:])
 
     def verify_costs_for(self, path, load) -> tuple[tuple | None, bool]:
-        """Copies of (costs, corrections, observations) the last call on the profile at `path` kept, while the file
+        """Copies of (costs, corrections, observations, loads) the last call on the profile at `path` kept, while the file
         is the one they came from; else `load(self)`'s costs (the file's, or measured), kept from now on (None:
         none). And whether the profile was measured again already (once per target)."""
         with self.lock:
@@ -68,11 +68,12 @@ class SpeculationMemory:
                 kept = None if costs is None else self.keep_costs(path, costs)
             return kept, str(path) in self.remeasured
 
-    def keep_costs(self, path, costs: dict, corrections: dict | None = None, observations: dict | None = None) -> tuple:
-        """Copies of `costs` and their corrections become what the next call on the profile at `path` starts from;
+    def keep_costs(self, path, costs: dict, corrections: dict | None = None, observations: dict | None = None,
+                   loads: dict | None = None) -> tuple:
+        """Copies of `costs` and their corrections (`VerifyCost`'s) become what the next call on the profile at `path` starts from;
         returns another copy of them."""
         with self.lock:
-            kept = (copy.deepcopy(costs), copy.deepcopy(corrections or {}), dict(observations or {}))
+            kept = (copy.deepcopy(costs), copy.deepcopy(corrections or {}), dict(observations or {}), dict(loads or {}))
             self.verify_costs[str(path)] = (_mtime(path), *kept)
             return copy.deepcopy(kept)
 

@@ -351,8 +351,9 @@ def _record_timed_steps(call: DecodingCall, wait: bool = False) -> bool:
         drafting = call.clock.seconds(draft_start, verify_start) if draft_start is not None else 0.0
         step = replace(step, seconds=seconds, verify_seconds=call.clock.seconds(verify_start, end),
                        draft_seconds=drafting)
-        call.policy.control.record(step, ngrams, accepted)
+        # the cost model first: the controller charges the step and credits what it committed at the same prices
         measured |= call.policy.record_step(step)
+        call.policy.control.record(step, ngrams, accepted)
         call.stats.add_time(step)
     return measured
 
