@@ -139,6 +139,26 @@ def test_a_load_that_lifts_lowers_the_drafters_price_with_the_forwards():
     assert price([6.0] * 3 + [1.0] * 12) == pytest.approx(quiet, rel=0.15)
 
 
+def test_a_busier_moment_neither_spends_nor_earns_budget():
+    """A drafter that pays (a step of it costs two plain steps and commits three tokens a row) keeps drafting when the
+    machine turns six times busier after its first step: the budget counts plain steps at each step's prices, so a load that
+    slows every forward (plain decoding's too) does not outprice the drafter against budget earned at a quieter time."""
+    from hf_diffspec.runtime.control_cost import VerifyCost
+
+    cost = VerifyCost({1: {1: 0.01, 4: 0.0101}})
+    controller = SpeculationController(cost, draft_guess=1.0)
+    kinds = []
+    for load in [1.0] + [6.0] * 6:
+        kind, _ = controller.decide(1, [0], [0])
+        kinds.append(kind)
+        slots, drafting = (4, 0.01) if kind is StepKind.DRAFT else (1, 0.0)
+        verify = load * cost.profiled(slots)
+        cost.observe(slots, 1, verify)
+        controller.record(StepRecord(kind, 1, 0, 3 if kind is StepKind.DRAFT else 1, verify + load * drafting, slots,
+                                     verify, load * drafting), [0], [2] if kind is StepKind.DRAFT else None)
+    assert kinds == [StepKind.DRAFT] * 7
+
+
 @pytest.mark.parametrize("accepted, cost", [(1.5, 0.3), (0.6, 0.3), (0.3, 0.3), (0.1, 0.3), (2.0, 1.0), (0.8, 1.0)])
 def test_regret_is_bounded_where_acceptance_is_stationary(accepted, cost):
     """Over 2,000 steps, throughput is within 10% of the better of always drafting and always decoding plainly

@@ -33,7 +33,9 @@ it committed, plus one step, as far as the cost model and the lookup estimates h
 credit (a plain step's, or what a drafter step costs beyond the plain step it commits at least, if more: every call
 can try the drafter once, however dear a profile measured on a busy machine prices it), gains (1 + EPSILON) x the
 plain cost of what each step committed and is charged the step's cost at the model's price (its own times included,
-so one step slowed by the machine does not lock speculation out); a drafter step is taken only when the budget stays
+so one step slowed by the machine does not lock speculation out), both in plain steps at the step's prices (a load
+that slows every forward slows plain decoding alike: the bound is against plain decoding at the same load); a drafter
+step is taken only when the budget stays
 non-negative even if it commits one token a row. A controller that has never seen a drafter step takes one first,
 as UCB plays each arm once. Lookup steps are never tries (lookup is observed after every step, whatever was
 verified): they are taken on their estimate alone. Where
@@ -153,7 +155,7 @@ class SpeculationController:
         self.drafting = _Counts()
         self.slots = _Counts()  # per kind: slots verified
         self.flat_verify = _Counts()  # without a cost model: verify seconds of the steps seen
-        self.budget: float | None = None  # seconds; None until the call's first decision
+        self.budget: float | None = None  # in plain steps; None until the call's first decision
 
     def start_call(self) -> "SpeculationController":
         """A copy for a new call: earlier calls' observations weigh `CALL_DISCOUNT`, the budget starts afresh."""
@@ -220,13 +222,14 @@ class SpeculationController:
                                                                       draft_cost)]
         if lookup_n > 1:
             options.append((lookup_tokens / lookup_cost, StepKind.LOOKUP, lookup_cost))
+        beyond = draft_cost / plain_cost - (1 + EPSILON)  # a drafter step's price beyond one token a row, in plain steps
         if self.budget is None:  # one step's credit: enough for a drafter step that commits one token a row
-            self.budget = max(plain_cost, draft_cost - (1 + EPSILON) * plain_cost)
+            self.budget = max(1.0, beyond)
         if not self.drafter.trials:  # never seen: tried first, as UCB plays each arm once (whatever the estimates)
             return StepKind.DRAFT, lookup_n - 1
         # the bound: even if it commits one token a row, a drafter step must leave the budget non-negative (lookup is
         # observed after every step, so a lookup step is never a try: it is taken on its estimate alone)
-        if self.budget + (1 + EPSILON) * plain_cost - draft_cost < 0:
+        if self.budget < beyond:
             options = [option for option in options if option[1] is not StepKind.DRAFT]
         _, kind, _ = max(options, key=lambda option: option[0])
         return kind, lookup_n - 1 if kind is not StepKind.PLAIN else 0
@@ -262,10 +265,12 @@ class SpeculationController:
             self.drafting.add_step([("drafting", 0, step.draft_seconds / unit, 1.0)])
             if accepted is not None:
                 self.drafter.add_step([(m, 0, float(a), 1.0) for m, a in zip(ngrams, accepted)], discount=1.0)
-        if self.budget is not None:  # charged at the cost model's price for the step, this step's times included
+        if self.budget is not None:  # charged at the cost model's prices for the step, this step's times included, in
+            # plain steps at those prices: a load that slows every forward slows plain decoding alike, so a busier
+            # moment neither spends nor earns budget
             plain = self._step_cost(StepKind.PLAIN, step.rows, 1)
-            self.budget += (1 + EPSILON) * step.committed * plain / step.rows - self._step_cost(step.kind, step.rows,
-                                                                                                 step.slots)
+            self.budget += (1 + EPSILON) * step.committed / step.rows - self._step_cost(step.kind, step.rows,
+                                                                                      step.slots) / plain
 
 
 class AlwaysSpeculate:
