@@ -309,6 +309,40 @@ def test_point_mass_siblings_are_accepted_exactly():
         assert abs(copied_accepted / UNIT_DRAWS - expected) < 5 * (expected / UNIT_DRAWS) ** 0.5, rule
 
 
+def test_the_rule_runs_where_its_inputs_are_not_on_the_default_device():
+    """Both paths make every tensor of their own on their inputs' device: with the default device elsewhere ("meta"
+    here, a GPU's laws against a CPU default in use), a tensor made on the default device would meet the inputs in an
+    op and fail. Same draws as on the default device."""
+    n = 64
+    ids = torch.arange(len(P)).expand(n, 3, -1)
+    node_probs = torch.stack([torch.zeros(len(P)), Q[0], Q[1]]).expand(n, -1, -1)
+    children = torch.tensor([[1, 2], [-1, -1], [-1, -1]]).repeat(n, 1, 1)
+    tokens = torch.stack([torch.zeros(n, dtype=torch.long), torch.multinomial(Q[0], n, True),
+                          torch.multinomial(Q[1], n, True)], dim=1)
+
+    def both_paths():
+        torch.manual_seed(5)
+        device = verification.rejection_choices(CompactLaw(ids, P.expand(n, 3, -1)), tokens, children,
+                                                CompactLaw(ids, node_probs))
+        token_by_token = verification.choose_token_among_drafts(P.log()[None], [(int(tokens[0, 1]), Q[0])])
+        return device, token_by_token
+
+    expected = both_paths()
+    with torch.device("meta"):
+        got = both_paths()
+    assert all(g.device.type == "cpu" and torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_a_rejection_that_leaves_no_mass_keeps_p(monkeypatch):
+    """Where p equals the draft's law q, max(0, p - q) has no mass: a rejection (probability ~0, forced here) leaves
+    p as it was, so the token is drawn from p, never from zeros."""
+    law = torch.tensor([[0.25, 0.75]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape, **kw))  # every try rejected
+    accepted, residual = verification.rejection_try(law, None, torch.tensor([1]), CompactLaw(None, law),
+                                                    torch.tensor([True]))
+    assert not accepted.any() and torch.equal(residual, law)
+
+
 def test_lookup_drafts_that_repeat_drawn_drafts_are_merged_exactly(one_torch_thread):
     """A lookup chain [1, 2] after a drawn chain d0 -> d1 whose laws favour those very tokens, so the lookup nodes
     often repeat the drawn ones (`CandidateTree.lookup`): acceptance reads the merged tree, and the two tokens a
@@ -331,12 +365,15 @@ def test_lookup_drafts_that_repeat_drawn_drafts_are_merged_exactly(one_torch_thr
     fresh = torch.multinomial(P, rows, True)  # the next step's token where a step commits one
     for rule in ("token_by_token", "device"):
         torch.manual_seed(6)
-        if rule == "device":
+        if rule == "device":  # the device path's laws are compact (the drafters' are compacted like the target's)
+            compact = CompactLaw(torch.arange(vocab).expand(3, -1), laws.probs)
+            for tree in trees:
+                tree.draft_laws = compact
             layout = TreeLayout.of(trees, torch.device("cpu"))
             nodes = layout.tokens.shape[1]
             target = CompactLaw(torch.arange(vocab).expand(rows, nodes, -1), P.expand(rows, nodes, -1))
             choice = verification.rejection_choices(target, layout.tokens, batch_module._children(trees, layout),
-                                                    batch_module._node_laws(trees, layout, vocab))
+                                                    batch_module._node_laws(trees, layout))
             reached, _, committed = batch_module._accepted_paths(layout, choice)
             pairs = torch.stack([committed[:, 0], torch.where(reached >= 2, committed[:, 1], fresh)], 1)
         else:

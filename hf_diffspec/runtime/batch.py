@@ -347,8 +347,7 @@ class BatchState:
         rows, nodes = layout.tokens.shape
         if self.sampling is not None:
             target, exact = self.sampling.laws(logits)
-            choice = rejection_choices(target, layout.tokens, _children(trees, layout),
-                                       _node_laws(trees, layout, logits.shape[-1]))
+            choice = rejection_choices(target, layout.tokens, _children(trees, layout), _node_laws(trees, layout))
             return choice, (~exact & layout.real).any(-1)
         # the argmax of the logits' own dtype is that of their float32 copy (exact): no (rows, nodes, vocab) copy
         scores = logits
@@ -492,32 +491,27 @@ def _children(trees, layout: TreeLayout) -> torch.Tensor:
     return table[:, :-1].view(rows, nodes, width)
 
 
-def _node_laws(trees, layout: TreeLayout, vocab: int) -> CompactLaw:
-    """(rows, nodes, K) the law each node's token was drawn from: the trees' own laws, point masses for nodes
+def _node_laws(trees, layout: TreeLayout) -> CompactLaw:
+    """(rows, nodes, K) the law each node's token was drawn from: the trees' own laws (compact: the device path
+    samples with compact laws alone, and the drafters' laws are compacted like the target's), point masses for nodes
     drafted deterministically (and for padding slots)."""
     laws = [tree.draft_laws for tree in trees]
     if all(law is None for law in laws):
         return CompactLaw.point_masses(layout.tokens, 1)
-    dense = any(law is not None and law.ids is None for law in laws)
-    width = vocab if dense else max(law.width for law in laws if law is not None)
+    width = max(law.width for law in laws if law is not None)
     rows, nodes = layout.tokens.shape
     ids = torch.full((rows, nodes, width), -1, dtype=torch.long, device=layout.tokens.device)
     probs = torch.zeros((rows, nodes, width), dtype=torch.float32, device=layout.tokens.device)
     ids[..., 0], probs[..., 0] = layout.tokens, 1.0  # point masses, replaced where a tree has laws
-    if dense:
-        probs = CompactLaw(ids, probs).dense(vocab)
     for row, (tree, law) in enumerate(zip(trees, laws)):
         if law is None:
             continue
         drawn = law.probs.shape[0]  # the nodes after them are copied tokens: point masses
-        if dense:
-            probs[row, :drawn] = law.dense(vocab)
-        else:
-            ids[row, :drawn, : law.width] = law.ids
-            ids[row, :drawn, law.width :] = -1
-            probs[row, :drawn, : law.width] = law.probs
-            probs[row, :drawn, law.width :] = 0
-    return CompactLaw(None if dense else ids, probs)
+        ids[row, :drawn, : law.width] = law.ids
+        ids[row, :drawn, law.width :] = -1
+        probs[row, :drawn, : law.width] = law.probs
+        probs[row, :drawn, law.width :] = 0
+    return CompactLaw(ids, probs)
 
 
 def _accepted_paths(layout: TreeLayout, choice: torch.Tensor):

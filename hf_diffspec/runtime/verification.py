@@ -29,14 +29,14 @@ def choose_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
 def rejection_try(residual: torch.Tensor, support: torch.Tensor | None, token: torch.Tensor, law: CompactLaw,
                   trying: torch.Tensor):
     """One try of the rule at many positions at once: where `trying`, `token` drawn from `law` is accepted with
-    probability min(1, r(token) / q(token)) against the current `residual` r (..., K) over the ids `support`
-    (None: the whole vocabulary); where it is rejected, r becomes norm(max(0, r - q)). Returns (accepted, residual)."""
+    probability min(1, r(token) / q(token)) against the current `residual` r (..., K) over the ids `support`; where it
+    is rejected, r becomes norm(max(0, r - q)). Returns (accepted, residual). `support` None: r and `law` are dense
+    (the token-by-token path); else compact, as every law on the device path is (`sampling.SamplingLaws.compact`)."""
     token_id = token.clamp(min=0)
     r_token = residual.gather(-1, token_id[..., None]).squeeze(-1) if support is None else \
         ((support == token[..., None]) * residual).sum(-1)
     accepted = trying & (torch.rand(token.shape, device=residual.device) * law.at(token_id) < r_token)
-    q = law.probs if support is None and law.ids is None else law.on(
-        support if support is not None else torch.arange(residual.shape[-1], device=residual.device))
+    q = law.probs if support is None else law.on(support)
     after = (residual - q).clamp(min=0)
     mass = after.sum(-1, keepdim=True)
     # a mass of 0: p equals q up to rounding, a rejection had probability ~0, and p is what is left
@@ -48,8 +48,8 @@ def rejection_choices(target: CompactLaw, tokens: torch.Tensor, children: torch.
                       node_laws: CompactLaw) -> torch.Tensor:
     """The token the target commits after each node of a batch of trees, were the node reached: `target` (rows,
     nodes, K) its processed law at every node; `tokens` (rows, nodes) the nodes' tokens; `children` (rows, nodes, M)
-    each node's children in the order they were drawn (-1: none); `node_laws` (rows, nodes, K') the law each node's
-    token was drawn from. The accepted child's token, or a draw from the residual when every child was rejected;
+    each node's children in the order they were drawn (-1: none); `node_laws` (rows, nodes, K') the compact law each
+    node's token was drawn from. The accepted child's token, or a draw from the residual when every child was rejected;
     a path then follows these choices exactly as a greedy one follows the argmax."""
     rows, nodes = tokens.shape
     residual, support = target.probs.float(), target.ids
@@ -60,7 +60,7 @@ def rejection_choices(target: CompactLaw, tokens: torch.Tensor, children: torch.
         child = children[..., rank]
         index = (flat_index + child.clamp(min=0)).flatten()
         token = tokens.flatten()[index].view(rows, nodes)
-        law = CompactLaw(None if node_laws.ids is None else node_laws.ids.flatten(0, 1)[index].view(rows, nodes, -1),
+        law = CompactLaw(node_laws.ids.flatten(0, 1)[index].view(rows, nodes, -1),
                          node_laws.probs.flatten(0, 1)[index].view(rows, nodes, -1))
         accepted, residual = rejection_try(residual, support, token, law, (child >= 0) & ~decided)
         choice = torch.where(accepted, token, choice)
