@@ -35,11 +35,10 @@ can try the drafter once, however dear a profile measured on a busy machine pric
 plain cost of what each step committed and is charged the step's cost at the model's price (its own times included,
 so one step slowed by the machine does not lock speculation out), both in plain steps at the step's prices (a load
 that slows every forward slows plain decoding alike: the bound is against plain decoding at the same load); a drafter
-step is taken only when the budget stays
-non-negative even if it commits one token a row. A controller that has never seen a drafter step takes one first,
-as UCB plays each arm once. Lookup steps are never tries (lookup is observed after every step, whatever was
-verified): they are taken on their estimate alone. Where
-speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
+step is taken only when the budget stays non-negative even if it commits one token a row. A controller that has
+never seen a drafter step takes one first, as UCB plays each arm once. Lookup steps are never tries (lookup is
+observed after every step, whatever was verified): they are taken on their estimate alone. Where speculation never
+pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
 decoding, no lower; where it pays the budget grows and never binds.
 
 What a call learned carries to the next call on the same drafter, target and setup (`control_state.py`), its
