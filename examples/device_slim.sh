@@ -65,12 +65,13 @@ size)
     travelling_mib
     ;;
 wheels)
-    # what the image lacks (gguf) or holds older (transformers, peft), ~14 MiB: gguf and peft as installed here;
+    # what the image lacks (gguf, z-lab's dflash) or holds older (transformers, peft), ~14 MiB: gguf, dflash and peft
+    # as installed here;
     # transformers 5.24, the newest that takes the image's huggingface_hub 1.x (5.25 needs hub >= 2.4, which needs
     # httpx2, absent there)
     dir=${2:-.device-wheels}
     mkdir -p "$dir"
-    pins="transformers==${DEVICE_TRANSFORMERS:-5.24.0} $(python -m pip freeze | grep -i -E '^(gguf|peft)==')"
+    pins="transformers==${DEVICE_TRANSFORMERS:-5.24.0} $(python -m pip freeze | grep -i -E '^(gguf|peft|dflash)==')"
     python -m pip download -q --no-deps --only-binary=:all: -d "$dir" $pins
     du -sh "$dir"
     ;;

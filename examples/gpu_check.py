@@ -19,7 +19,9 @@ with the loop's refusal where this version refuses it. Per target, in sections t
   graphs, `HF_DIFFSPEC_CUDA_GRAPHS=1`) against plain `generate` at 1 and 4 rows, which sets the exit status;
 - bf16: the first position where our loop and plain `generate` differ in bf16 (None: identical).
 
-On the dense target also: a CUDA graph captured over the capture-ready verify forward (`hf_diffspec.bench.
+On the dense target also: z-lab's loop against ours at equal tau 3 and 6.5 (`hf_diffspec.bench.equal_tau`: both run
+the drafter, an oracle sets its drafts per position; plain `generate` dynamic, static and compiled beside them), a CUDA
+graph captured over the capture-ready verify forward (`hf_diffspec.bench.
 captured_verify`: captured or why not, replay against eager, ms per verify step each), the oracle at tau 4 through
 the dynamic cache, the static cache and the static cache replayed as graphs (`graph_runs`), and the verify/plain
 step-cost ratio at 16k tokens of context (`hf_diffspec.bench.long_context`), before and after the runtime's verify
@@ -45,16 +47,18 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 import hf_diffspec
 from hf_diffspec.bench.captured_verify import captured_verify
+from hf_diffspec.bench.equal_tau import EQUAL_TAU_ARMS, check_equal_tau, equal_tau_rows
 from hf_diffspec.bench.host_syncs import HostSyncCounter
 from hf_diffspec.bench.host_time import ForwardClock
 from hf_diffspec.bench.long_context import verify_plain_ratios
 from hf_diffspec.bench.oracle import OracleRunner, oracle_drafts_for
+from hf_diffspec.bench.peers import zlab_method
 from hf_diffspec.runtime import device_clock
 from hf_diffspec.runtime.control_profiles import measure_verify_cost
 
 # seconds each section may start new work in, per target (GPU); the whole call stops starting work at --budget-s
 SECTION_SECONDS = {"identity": 20, "bf16": 8, "runs": 30, "gates": 12, "sampling": 8, "kernels": 6, "capture": 20,
-                   "graphs": 30, "long_context": 40}
+                   "graphs": 30, "long_context": 40, "equal_tau": 60}
 
 
 def dense_config(tiny: bool) -> Qwen3Config:
@@ -388,6 +392,24 @@ def graph_runs(name, target, args) -> list[dict]:
     return out
 
 
+def equal_tau(name, target, args) -> list[dict]:
+    """z-lab's loop against ours at equal tau 3 and 6.5, batch 1 (`hf_diffspec.bench.equal_tau`): a random drafter
+    whose drafts the oracle sets, so both loops do the same drafter work and face the same accepts."""
+    vocab = target.config.get_text_config().vocab_size
+    drafter = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=16,
+                                                       mask_token_id=vocab - 1).to(target.device)
+    zlab = zlab_method(drafter, target)
+    if zlab.skip_reason:
+        return [{"target": name, "section": "equal_tau", "skipped": zlab.skip_reason}]
+    inputs = prompts(1, args.equal_tau_prompt, vocab, target.device)
+    rows = equal_tau_rows(target, drafter, zlab, inputs, args.equal_tau_tokens, [3, 6.5],
+                          [*EQUAL_TAU_ARMS, "ours-live", "plain", "plain-static"]
+                          + (["plain-compiled"] if target.device.type == "cuda" else []),  # a CPU compile: minutes
+                          repeats=1 if args.tiny else 3, progress=lambda _: None)
+    problems = check_equal_tau(rows)
+    return [{"target": name, "section": "equal_tau", "problems": problems, **row} for row in rows]
+
+
 def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
     """Our loop (oracle tau 4, the best-first tree drafter with prompt lookup, and that drafter through the
     capture-ready step where the target takes it) against plain generate: per rows, True / False in fp32; in bf16 the
@@ -452,6 +474,9 @@ def check_target(name, cls, config, entry, args, device, dtype, deadlines, resul
     if dense and deadlines.open("capture"):
         entry["capture"] = [results.add({"target": name, "section": "capture", **captured_verify(
             target, rows, context=64 if tiny else 1024, repeats=3 if tiny else 20)}) for rows in (1, 16)]
+    if dense and deadlines.open("equal_tau"):
+        with torch.inference_mode():
+            entry["equal_tau"] = [results.add(row) for row in equal_tau(name, target, args)]
     if dense and deadlines.open("graphs"):
         entry["graphs"] = [results.add(row) for row in graph_runs(name, target, args)]
     if dense and deadlines.open("long_context"):
@@ -486,6 +511,8 @@ def main():
     args.identity_tokens = 12 if tiny else 32
     args.identity_layers = 4 if tiny else 8
     args.taus = (2, 4, 8)
+    args.equal_tau_prompt = 32 if tiny else 512
+    args.equal_tau_tokens = 24 if tiny else 256
     args.batches = (1, 4) if tiny else (1, 16, 64)
     dtype = torch.float32 if tiny or device.type == "cpu" else torch.bfloat16
     results = Results(args.results)

@@ -103,11 +103,14 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
     assert {(r["rows"], r["oracle_tau"]) for r in runs} == {(rows, tau) for rows in (1, 4) for tau in (2, 4, 8)}
     assert all(r["syncs_per_step_max"] <= 3 for r in runs)
     assert {r["section"] for r in map(json.loads, results.read_text().splitlines()) if "section" in r} >= {
-        "runs", "gates", "sampling", "kernels", "identity", "capture", "graphs", "long_context"}  # as they came
+        "runs", "gates", "sampling", "kernels", "identity", "capture", "graphs", "long_context",
+        "equal_tau"}  # as they came
     for family in ("gemma4 (Gemma 4-like)", "gpt-oss (gpt-oss-20b-like)"):
         assert targets[family]["fp32_identical"] == {"1": True, "4": True}
     assert not any("error" in entry for entry in targets.values())
     dense = targets["dense (Qwen3-8B-like)"]
+    assert {(r["oracle_tau"], r["arm"]) for r in dense["equal_tau"]} >= {(3, "zlab"), (6.5, "ours-block")}
+    assert all(r["problems"] == [] and r["identical_to_plain"] for r in dense["equal_tau"])  # fp32: all of them
     assert all(r["chain_after"] > 0 for r in dense["long_context"])
     assert [(r["rows"], r["captured"]) for r in dense["capture"]] == [(1, "no CUDA graphs on cpu"),
                                                                       (16, "no CUDA graphs on cpu")]

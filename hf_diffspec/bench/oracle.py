@@ -71,17 +71,17 @@ class OracleCandidateGenerator(DiffusionCandidateGenerator):
 
 @contextmanager
 def _loop_drafting(make_generator):
-    """Within the block, our loop drafts with `make_generator(drafter, target)` instead of the drafter's own
-    candidate generator (the loop resolves `generator_class` by name in its module at each call)."""
+    """Within the block, our loop drafts with `make_generator(drafter, target, policy, sampling)` instead of the
+    drafter's own candidate generator (the loop resolves `generator_class` by name in its module at each call)."""
     from ..runtime import decoding
 
     if not hasattr(decoding, "generator_class"):
         raise RuntimeError("the oracle benchmark replaces runtime.decoding.generator_class, which the loop no "
                            "longer has: update bench.oracle._loop_drafting to the loop's new drafting hook")
 
-    class Oracle:  # what the loop builds its drafting from: the oracle, with its own fixed-length policy
+    class Oracle:  # what the loop builds its drafting from (with the loop's policy and sampling laws)
         def __new__(cls, drafter, target, *args, **kwargs):
-            return make_generator(drafter, target)
+            return make_generator(drafter, target, *args, **kwargs)
 
     original = decoding.generator_class
     decoding.generator_class = lambda drafter: Oracle
@@ -131,7 +131,7 @@ class OracleRunner:
         references = self.references[key]
         seed = zlib.crc32(key[1], self.seed)  # corruption independent across batches, the same at every repeat
 
-        def make(drafter, model):
+        def make(drafter, model, *_):  # the oracle has its own fixed-length policy
             return OracleCandidateGenerator(drafter, model, references, self.acceptance, self.drafts, seed)
 
         with _loop_drafting(make):
