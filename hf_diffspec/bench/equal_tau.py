@@ -9,8 +9,9 @@ of 16), both loops therefore commit the same tokens in the same steps, and their
 - `zlab`: z-lab's loop (batch size 1, its own dynamic caches);
 - `ours-block`: our loop verifying the whole block every step (the equal-tau arm), with `generate`'s dynamic cache;
 - `ours-block-static`: the same with `cache_implementation="static"` (the capture-ready path);
-- `ours-live`: our default chains, the cost model choosing each step's length from confidences set to q (the
-  oracle's true acceptance) and the controller deciding whether to speculate: its own tau, not an equal one;
+- `ours-live`: our chains as the `dflash` method runs them (no length head), the cost model choosing each step's
+  length from confidences set to q (the oracle's true acceptance) and the controller deciding whether to
+  speculate: its own tau, not an equal one;
 - `plain`, `plain-static`: `generate` without a drafter, dynamic and static cache (`disable_compile=True`);
   `plain-compiled` (not run by default: on the CPU a compile takes minutes), the static cache as transformers compiles
   it, its first call (the compile) reported apart.
@@ -73,8 +74,9 @@ class PositionOracle:
 
 class EqualTauDrafts(DiffusionCandidateGenerator):
     """Our chains with the drafter run as usual (forward, LM head, picks), then its tokens replaced by the oracle's
-    for the drafted positions; confidences set to the oracle's acceptance, so a live cost model sizes the chains
-    from the drafts' true odds."""
+    for the drafted positions; its confidences, wherever the loop reads them (how many slots' logits to compute, how
+    long a chain to verify), are the oracle's acceptance, so a live cost model sizes the chains from the drafts' true
+    odds."""
 
     def __init__(self, drafter, target, policy, sampling, oracle: PositionOracle):
         super().__init__(drafter, target, policy, sampling)
@@ -95,7 +97,10 @@ class EqualTauDrafts(DiffusionCandidateGenerator):
         slots = torch.arange(1, drafts.shape[1] + 1, device=drafts.device)
         drafts = torch.stack([self.oracle.table(row, drafts.device)[position + slots]
                               for row, position in zip(self.rows, self._root_positions)]).to(drafts.dtype)
-        return drafts, torch.full_like(confidences, self.oracle.acceptance), probs
+        return drafts, self._confidences(logits), probs
+
+    def _confidences(self, logits):
+        return torch.full(logits.shape[:2], self.oracle.acceptance, device=logits.device)
 
 
 @contextmanager
@@ -273,7 +278,10 @@ def _real(args):
     from ..targets import load_target
 
     target, tok = load_target(args.target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    drafter = load_drafter(args.drafter, target, args.target, draft_tree_budget=None, prompt_lookup_num_tokens=None)
+    # chains sized by the drafter's confidences (the `dflash` method): a length head would size them from what it
+    # learned of the drafter's own acceptance, not the oracle's
+    drafter = load_drafter(args.drafter, target, args.target, length_head=False, draft_tree_budget=None,
+                           prompt_lookup_num_tokens=None)
     prompt = load_prompts(["chat"], n_per_domain=1, tokenizer=tok, seed=args.seed)
     if args.context_tokens:
         prompt = with_context(prompt, args.context_tokens, tok)
