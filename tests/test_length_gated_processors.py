@@ -99,3 +99,26 @@ def test_a_processor_that_reads_the_prefix_is_applied_at_every_position_of_a_spe
                           num_assistant_tokens=5, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, plain)
     assert max(out.speculation_stats.committed_per_step) > 1
+
+
+def test_a_length_gated_processor_is_inactive_exactly_from_the_length_where_transformers_stops_applying_it():
+    """`batch._inactive` at each boundary, one length either side: where it says inactive, the processor leaves
+    scores unchanged at every length of the span (so those steps may accept on the device, the fast path); where it
+    changes them at some length, it says active (the step goes token by token). A processor of any other kind is
+    never judged inactive."""
+    from transformers import (
+        ForcedBOSTokenLogitsProcessor, ForcedEOSTokenLogitsProcessor, MinLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor, SuppressTokensAtBeginLogitsProcessor,
+    )
+
+    from hf_diffspec.runtime.batch import _inactive
+
+    processors = [MinLengthLogitsProcessor(10, 1), MinNewTokensLengthLogitsProcessor(4, 6, 1),
+                  SuppressTokensAtBeginLogitsProcessor([5], 10), ForcedBOSTokenLogitsProcessor(5),
+                  ForcedEOSTokenLogitsProcessor(10, 1), RepetitionPenaltyLogitsProcessor(2.0)]
+    scores = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
+    for processor in processors:
+        for start in range(0, 14):
+            span = range(start, start + 3)
+            changes = any(not torch.equal(processor(torch.full((1, n), 7), scores.clone()), scores) for n in span)
+            assert _inactive(processor, span) == (not changes), (type(processor).__name__, start)
