@@ -116,8 +116,17 @@ def test_plain_steps_process_rows_of_one_length_together(monkeypatch):
     penalty = RepetitionPenaltyLogitsProcessor.__call__
     monkeypatch.setattr(RepetitionPenaltyLogitsProcessor, "__call__",
                         lambda self, ids, scores: rows_seen.append(ids.shape[0]) or penalty(self, ids, scores))
+    from hf_diffspec.runtime import batch
+
+    group_lengths = []  # the committed lengths of the rows of each group, as the processors get them
+    commit = batch.commit_in_step
+    monkeypatch.setattr(batch, "commit_in_step", lambda committers, *args, **kwargs: group_lengths.append(
+        {c.length for c in committers}) or commit(committers, *args, **kwargs))
     out = target.generate(torch.stack(prompts), assistant_model=drafter, return_dict_in_generate=True, **kwargs)
     assert out.sequences.tolist() == alone
+    # one length a group: the processors read every row's exact prefix (a group of rows out of step would hand
+    # them the first row's length: the others' prefixes cut or padded)
+    assert group_lengths and all(len(lengths) == 1 for lengths in group_lengths)
     assert 4 in rows_seen  # a plain step while all rows were in step: one call for the batch
     assert any(1 < n < 4 for n in rows_seen), "drafts accepted unevenly should leave groups of rows in step"
     assert out.speculation_stats.plain_steps > 0 and len(set(out.speculation_stats.committed_per_step)) > 1
