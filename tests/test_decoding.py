@@ -75,6 +75,35 @@ def test_eos_inside_an_accepted_block_stops_exactly(monkeypatch):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("return_dict, output_scores", [(True, True), (True, False), (False, False)])
+def test_a_stopping_criterion_gets_the_scores_plain_generate_hands_it(monkeypatch, return_dict, output_scores):
+    """A criterion receives what `_sample` passes: the scores collected so far when they are returned, else None,
+    at every token, also inside a speculative step (which then commits token by token)."""
+    from transformers import StoppingCriteria
+
+    class ScoresSeen(StoppingCriteria):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append(None if scores is None else len(scores))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    target = tiny_target("qwen3", seed=5)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = prompt(5)
+    free = target.generate(ids, max_new_tokens=16, do_sample=False)
+    kwargs = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=return_dict,
+                  output_scores=output_scores)
+    plain, ours = ScoresSeen(), ScoresSeen()
+    target.generate(ids, stopping_criteria=StoppingCriteriaList([plain]), **kwargs)
+    install_oracle(monkeypatch, NoisyOracle(free, vocab_size=128, noise=0.1))
+    out = target.generate(ids, assistant_model=drafter, stopping_criteria=StoppingCriteriaList([ours]), **kwargs)
+    assert ours.seen == plain.seen and len(plain.seen) == 16
+    if return_dict:
+        assert max(out.speculation_stats.committed_per_step) > 1  # speculative steps too
+
+
 def test_custom_stopping_criteria_streamer_and_scores_match_plain_generate(monkeypatch):
     target = tiny_target("qwen3", seed=5)
     drafter = tiny_drafter(target, block_size=6)
