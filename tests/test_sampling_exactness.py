@@ -828,3 +828,22 @@ def test_a_node_past_the_drawn_laws_is_tried_as_a_point_mass_at_its_own_token():
     logits = torch.zeros(1, VOCAB)
     assert torch.equal(_law_of(laws, 3, 4, logits), torch.nn.functional.one_hot(torch.tensor(4), VOCAB).float())
     assert torch.equal(_law_of(laws, 1, 4, logits), laws.probs[1])
+
+
+def test_every_node_lists_all_its_children_lookup_branches_included():
+    """`batch._children`, the table rejection sampling tries children from: a drawn tree whose root has two
+    children, and a drawn chain 3 -> 4 with a lookup chain [1, 2] grafted at the root: as a new branch (the root has two children), and repeating the drawn chain's
+    first token (merged: the lookup's 2 hangs below the drawn 1, beside the drawn 4). A child left out still samples
+    exactly (the residual covers it) but accepts less: no distribution test sees it."""
+    from hf_diffspec.runtime.drafting_lookup import graft
+    from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
+
+    def children(drawn, parents=(-1, 0, 1), lookup=(1, 2)):
+        tree = CandidateTree(torch.tensor([0, *drawn]), list(parents))
+        tree = graft(tree, list(lookup)) if lookup else tree
+        table = batch_module._children([tree], TreeLayout.of([tree], torch.device("cpu")))[0]
+        return [sorted(c for c in row.tolist() if c >= 0) for row in table]
+
+    assert children([3, 4]) == [[1, 3], [2], [], [4], []]
+    assert children([1, 4]) == [[1], [2, 4], [], [], []]
+    assert children([3, 5, 4], parents=(-1, 0, 0, 1), lookup=None) == [[1, 2], [3], [], []]  # a drawn tree
