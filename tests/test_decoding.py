@@ -104,6 +104,21 @@ def test_a_stopping_criterion_gets_the_scores_plain_generate_hands_it(monkeypatc
         assert max(out.speculation_stats.committed_per_step) > 1  # speculative steps too
 
 
+def test_a_bf16_targets_scores_and_logits_come_back_in_float32_as_plain_generates_do(monkeypatch):
+    """Plain `generate` processes a bf16 target's logits in float32 (a copy), and returns them so; so do steps that
+    commit token by token."""
+    target = tiny_target("qwen3", seed=5).to(torch.bfloat16)
+    drafter = tiny_drafter(target, block_size=6).to(torch.bfloat16)
+    ids = prompt(5)
+    kwargs = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, no_repeat_ngram_size=3)  # a processor that reads the prefix: token by token
+    ref = target.generate(ids, **kwargs)
+    install_oracle(monkeypatch, NoisyOracle(ref.sequences, vocab_size=128, noise=0.1))
+    out = target.generate(ids, assistant_model=drafter, **kwargs)
+    assert {t.dtype for t in (*ref.scores, *ref.logits)} == {torch.float32}
+    assert {t.dtype for t in (*out.scores, *out.logits)} == {torch.float32}
+
+
 def test_custom_stopping_criteria_streamer_and_scores_match_plain_generate(monkeypatch):
     target = tiny_target("qwen3", seed=5)
     drafter = tiny_drafter(target, block_size=6)
