@@ -832,9 +832,10 @@ def test_a_node_past_the_drawn_laws_is_tried_as_a_point_mass_at_its_own_token():
 
 def test_every_node_lists_all_its_children_lookup_branches_included():
     """`batch._children`, the table rejection sampling tries children from: a drawn tree whose root has two
-    children, and a drawn chain 3 -> 4 with a lookup chain [1, 2] grafted at the root: as a new branch (the root has two children), and repeating the drawn chain's
-    first token (merged: the lookup's 2 hangs below the drawn 1, beside the drawn 4). A child left out still samples
-    exactly (the residual covers it) but accepts less: no distribution test sees it."""
+    children, and a drawn chain 3 -> 4 with a lookup chain [1, 2] grafted at the root, as a new branch (the root has
+    two children) and repeating the drawn chain's first token (merged: the lookup's 2 hangs below the drawn 1,
+    beside the drawn 4). A child left out still samples exactly (the residual covers it) but accepts less: no
+    distribution test sees it."""
     from hf_diffspec.runtime.drafting_lookup import graft
     from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 
