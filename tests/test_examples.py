@@ -116,7 +116,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
                                                                       (16, "no CUDA graphs on cpu")]
 
 
-# .device-wheels (transformers, gguf, peft: 14 MiB, `bash examples/device_slim.sh wheels`) travel with the checkout
+# .device-wheels (transformers, gguf, peft, dflash: 14 MiB, `bash examples/device_slim.sh wheels`) travel with the checkout
 DEVICE_WHEELS_MIB = 16
 DEVICE_CALL_MIB = 64
 
