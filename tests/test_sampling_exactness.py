@@ -848,3 +848,21 @@ def test_every_node_lists_all_its_children_lookup_branches_included():
     assert children([3, 4]) == [[1, 3], [2], [], [4], []]
     assert children([1, 4]) == [[1], [2, 4], [], [], []]
     assert children([3, 5, 4], parents=(-1, 0, 0, 1), lookup=None) == [[1, 2], [3], [], []]  # a drawn tree
+
+
+def test_a_copied_node_carries_all_its_mass_on_its_own_token():
+    """`batch._node_laws`: nodes past a tree's drawn laws (prompt-lookup drafts, copied not drawn) are point masses
+    at their own tokens; drawn nodes keep their laws. A point mass put anywhere else still samples exactly (the draft
+    is then never accepted as a proposal, the residual covers it) but accepts less: no distribution test sees it."""
+    from hf_diffspec.runtime.drafting_lookup import graft
+    from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
+
+    first_law = torch.tensor([0.05, 0.60, 0.10, 0.10, 0.10, 0.05])
+    laws = CompactLaw(torch.arange(6).expand(3, -1), torch.stack([torch.zeros(6), first_law, first_law]))
+    tree = graft(CandidateTree(torch.tensor([0, 3, 4]), [-1, 0, 1], draft_laws=laws), [1, 2])
+    layout = TreeLayout.of([tree], torch.device("cpu"))
+    node_laws = batch_module._node_laws([tree], layout)
+    at_own = node_laws.on(layout.tokens[..., None])[0, :, 0]  # each node's probability of its own token
+    assert at_own[3:].tolist() == [1.0, 1.0]  # the lookup nodes 1 and 2: point masses
+    assert at_own[1:3].tolist() == pytest.approx([0.10, 0.10])  # drawn 3 and 4 under their law
+    assert node_laws.probs[0, 3:].sum(-1).tolist() == [1.0, 1.0]
