@@ -852,7 +852,7 @@ def test_every_node_lists_all_its_children_lookup_branches_included():
 
 def test_a_copied_node_carries_all_its_mass_on_its_own_token():
     """`batch._node_laws`: nodes past a tree's drawn laws (prompt-lookup drafts, copied not drawn) are point masses
-    at their own tokens; drawn nodes keep their laws. A point mass put anywhere else still samples exactly (the draft
+    at their own tokens; drawn nodes keep their laws, whatever the other rows carry. A point mass put anywhere else still samples exactly (the draft
     is then never accepted as a proposal, the residual covers it) but accepts less: no distribution test sees it."""
     from hf_diffspec.runtime.drafting_lookup import graft
     from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
@@ -866,3 +866,8 @@ def test_a_copied_node_carries_all_its_mass_on_its_own_token():
     assert at_own[3:].tolist() == [1.0, 1.0]  # the lookup nodes 1 and 2: point masses
     assert at_own[1:3].tolist() == pytest.approx([0.10, 0.10])  # drawn 3 and 4 under their law
     assert node_laws.probs[0, 3:].sum(-1).tolist() == [1.0, 1.0]
+    # rows without laws (a root alone, a lookup chain alone) before a drawn one leave its laws alone
+    rows = [CandidateTree([0], [-1]), graft(CandidateTree([0], [-1]), [2]), tree]
+    layout = TreeLayout.of(rows, torch.device("cpu"))
+    at_own = batch_module._node_laws(rows, layout).on(layout.tokens[..., None])[..., 0]
+    assert at_own[2, 1:3].tolist() == pytest.approx([0.10, 0.10]) and at_own[1, 1] == 1.0
