@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_diffspec.bench.equal_tau import (
-    ARMS, EqualTauDrafts, PositionOracle, check_equal_tau, equal_tau_rows, main,
+    ARMS, PositionOracle, check_equal_tau, equal_tau_rows, main,
 )
 from hf_diffspec.bench.peers import zlab_method
 from helpers import random_ids, tiny_drafter, tiny_target
@@ -53,7 +53,6 @@ def test_the_oracle_decides_each_position_once_whoever_asks():
     assert 0 < int(right.sum()) < len(reference)  # some right, some wrong, at q = 0.5
     assert PositionOracle([reference], 1.0, 128, extra=8).table(0, "cpu")[:50].tolist() == reference
     assert not torch.equal(PositionOracle([reference], 0.5, 128, extra=8, seed=4).table(0, "cpu"), table)
-    assert issubclass(EqualTauDrafts, object)
 
 
 def test_an_arm_off_z_labs_tau_or_unsettled_is_named():
@@ -72,5 +71,5 @@ def test_the_command_runs_at_tiny_scale_and_writes_its_record(tmp_path, capsys):
     record = json.loads(path.read_text())
     assert record["problems"] == []
     assert [r["arm"] for r in record["rows"]] == list(ARMS)
-    assert "cpu" in json.dumps(record["machine"]).lower() or record["machine"]
+    assert {"cpu", "isa_flags", "torch", "transformers"} <= set(record["machine"])  # the machine each figure needs
     assert "| 3 | ours-block |" in capsys.readouterr().out

@@ -852,8 +852,9 @@ def test_every_node_lists_all_its_children_lookup_branches_included():
 
 def test_a_copied_node_carries_all_its_mass_on_its_own_token():
     """`batch._node_laws`: nodes past a tree's drawn laws (prompt-lookup drafts, copied not drawn) are point masses
-    at their own tokens; drawn nodes keep their laws, whatever the other rows carry. A point mass put anywhere else still samples exactly (the draft
-    is then never accepted as a proposal, the residual covers it) but accepts less: no distribution test sees it."""
+    at their own tokens; drawn nodes keep their laws, whatever the other rows carry. A point mass put anywhere else
+    still samples exactly (the draft is then never accepted as a proposal, the residual covers it) but accepts less:
+    no distribution test sees it."""
     from hf_diffspec.runtime.drafting_lookup import graft
     from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 

@@ -140,7 +140,6 @@ class EqualTauBench:
         self.acceptance = oracle_acceptance(tau, self.block - 1)
         self.vocab_size = target.config.get_text_config().vocab_size
         self.plain_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)  # EOS off
-        self.references = {}
 
     def oracle(self, reference: list[int]) -> PositionOracle:
         return PositionOracle([reference], self.acceptance, self.vocab_size, self.block, self.seed)
