@@ -6,9 +6,12 @@ one). The statistics asserted need every step to speculate: these tests carry `e
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from hf_diffspec.bench.host_syncs import DEVICE_TO_HOST
 from hf_diffspec.runtime import verifier as verifier_module
+from hf_diffspec.runtime import verify_graphs
 from hf_diffspec.runtime.verify_inputs import VERIFY_WIDTHS, verify_width
 from helpers import (NoisyOracle, assert_sampling_matches_plain, install_oracle, random_ids, tiny_drafter,
                      tiny_family_target, tiny_hybrid_target, tiny_target)
@@ -213,7 +216,7 @@ def test_verify_graphs_replay_to_plain_generates_tokens(monkeypatch, rows, branc
     leaves the cache's lengths alone): plain generate's tokens, and most steps replayed."""
 
     emulated = EmulatedGraphs()
-    monkeypatch.setattr(verifier_module, "graph_backend", lambda device: emulated)  # on a GPU: CudaGraphs
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: emulated)  # on a GPU: CudaGraphs
     monkeypatch.setattr(verifier_module, "COMPACT_AFTER_HIDDEN_SLOTS", 8)
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=6)
@@ -245,7 +248,7 @@ class FailingGraphs(EmulatedGraphs):
 def test_a_capture_that_fails_goes_on_eagerly_with_one_warning(monkeypatch):
     """A capture that raises: plain generate's tokens all the same, one warning, no second attempt in the call."""
     failing = FailingGraphs()
-    monkeypatch.setattr(verifier_module, "graph_backend", lambda device: failing)
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: failing)
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=6)
     ids = random_ids(4, 8, rows=2)
@@ -255,3 +258,151 @@ def test_a_capture_that_fails_goes_on_eagerly_with_one_warning(monkeypatch):
                               cache_implementation="static")
     assert torch.equal(out, reference)
     assert failing.attempts == 1 and len([w for w in warned if "CUDA graph" in str(w.message)]) == 1
+
+
+@pytest.mark.every_step_speculates("asserts the captured shapes' replays")
+def test_a_second_call_of_the_same_shape_replays_the_first_calls_graphs(monkeypatch):
+    """The static cache, the persistent inputs and the graphs outlive the call, rows finishing early included (they
+    keep the cache's memory): later calls of the same rows (and a prompt of another length within the same capacity)
+    capture only (rows, width) shapes no call captured before, replay every other verify forward, and write plain
+    generate's tokens; a call of another row count gets a step of its own."""
+    emulated = EmulatedGraphs()
+    shapes = []
+    capture = emulated.capture
+    monkeypatch.setattr(emulated, "capture", lambda forward, rewind: (
+        shapes.append(tuple(forward.__closure__[forward.__code__.co_freevars.index("tokens")].cell_contents.shape)),
+        capture(forward, rewind))[1])
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: emulated)
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    first, longer = random_ids(4, 8, rows=2), random_ids(5, 11, rows=2)
+    references = [target.generate(ids, max_new_tokens=30, do_sample=False) for ids in (first, longer)]
+    install_oracle(monkeypatch, NoisyOracle([*references[0], *references[1]], vocab_size=128, noise=0.2, seed=2))
+    kwargs = dict(assistant_model=drafter, max_new_tokens=30, do_sample=False, cache_implementation="static",
+                  num_assistant_tokens=4)
+    for ids, reference in [(first, references[0]), (first, references[0]), (longer, references[1])]:
+        replays, captured = emulated.replays, len(shapes)
+        out = target.generate(ids, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, reference)
+        assert emulated.replays - replays == out.speculation_stats.target_forwards - 1 - (len(shapes) - captured)
+    assert len(shapes) == len(set(shapes)), shapes  # no shape captured twice
+    assert emulated.replays > 2 * len(shapes)
+    assert {rows for rows, _ in shapes} == {1, 2}  # rows finished before others: graphs of one row kept too
+    captured = len(shapes)
+    target.generate(first[:1], **kwargs)  # one row from the start: its own cache, inputs and graphs
+    assert len(shapes) > captured
+
+
+def test_a_call_with_graphs_does_not_take_the_step_a_call_without_them_kept(monkeypatch):
+    """Graphs switched on after a static call without them (`HF_DIFFSPEC_CUDA_GRAPHS=1` set between calls): the
+    next call captures its graphs, and one without them again takes the eager step."""
+    emulated = EmulatedGraphs()
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=1)
+    reference = target.generate(ids, max_new_tokens=16, do_sample=False)
+    kwargs = dict(assistant_model=drafter, max_new_tokens=16, do_sample=False, cache_implementation="static")
+    for backend, captures in [(None, 0), (emulated, 1), (None, 1), (emulated, 1)]:
+        monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: backend)
+        assert torch.equal(target.generate(ids, **kwargs), reference)
+        assert (len(emulated.captured) >= 1) == bool(captures)
+    assert emulated.replays >= 2
+
+
+def test_a_failed_capture_is_not_tried_again_in_later_calls(monkeypatch):
+    """A capture that raised warns once, in the first call; later calls of that shape run eagerly without trying."""
+    failing = FailingGraphs()
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: failing)
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=1)
+    reference = target.generate(ids, max_new_tokens=16, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="goes on without graphs") as warned:
+        outs = [target.generate(ids, assistant_model=drafter, max_new_tokens=16, do_sample=False,
+                                cache_implementation="static") for _ in range(3)]
+    assert all(torch.equal(out, reference) for out in outs)
+    assert failing.attempts == 1 and len([w for w in warned if "CUDA graph" in str(w.message)]) == 1
+
+
+def test_calls_at_once_never_share_a_static_step():
+    """Two calls of one shape at once each take a step of their own (a shared one would interleave two calls' keys
+    in one cache); after them one is kept for the next call."""
+    from hf_diffspec.runtime.control_state import memory_of
+
+    target = tiny_target("llama", seed=3)
+    taken = [verify_graphs.lease_static_step(target, 2, 40) for _ in range(2)]
+    assert taken[0] is not taken[1] and taken[0].cache is not taken[1].cache
+    for step in taken:  # as a call's prefill leaves it: its rows known
+        step.cache.early_initialization(2, 1, 4, torch.float32, torch.device("cpu"))
+        verify_graphs.keep_static_step(target, step)
+    assert list(memory_of(target).static_steps.values()) == [taken[0]]
+    assert verify_graphs.lease_static_step(target, 2, 40) is taken[0]
+    assert verify_graphs.lease_static_step(target, 2, 40) is not taken[0]  # taken out while a call holds it
+
+
+class DispatchTrace(TorchDispatchMode):
+    """Every aten op run inside it: its name, its arguments' shapes, dtypes and scalars, and the memory each tensor
+    argument reads or writes, named as a CUDA graph would see it: a tensor made before the forward (weights, cache,
+    input buffers) by its storage's address, one made inside it by the order of its allocation (a replay reuses the
+    graph's own pool for those)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.made, self.allocations = [], {}, 0
+
+    def _name(self, t: torch.Tensor) -> tuple:
+        ptr = t.untyped_storage().data_ptr()
+        return (self.made.get(ptr, f"at {ptr:#x}"), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat, _ = tree_flatten((args, kwargs or {}))
+        inputs = [self._name(a) if isinstance(a, torch.Tensor) else repr(a) for a in flat]
+        read = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+            if ptr is not None and ptr not in read and ptr:  # new memory (not a view or an in-place write)
+                self.made[ptr], self.allocations = f"made {self.allocations}", self.allocations + 1
+        self.ops.append((str(func), inputs))
+        return out
+
+
+@pytest.mark.every_step_speculates("compares the verify forwards of two calls step by step")
+def test_the_verify_forward_dispatches_the_same_ops_on_the_same_memory_in_every_step_of_its_shape(monkeypatch):
+    """What a CUDA graph replays is what was dispatched when it was captured: the same ops, on the same shapes and
+    scalars, reading and writing the same memory. Traced at the aten level, every verify forward of one (rows,
+    width), in this call and the next, dispatches exactly that: nothing of the step reaches the forward as a Python
+    number, and the cache and inputs a later call's forward reads are the ones an earlier call's graph captured."""
+    monkeypatch.setattr(verifier_module, "COMPACT_AFTER_HIDDEN_SLOTS", 4)  # compactions between the forwards
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=2)
+    reference = target.generate(ids, max_new_tokens=30, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(list(reference), vocab_size=128, noise=0.3, branches=2, seed=1))
+    traces: dict[tuple, list] = {}
+    mode = []
+
+    def before(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # a verify forward (the prefill has no 4D mask)
+            mode.append(DispatchTrace().__enter__())
+            traces.setdefault(tuple(args[0].shape), []).append(mode[-1])
+
+    def after(module, args, kwargs, output):
+        if mode:
+            mode.pop().__exit__(None, None, None)
+
+    handles = [target.register_forward_pre_hook(before, with_kwargs=True),
+               target.register_forward_hook(after, with_kwargs=True)]
+    try:
+        for _ in range(2):
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False,
+                                  cache_implementation="static")
+            assert torch.equal(out, reference)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert sum(len(t) >= 4 for t in traces.values()) >= 1, {k: len(t) for k, t in traces.items()}
+    for shape, steps in traces.items():
+        for step in steps[1:]:
+            assert step.ops == steps[0].ops, shape

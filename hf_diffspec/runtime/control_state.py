@@ -9,6 +9,10 @@
   Plain numbers: the memory holds no model.
 - `warned`: warnings already given about this target; `remeasured`: profiles measured again because live steps
   disagreed with them (once per target).
+- `static_steps`: the capture-ready verify step's preallocated cache, persistent inputs and CUDA graphs, per (rows,
+  capacity, graph mode) (`verify_graphs.StaticStep`): a call with `cache_implementation="static"` takes one, the next call of that
+  shape replays its graphs instead of capturing them again. Taken out while a call holds it: two calls at once never
+  share one.
 
 No module global is written while calls run. Calls running at once (threads of one process) share none of it while
 they run: each call takes its own copy of the controller and the verify cost at its start and hands them back at its
@@ -47,6 +51,7 @@ class SpeculationMemory:
         self.verify_costs: dict[str, tuple] = {}  # profile path -> (mtime_ns, costs, corrections, observations, loads)
         self.warned: set[str] = set()
         self.remeasured: set[str] = set()
+        self.static_steps: dict[tuple, object] = {}  # (rows, capacity, graph mode) -> verify_graphs.StaticStep
 
     def kept_costs(self, path) -> tuple | None:
         """Copies of (costs, corrections, observations, loads) the last call on the profile at `path` kept, while the file

@@ -252,7 +252,8 @@ def speculative_generate(
                          stopping_criteria)
     static = generation_config.cache_implementation == "static"  # the capture-ready step (`verify_graphs.py`)
     verifier = TargetVerifier(model, model_kwargs.get("cache") if generation_config.use_cache else None,
-                              generation_config.max_length if static else None, drafter.target_feature_layers)
+                              generation_config.max_length if static else None, drafter.target_feature_layers,
+                              rows=input_ids.shape[0])
     method = generator_class(drafter)
     policy = speculation_policy(drafter, model, num_draft_tokens, method.__name__)  # control first, handed on
     sampling = _sampling_laws(generation_config, logits_processor)

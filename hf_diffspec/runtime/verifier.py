@@ -39,8 +39,8 @@ from .tree import TreeLayout, call_indices, host_to_device, index_range
 from .verify_attention import VerifyAttention
 from .verify_cache import (crop_attention, drop_old_keys, dropped_slots, full_kv_cache, gather_slots, select_rows,
                            target_cache)
-from .verify_graphs import VerifyGraphs, graph_backend
-from .verify_inputs import AttentionLayout, CaptureReadyInputs, tree_forward_inputs, verify_masks, verify_width
+from .verify_graphs import keep_static_step, lease_static_step
+from .verify_inputs import AttentionLayout, tree_forward_inputs, verify_masks, verify_width
 from .verify_recurrent import RecurrentStates
 
 # hidden slots in the cache's tail (tree nodes off the accepted paths) that trigger a compaction: moving the accepted
@@ -73,25 +73,27 @@ class TargetVerifier:
         model: the target.
         cache: the cache `generate` prepared (None: the verifier makes one); kept when it can be cropped back.
         static_length: with `cache_implementation="static"`, the call's max length: a preallocated cache, persistent
-            inputs, and CUDA graphs where opted in.
+            inputs, and CUDA graphs where opted in, kept for the next call of `rows` rows (`verify_graphs.StaticStep`).
         feature_layers: the target hidden states the drafter reads (`output_hidden_states`).
         explicit_masks: every step with an explicit 4D mask, even for chains every row verifies in full (the
             verify-cost profile: it prices the forwards of trees and ragged rows, which take one).
+        rows: the call's rows (the static step's shape).
     """
 
     def __init__(self, model, cache=None, static_length: int | None = None, feature_layers=None,
-                 explicit_masks: bool = False):
+                 explicit_masks: bool = False, rows: int = 1):
         self.model = model
-        self.cache = target_cache(model.config, cache, static_length)
+        # the capture-ready step: its cache, inputs and graphs kept on the target across calls of its shape
+        self.static = lease_static_step(model, rows, static_length) if static_length else None
+        self.cache = self.static.cache if self.static else target_cache(model.config, cache)
         self.attention_layout = AttentionLayout.of(model.config)
         self.feature_layers = feature_layers
         self.explicit_masks = explicit_masks
         self.dtype = model.dtype  # a property that walks the parameters: read once
         self.attention = VerifyAttention(model)
         self.recurrent = RecurrentStates(model, self.cache)
-        self.capture = CaptureReadyInputs(self.cache.layers[0].max_cache_len) if static_length else None
-        backend = graph_backend(model.device) if static_length else None
-        self.graphs = VerifyGraphs(backend) if backend else None
+        self.capture = self.static.inputs if self.static else None
+        self.graphs = self.static.graphs if self.static else None
         self.valid: torch.Tensor | None = None  # (rows, cached slots): which slots each row may attend to
         self.all_valid = False  # known on the host: every row may see every cached slot
         # known on the host: every row sees every slot it committed or was prompted with (no padding, rows in step);
@@ -111,8 +113,10 @@ class TargetVerifier:
         self._held.enter_context(self.recurrent.held())
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, error_type, *exc) -> None:
         self._held.close()
+        if self.static is not None and error_type is None:  # a call that failed midway keeps nothing
+            keep_static_step(self.model, self.static)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask, positions: torch.Tensor, valid: torch.Tensor):
         """The prompts' forward (the model's own attention and masks, the last position's logits; one row at a time

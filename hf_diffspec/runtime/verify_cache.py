@@ -25,15 +25,22 @@ from .verify_inputs import VERIFY_WIDTHS
 # slots past the longest row a static cache needs room for: hidden tree nodes before a compaction
 # (`verifier.COMPACT_AFTER_HIDDEN_SLOTS`, 64, plus one step's) and the widest verify step's padding
 HEADROOM = 64 + 2 * VERIFY_WIDTHS[-1]
+CAPACITY_STEP = 256
+
+
+def static_capacity(max_length: int) -> int:
+    """The static cache's slots for a call of `max_length` tokens: room for its last step's tree, in whole
+    `CAPACITY_STEP`s (calls a few tokens apart share one cache and its graphs: `verify_graphs.StaticStep`)."""
+    return -(-(max_length + HEADROOM) // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def target_cache(config, cache=None, static_length: int | None = None):
     """The target's cache for one call: `cache` (what generate made; None with use_cache=False, when the loop still
     keeps one of its own: verifying drafts needs the prefix cached) when it can be cropped back to the accepted
     tokens, else a `full_kv_cache`; with `static_length` (`cache_implementation="static"`, the call's max length) a
-    preallocated `StaticCache`."""
+    preallocated `StaticCache` of `static_capacity(static_length)` slots."""
     if static_length is not None:
-        return StaticCache(config=config.get_text_config(decoder=True), max_cache_len=static_length + HEADROOM)
+        return StaticCache(config=config.get_text_config(decoder=True), max_cache_len=static_capacity(static_length))
     if cache is None or drops_visible_keys(cache):
         return full_kv_cache(config)
     return cache
@@ -161,8 +168,11 @@ def select_rows(cache, index: torch.Tensor, moves=None) -> None:
                 layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
         elif hasattr(layer, "batch_select_indices"):  # K/V (a layer may hold both K/V and linear states)
             layer.batch_select_indices(index)
-        elif isinstance(layer, StaticLayer) and layer.is_initialized:  # new tensors: a new batch size's buffers
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        elif isinstance(layer, StaticLayer) and layer.is_initialized:
+            if moves is not None:  # the first rows of the same memory: graphs captured over it stay valid
+                layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
+            else:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
         for states in (layer.conv_states, layer.recurrent_states):

@@ -3,7 +3,7 @@
 Every tensor the verify forward reads keeps its address and shape from one step to the next, for a given number of
 rows and verify width, so that a CUDA graph captured over that forward can be replayed every step:
 
-- the target's KV cache is transformers' `StaticCache`, preallocated for the call (`verify_cache.target_cache`): each layer
+- the target's KV cache is transformers' `StaticCache`, preallocated (`verify_cache.target_cache`): each layer
   writes new keys in place at its length, which it holds on the device (`StaticLayer.cumulative_length`); cropping
   back to the accepted tokens lowers that length, and compacting accepted tree paths is an in-place gather
   (`verify_cache.gather_slots`);
@@ -16,6 +16,13 @@ rows and verify width, so that a CUDA graph captured over that forward can be re
 On the CPU it is the default path computed over the preallocated cache, identical to it (`tests/test_static_verify.py`).
 With `HF_DIFFSPEC_CUDA_GRAPHS=1` on a CUDA device the verify forward is captured once per (rows, width) and replayed
 (`VerifyGraphs`; opt-in until a GPU run has checked it inside `generate`: the standalone capture was exact, 2026-12-04).
+
+The cache, the inputs and the graphs outlive the call (`StaticStep`, kept on the target by `control_state`, per rows,
+capacity and graph mode, the capacity rounded up to `verify_cache.CAPACITY_STEP` slots so that prompts of other
+lengths share them): the next call of that shape resets the cache in place and replays the graphs the earlier one
+captured. As with transformers' own static cache, the cache a call returns is the one the next call of its shape
+overwrites.
+
 Targets whose caches must drop keys (sliding windows) or hold recurrent states (linear attention) are refused with it
 (`support.py`): they decode on the default path.
 
@@ -27,7 +34,9 @@ import warnings
 
 import torch
 
-from .verify_cache import crop_attention
+from .control_state import memory_of
+from .verify_cache import crop_attention, static_capacity, target_cache
+from .verify_inputs import CaptureReadyInputs
 
 
 class CudaGraphs:
@@ -63,8 +72,8 @@ class VerifyGraphs:
     """The verify forward as one graph per (rows, width): the first step of a shape runs its forward eagerly (its
     outputs are that step's) and captures it; later steps of that shape replay the graph over the persistent inputs
     (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the next replay: the
-    loop consumes them within the step; the drafter's features are concatenated copies). Rows leaving the batch
-    reallocate the cache's tensors, so graphs of another batch size are dropped. A capture that fails (a kernel
+    loop consumes them within the step; the drafter's features are concatenated copies). Rows leaving the batch keep
+    the cache's memory (its first rows), so the graphs of every row count stay valid. A capture that fails (a kernel
     that cannot be captured, memory) leaves the cache as the step's eager forward left it, warns once, and the call
     goes on eagerly."""
 
@@ -79,7 +88,6 @@ class VerifyGraphs:
             graph, outputs = self.graphs[rows, width]
             self.backend.replay(graph)
             return outputs
-        self.graphs = {shape: entry for shape, entry in self.graphs.items() if shape[0] == rows}
         outputs = forward()  # this step's own forward, eager
         crop_attention(cache, width)  # back to the lengths the captured forward must start from
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
@@ -94,3 +102,58 @@ class VerifyGraphs:
         for layer in cache.layers:  # as this step's forward left them (capturing ran nothing)
             layer.cumulative_length.add_(width)
         return outputs
+
+
+class StaticStep:
+    """What the capture-ready verify step keeps from one call to the next (see the module docstring): the
+    preallocated cache, the persistent inputs and the graphs captured over them."""
+
+    def __init__(self, config, max_length: int, backend):
+        self.capacity = static_capacity(max_length)
+        self.cache = target_cache(config, static_length=max_length)
+        self.inputs = CaptureReadyInputs(self.capacity)
+        self.graphs = VerifyGraphs(backend) if backend else None
+        self.graph_mode = backend is not None  # made to replay graphs (a failed capture keeps it so: no retry)
+
+    @property
+    def rows(self) -> int | None:
+        """The rows the cache was made for (None before the first call's prefill)."""
+        layer = self.cache.layers[0]
+        return _whole(layer.keys).shape[0] if layer.is_initialized else None
+
+    def reset(self) -> None:
+        """Empty the cache in place for a new call, with all the rows it was made for (a call whose rows finished
+        early left each layer a view of its first rows: `verify_cache.select_rows`)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = _whole(layer.keys), _whole(layer.values)
+        self.cache.reset()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor `tensor` is a view of (itself if none)."""
+    return tensor if tensor._base is None else tensor._base
+
+
+def lease_static_step(model, rows: int, max_length: int) -> StaticStep:
+    """The static step for a call of `rows` rows and `max_length` tokens: the one an earlier call of that shape and
+    graph mode kept, its cache emptied in place (its tensors, and so its graphs, stay valid), or a new one."""
+    backend = graph_backend(model.device)
+    key = (rows, static_capacity(max_length), backend is not None)
+    memory = memory_of(model)
+    with memory.lock:
+        step = memory.static_steps.pop(key, None)
+    if step is None:
+        return StaticStep(model.config, max_length, backend)
+    step.reset()
+    return step
+
+
+def keep_static_step(model, step: StaticStep) -> None:
+    """At a call's end, `step` is where the next call of its shape starts; one per shape (of calls that ran at
+    once, the first to end is kept)."""
+    if step.rows is None:
+        return
+    memory = memory_of(model)
+    with memory.lock:
+        memory.static_steps.setdefault((step.rows, step.capacity, step.graph_mode), step)
