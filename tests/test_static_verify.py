@@ -203,7 +203,7 @@ class EmulatedGraphs:
         finally:
             self._swap(graph, *now)
         static.logits.copy_(fresh.logits)
-        for mine, new in zip(static.hidden_states, fresh.hidden_states):
+        for mine, new in zip(static.hidden_states or (), fresh.hidden_states or ()):  # (none asked: a profile's)
             if mine is not None:  # (the layers the drafter does not read are not returned)
                 mine.copy_(new)
 
@@ -307,6 +307,34 @@ def test_a_call_with_graphs_does_not_take_the_step_a_call_without_them_kept(monk
         assert torch.equal(target.generate(ids, **kwargs), reference)
         assert (len(emulated.captured) >= 1) == bool(captures)
     assert emulated.replays >= 2
+
+
+def test_a_graphed_call_is_priced_by_a_profile_measured_through_graphs(monkeypatch, tmp_path):
+    """The verify-cost profile's key carries graph mode: a call whose verify forward replays graphs measures (once)
+    and reads a profile of its own, timed through the capture-ready step's graphs; an eager call reads the eager one."""
+    from hf_diffspec.runtime import control_profiles
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "1")
+    emulated = EmulatedGraphs()
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: emulated)
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=1)
+    reference = target.generate(ids, max_new_tokens=12, do_sample=False)
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False,
+                          cache_implementation="static")
+    assert torch.equal(out, reference)
+    graphed = control_profiles.profile_path(target, graphs=True)
+    assert graphed.is_file() and not control_profiles.profile_path(target).exists()
+    assert graphed != control_profiles.profile_path(target)
+    measured_shapes = {(rows, width) for rows, width in [
+        tuple(f.__closure__[f.__code__.co_freevars.index("tokens")].cell_contents.shape) for f in emulated.captured]}
+    assert {4, 16} <= {rows for rows, _ in measured_shapes}  # the profile's rows, replayed as graphs
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: None)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False,
+                                       cache_implementation="static"), reference)
+    assert control_profiles.profile_path(target).is_file()  # the eager call measured the eager profile
 
 
 def test_a_failed_capture_is_not_tried_again_in_later_calls(monkeypatch):

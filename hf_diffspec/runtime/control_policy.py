@@ -116,11 +116,12 @@ class FixedLength(DraftLengthPolicy):
         return self.length
 
 
-def speculation_policy(drafter, target, fixed: int | None = None, method: str = "DiffusionCandidateGenerator"):
+def speculation_policy(drafter, target, fixed: int | None = None, method: str = "DiffusionCandidateGenerator",
+                       graphs: bool = False):
     """The draft-length policy and controller of one call of `drafter` on `target`: `fixed` drafts per step when
-    given, else the measured cost model when this machine has a profile for the target (measured now the first time),
-    else the drafter's configured length. `method` names the drafting method, whose controller persists across
-    calls."""
+    given, else the measured cost model when this machine has a profile for the target (measured now the first time;
+    `graphs`: the call's verify forward replays CUDA graphs, and so is the profile's), else the drafter's configured
+    length. `method` names the drafting method, whose controller persists across calls."""
     dual = drafter.config.model_type == "dual_diffusion_drafter"
     config = drafter.first.config if dual else drafter.config
     max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
@@ -130,7 +131,7 @@ def speculation_policy(drafter, target, fixed: int | None = None, method: str = 
     tree_depth = drafter.config.max_depth if dual else None
     if getattr(config, "draft_tree_budget", None):
         tree_depth = config.block_size - 1
-    verify_cost = verify_cost_for(target)
+    verify_cost = verify_cost_for(target, graphs=graphs)
     return DraftLengthPolicy(
         block_size=config.block_size, default_length=config.num_draft_tokens, verify_cost=verify_cost,
         tree_depth=tree_depth, max_positions=max_positions,

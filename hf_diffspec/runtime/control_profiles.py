@@ -45,15 +45,16 @@ PROFILE_BATCHES = (1, 2, 4, 8, 16)
 PROFILE_FORMAT = 3  # 1: batch-1 costs only; 2: measured without the loop's 4D mask (neither is read any more)
 
 
-def profile_key(target) -> str:
-    """Identifies what the cost depends on: the target's architecture, its device and dtype, and the thread count."""
+def profile_key(target, graphs: bool = False) -> str:
+    """Identifies what the cost depends on: the target's architecture, its device and dtype, the thread count, and
+    whether the verify forward replays CUDA graphs (`graphs`: a graphed step launches no kernel from the host)."""
     config = target.config.get_text_config().to_json_string(use_diff=False)
     arch = hashlib.sha256(config.encode()).hexdigest()[:12]
     device = str(target.device)
     if target.device.type == "cuda":
         device = torch.cuda.get_device_name(target.device)
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0
-    raw = f"{arch}|{device}|{target.dtype}|{threads}"
+    raw = f"{arch}|{device}|{target.dtype}|{threads}" + ("|graphs" if graphs else "")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -81,7 +82,7 @@ def _plain_token_ids(config, count: int, generator: torch.Generator) -> torch.Te
 
 @torch.no_grad()
 def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, context_length: int = 256,
-                        repeats: int = 5) -> dict[int, dict[int, float]]:
+                        repeats: int = 5, graphs: bool = False) -> dict[int, dict[int, float]]:
     """Median seconds of a target forward over `rows` x n new tokens on top of a cached context of `context_length`
     per row: {rows: {n: seconds}}.
 
@@ -90,12 +91,14 @@ def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, co
     rows verify (without a mask the model takes its causal fast path, which at 16 rows made a 2-token forward look
     1.03x a 1-token one, 1.43x with the mask). After each forward the cache is put back as it was: attention K/V
     cropped, linear-attention states restored. Sizes are interleaved, in an order that turns every round, so that a
-    drift in the machine's speed spreads over all of them; the first round warms up."""
+    drift in the machine's speed spreads over all of them; the first round warms up (and, with `graphs`, captures
+    each width's graph: the forwards are the capture-ready step's, `verify_graphs.py`, replayed as CUDA graphs)."""
     generator = torch.Generator().manual_seed(0)
-    return {rows: _measure_rows(target, rows, sizes, context_length, repeats, generator) for rows in batches}
+    return {rows: _measure_rows(target, rows, sizes, context_length, repeats, generator, graphs) for rows in batches}
 
 
-def _measure_rows(target, rows: int, sizes, context_length: int, repeats: int, generator) -> dict[int, float]:
+def _measure_rows(target, rows: int, sizes, context_length: int, repeats: int, generator,
+                  graphs: bool = False) -> dict[int, float]:
     device = target.device
     context = _plain_token_ids(target.config, rows * context_length, generator).view(rows, context_length).to(device)
     drafts = [[_plain_token_ids(target.config, n, generator).to(device) for _ in range(rows)]
@@ -103,7 +106,8 @@ def _measure_rows(target, rows: int, sizes, context_length: int, repeats: int, g
     valid = torch.ones(rows, context_length, dtype=torch.bool, device=device)
     roots = torch.full((rows,), context_length, device=device)
     times = {n: [] for n in sizes}
-    with TargetVerifier(target, explicit_masks=True) as verifier:
+    static_length = context_length + max(sizes) if graphs else None
+    with TargetVerifier(target, static_length=static_length, explicit_masks=True, rows=rows) as verifier:
         verifier.prefill(context, None, None, valid)
         states = LinearStates(verifier.cache)  # a linear layer's state after the context, put back after each forward
         for tokens in drafts:  # the first round warms up
@@ -175,13 +179,13 @@ class ProfileMeasurement:
                 "verify_seconds": {str(b): {str(n): t for n, t in row.items()} for b, row in self.costs.items()}}
 
 
-def measure_profile(target, attempts: int = 3, **grid) -> ProfileMeasurement:
+def measure_profile(target, attempts: int = 3, graphs: bool = False, **grid) -> ProfileMeasurement:
     """`measure_verify_cost` until a measurement is plausible (`implausible_costs`) and taken on a quiet machine (other
     processes kept under `MAX_OTHERS_LOAD` cores busy), at most `attempts` times; the last one is returned, with
     the problem that remains."""
     for attempt in range(1, attempts + 1):
         with OtherProcessesLoad() as load:
-            costs = measure_verify_cost(target, **grid)
+            costs = measure_verify_cost(target, graphs=graphs, **grid)
         problem = implausible_costs(costs)
         if problem is None and load.cores is not None and load.cores > MAX_OTHERS_LOAD:
             problem = (f"other processes kept {load.cores:.2f} cores busy while it was measured (at most "
@@ -193,13 +197,13 @@ def measure_profile(target, attempts: int = 3, **grid) -> ProfileMeasurement:
     return ProfileMeasurement(costs, load.cores, attempt, problem)
 
 
-def profile_path(target) -> Path:
-    return profile_dir() / f"{profile_key(target)}.json"
+def profile_path(target, graphs: bool = False) -> Path:
+    return profile_dir() / f"{profile_key(target, graphs)}.json"
 
 
-def profile_header(target) -> dict:
+def profile_header(target, graphs: bool = False) -> dict:
     """What a profile file says of the target it was measured on."""
-    return {"format": PROFILE_FORMAT, "key": profile_key(target),
+    return {"format": PROFILE_FORMAT, "key": profile_key(target, graphs), "graphs": graphs,
             "model_type": target.config.get_text_config().model_type, "device": str(target.device),
             "dtype": str(target.dtype), "threads": torch.get_num_threads()}
 
@@ -211,8 +215,9 @@ def save_profile(target, costs: dict[int, dict[int, float]], others_load: float 
     return atomic_write(path, json.dumps({**profile_header(target), **measured.fields}, indent=2))
 
 
-def verify_cost_for(target, measure: bool = True) -> VerifyCost | None:
-    """The verify-cost profile for this target/device/dtype/threads, for one call: the costs and corrections the last
+def verify_cost_for(target, measure: bool = True, graphs: bool = False) -> VerifyCost | None:
+    """The verify-cost profile for this target/device/dtype/threads (and graph mode: `graphs`, a call whose verify
+    forward replays CUDA graphs is priced by a profile measured so), for one call: the costs and corrections the last
     call on the target kept (`keep_verify_cost`), else the cached file's, measured once (a few seconds) when missing,
     unreadable or implausible; None when automatic profiling is off (HF_DIFFSPEC_AUTO_PROFILE=0), or `measure` is
     False, and none is cached. A measurement taken while other processes kept the machine busy is used by this process
@@ -220,11 +225,11 @@ def verify_cost_for(target, measure: bool = True) -> VerifyCost | None:
     profile at once wait for one measurement. The object returned is the call's own (no other call observes into
     it); it holds the target only to
     measure again."""
-    path = profile_path(target)
-    remeasure = functools.partial(_remeasure_stale, target, path) if _automatic() else None
+    path = profile_path(target, graphs)
+    remeasure = functools.partial(_remeasure_stale, target, path, graphs=graphs) if _automatic() else None
     with MEASURING:  # the file is read (or the profile measured) once per target
-        kept, remeasured = memory_of(target).verify_costs_for(path, functools.partial(_cached_or_measured, target,
-                                                                                      path, measure))
+        kept, remeasured = memory_of(target).verify_costs_for(path, functools.partial(
+            _cached_or_measured, target, path, measure, graphs=graphs))
     if kept is None:
         return None
     return VerifyCost(kept[0], remeasure=None if remeasured else remeasure, path=path, corrections=kept[1],
@@ -242,7 +247,8 @@ def _automatic() -> bool:
     return os.environ.get("HF_DIFFSPEC_AUTO_PROFILE", "1") != "0"
 
 
-def _cached_or_measured(target, path: Path, measure: bool, memory) -> dict[int, dict[int, float]] | None:
+def _cached_or_measured(target, path: Path, measure: bool, memory, graphs: bool = False
+                        ) -> dict[int, dict[int, float]] | None:
     """The costs of the cached profile at `path`, or measured now when it is missing, unreadable or implausible;
     None when there is none and HF_DIFFSPEC_AUTO_PROFILE=0 (or `measure` is False)."""
     automatic = _automatic()
@@ -267,7 +273,7 @@ def _cached_or_measured(target, path: Path, measure: bool, memory) -> dict[int, 
     else:
         logger.warning("measuring this target's verify cost on %s in %s (%d threads), once; cached in %s",
                        target.device, target.dtype, torch.get_num_threads(), profile_dir())
-    return _measure_and_keep(target)
+    return _measure_and_keep(target, graphs)
 
 
 def read_profile(path: Path) -> tuple[dict[int, dict[int, float]] | None, str | None]:
@@ -292,12 +298,12 @@ def read_profile(path: Path) -> tuple[dict[int, dict[int, float]] | None, str | 
     return costs, implausible_costs(costs)
 
 
-def _measure_and_keep(target) -> dict[int, dict[int, float]]:
+def _measure_and_keep(target, graphs: bool = False) -> dict[int, dict[int, float]]:
     """Measure the quick profile and cache it. A disturbed one (a busy machine) is cached marked as this process's:
     every target of the architecture in this process uses it (no measurement per model instance), and another
     process measures again (`read_profile`)."""
-    path, header = profile_path(target), profile_header(target)
-    measured = measure_profile(target, **QUICK_PROFILE)
+    path, header = profile_path(target, graphs), profile_header(target, graphs)
+    measured = measure_profile(target, graphs=graphs, **QUICK_PROFILE)
     fields = {**header, **measured.fields}
     if measured.problem is not None:
         logger.warning("the verify-cost profile was measured on a busy machine (%s); used in this process, not "
@@ -315,7 +321,7 @@ def _measure_and_keep(target) -> dict[int, dict[int, float]]:
     return measured.costs
 
 
-def _remeasure_stale(target, path: Path, why: str) -> dict[int, dict[int, float]]:
+def _remeasure_stale(target, path: Path, why: str, graphs: bool = False) -> dict[int, dict[int, float]]:
     """Live steps disagree with the profile in use (`why`): measure it again, once per target and profile."""
     memory = memory_of(target)
     with MEASURING:
@@ -325,7 +331,7 @@ def _remeasure_stale(target, path: Path, why: str) -> dict[int, dict[int, float]
                 return kept[0]
         memory.remeasured.add(str(path))
         logger.warning("live steps disagree with the verify-cost profile %s (%s): measuring it again, once", path, why)
-        costs = _measure_and_keep(target)
+        costs = _measure_and_keep(target, graphs)
         memory.keep_costs(path, costs)
         return costs
 
