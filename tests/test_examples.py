@@ -112,6 +112,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
     assert {(r["oracle_tau"], r["arm"]) for r in dense["equal_tau"]} >= {(3, "zlab"), (6.5, "ours-block")}
     assert all(r["problems"] == [] and r["identical_to_plain"] for r in dense["equal_tau"])  # fp32: all of them
     assert all(r["chain_after"] > 0 for r in dense["long_context"])
+    assert [r[label]["graphs_captured_again"] for r in dense["graphs"] for label in ("static", "static+graphs")] == [
+        0, 0, 0, 0]  # (on a GPU: the timed call replays what the warm-up captured)
     assert [(r["rows"], r["captured"]) for r in dense["capture"]] == [(1, "no CUDA graphs on cpu"),
                                                                       (16, "no CUDA graphs on cpu")]
 

@@ -102,6 +102,36 @@ def test_static_cache_is_identical_to_plain_generate_with_persistent_inputs(monk
         assert int(out.cache.get_seq_length()) == out.sequences.shape[1] - 1
 
 
+@pytest.mark.every_step_speculates("asserts accepted paths of oracle chains")
+def test_a_long_call_attends_to_the_cached_slots_it_uses_not_the_whole_capacity(monkeypatch):
+    """A call whose cache is preallocated for hundreds of tokens: its verify forwards attend to 256 cached slots, then
+    512 (`attended_slots`), not to the whole capacity from the first step; plain generate's tokens."""
+    from hf_diffspec.runtime.verify_cache import static_capacity
+
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=1)
+    reference = target.generate(ids, max_new_tokens=400, do_sample=False)
+    install_oracle(monkeypatch, NoisyOracle(list(reference), vocab_size=128, noise=0.2, seed=1))
+    recorder = VerifyRecorder(target)
+    keys_read = []
+    from hf_diffspec.runtime import verify_attention
+
+    sdpa = verify_attention.scaled_dot_product_attention
+    monkeypatch.setattr(verify_attention, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: (keys_read.append(k.shape[2]), sdpa(q, k, v, **kw))[1])
+    try:
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=400, do_sample=False,
+                              cache_implementation="static")
+    finally:
+        recorder.remove()
+    assert torch.equal(out, reference)
+    widths = [s["mask_width"] for s in recorder.steps]
+    assert static_capacity(8 + 400) == 768 and widths[0] == 256 and set(widths) == {256, 512}, sorted(set(widths))
+    assert widths == sorted(widths)
+    assert set(keys_read) == {256, 512}  # the attention reads no key past the attended slots
+
+
 @pytest.mark.every_step_speculates("compares tau with the default path's")
 def test_static_cache_matches_the_default_path_when_rows_finish_early(monkeypatch):
     """Rows that stop at EOS leave the batch (the preallocated cache keeps the other rows, reallocated once), and

@@ -191,7 +191,7 @@ class TargetVerifier:
                          output_hidden_states=layers)
 
         with self.recurrent.recording(layout), self.attention.switched():
-            out = self.graphs.run(verify, cache, *tokens.shape) if self.graphs else verify()
+            out = self.graphs.run(verify, cache, (*tokens.shape, mask.shape[-1])) if self.graphs else verify()
         self.slots = tokens.shape[1]
         return out, layout
 

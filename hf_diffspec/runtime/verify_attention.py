@@ -78,6 +78,9 @@ def verify_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
                              sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """An `AttentionInterface` function: (rows, q, heads, dim) attention output, no weights."""
     rows, heads, q, dim = query.shape
+    if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:
+        # the capture-ready step's preallocated cache: only its first slots are attended (`attended_slots`)
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     kv_heads, kv = key.shape[1], key.shape[2]
     others = ("position_bias", "softcap", "s_aux", "sinks")  # what SDPA's own path refuses or handles
     if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in others):

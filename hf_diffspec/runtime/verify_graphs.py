@@ -7,14 +7,15 @@ rows and verify width, so that a CUDA graph captured over that forward can be re
   writes new keys in place at its length, which it holds on the device (`StaticLayer.cumulative_length`); cropping
   back to the accepted tokens lowers that length, and compacting accepted tree paths is an in-place gather
   (`verify_cache.gather_slots`);
-- the verify width is bucketed to `VERIFY_WIDTHS` (padding slots see only themselves, their outputs ignored), so one
-  graph per (rows, width) serves every step;
+- the verify width is bucketed to `VERIFY_WIDTHS` (padding slots see only themselves, their outputs ignored), and the
+  cached slots attended to `verify_inputs.attended_slots` (256, 512, ... up to the capacity), so one graph per (rows,
+  width, attended slots) serves every step;
 - the tokens, positions and the (rows, 1, width, capacity) additive mask are copied into persistent buffers
-  (`verify_inputs.CaptureReadyInputs`); keys past the cache's length are masked there, so the forward reads the whole
-  preallocated cache with no shape that depends on the step.
+  (`verify_inputs.CaptureReadyInputs`); keys past the cache's length are masked there, so the forward reads the
+  attended slots of the preallocated cache with no shape that depends on the step.
 
 On the CPU it is the default path computed over the preallocated cache, identical to it (`tests/test_static_verify.py`).
-With `HF_DIFFSPEC_CUDA_GRAPHS=1` on a CUDA device the verify forward is captured once per (rows, width) and replayed
+With `HF_DIFFSPEC_CUDA_GRAPHS=1` on a CUDA device the verify forward is captured once per shape and replayed
 (`VerifyGraphs`; opt-in until a GPU run has checked it inside `generate`: the standalone capture was exact, 2026-12-04).
 
 The cache, the inputs and the graphs outlive the call (`StaticStep`, kept on the target by `control_state`, per rows,
@@ -69,8 +70,8 @@ def graph_backend(device: torch.device):
 
 
 class VerifyGraphs:
-    """The verify forward as one graph per (rows, width): the first step of a shape runs its forward eagerly (its
-    outputs are that step's) and captures it; later steps of that shape replay the graph over the persistent inputs
+    """The verify forward as one graph per (rows, width, attended slots): the first step of a shape runs its forward
+    eagerly (its outputs are that step's) and captures it; later steps of that shape replay the graph over the persistent inputs
     (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the next replay: the
     loop consumes them within the step; the drafter's features are concatenated copies). Rows leaving the batch keep
     the cache's memory (its first rows), so the graphs of every row count stay valid. A capture that fails (a kernel
@@ -79,20 +80,22 @@ class VerifyGraphs:
 
     def __init__(self, backend):
         self.backend = backend
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
 
-    def run(self, forward, cache, rows: int, width: int):
-        if self.backend is None:  # a capture failed in this call
+    def run(self, forward, cache, shape: tuple[int, int, int]):
+        """`forward` of `shape` (rows, width, attended slots), replayed when a graph of it was captured."""
+        if self.backend is None:  # a capture failed
             return forward()
-        if (rows, width) in self.graphs:
-            graph, outputs = self.graphs[rows, width]
+        width = shape[1]
+        if shape in self.graphs:
+            graph, outputs = self.graphs[shape]
             self.backend.replay(graph)
             return outputs
         outputs = forward()  # this step's own forward, eager
         crop_attention(cache, width)  # back to the lengths the captured forward must start from
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
         try:
-            self.graphs[rows, width] = self.backend.capture(forward, lambda: crop_attention(cache, width))
+            self.graphs[shape] = self.backend.capture(forward, lambda: crop_attention(cache, width))
         except Exception as error:  # noqa: BLE001 (any failure to capture: the eager forward is always right)
             warnings.warn(f"capturing the verify forward as a CUDA graph failed ({type(error).__name__}: {error}); "
                           "this call goes on without graphs", RuntimeWarning, stacklevel=2)

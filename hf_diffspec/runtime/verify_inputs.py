@@ -9,8 +9,8 @@ verifies (one module builds them all).
   `sliding_window_overlay` hides them. Rows of a ragged batch leave holes in our cache (slots of drafts another row
   accepted), so slots are renumbered per row before the window is applied; the columns a windowed layer dropped
   (`verify_cache.WindowedLayer`) are then left out of its mask;
-- `CaptureReadyInputs`: the capture-ready step's persistent buffers (widths bucketed to `VERIFY_WIDTHS`), the mask
-  blocked past the cache's used slots (`verify_graphs.py`);
+- `CaptureReadyInputs`: the capture-ready step's persistent buffers (widths bucketed to `VERIFY_WIDTHS`, the cached
+  slots attended to `attended_slots`), the mask blocked past the cache's used slots (`verify_graphs.py`);
 - `packed_mask`: the mask the verify attention reads (`verify_attention.py`), for queries packed by key/value head,
   and the chain's causal mask when transformers built none.
 
@@ -123,27 +123,42 @@ def verify_width(nodes: int) -> int:
     return -(-nodes // VERIFY_WIDTHS[-1]) * VERIFY_WIDTHS[-1]
 
 
+ATTENDED_SLOTS = 256  # the fewest cached slots a capture-ready forward attends to; then doubling up to the capacity
+
+
+def attended_slots(used: int, capacity: int) -> int:
+    """The cached slots (from the first) a capture-ready forward with `used` of `capacity` slots attends to: the
+    smallest of 256, 512, 1024, ... that holds them, at most the capacity. Its keys past `used` are masked: a few
+    buckets (a graph each) instead of the whole preallocated cache from the first step."""
+    slots = ATTENDED_SLOTS
+    while slots < used:
+        slots *= 2
+    return min(slots, capacity)
+
+
 class CaptureReadyInputs:
-    """Persistent inputs of the verify forward, one set per (rows, width): tokens and positions (rows, width), the
-    additive mask (rows, 1, width, capacity). `fill` copies a step's inputs into them in place."""
+    """Persistent inputs of the verify forward, one set per (rows, width, attended slots): tokens and positions
+    (rows, width), the additive mask (rows, 1, width, attended) (`attended_slots`: the verify attention reads the
+    cache's keys that far). `fill` copies a step's inputs into them in place."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def fill(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
         """`tokens`, `positions` (rows, width) and `mask` (rows, 1, width, used) over the `used` cached slots and the
         step's nodes, as `tree_forward_inputs` makes them: the same tensors in the step's persistent buffers, the
-        mask blocked past `used`."""
+        mask blocked past `used` up to the attended slots."""
         rows, width = tokens.shape
         used = mask.shape[-1]
         if used > self.capacity:
             raise RuntimeError(f"the static cache holds {self.capacity} slots and this step needs {used}: "
                                "verify_cache.HEADROOM is too small for this call")
-        key = (rows, width)
+        attended = attended_slots(used, self.capacity)
+        key = (rows, width, attended)
         if key not in self.buffers:
             self.buffers[key] = (torch.empty_like(tokens), torch.empty_like(positions),
-                                 mask.new_empty(rows, 1, width, self.capacity))
+                                 mask.new_empty(rows, 1, width, attended))
         token_buffer, position_buffer, mask_buffer = self.buffers[key]
         token_buffer.copy_(tokens)
         position_buffer.copy_(positions)
