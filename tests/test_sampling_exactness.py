@@ -699,7 +699,7 @@ def live_cost_model(monkeypatch):
         return CompactLaw(torch.arange(VOCAB).expand(probs.shape).clone(), probs)
 
     monkeypatch.setattr(DiffusionCandidateGenerator, "_draft_laws", draft_laws)
-    monkeypatch.setattr(control_policy, "verify_cost_for", lambda target: VerifyCost(LIVE_COSTS))
+    monkeypatch.setattr(control_policy, "verify_cost_for", lambda target, graphs=False: VerifyCost(LIVE_COSTS))
 
 
 def live_chain_case():

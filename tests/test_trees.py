@@ -224,7 +224,8 @@ def test_chains_sized_by_the_cost_model_compute_only_the_slots_they_may_verify(m
     drafter = tiny_drafter(target, block_size=16, seed=2)
     # verifying costs little, so the chain length follows the drafter's confidences: a hesitant drafter (sharpness
     # 8) drafts short chains, a confident one (60) long ones
-    monkeypatch.setattr(control_policy, "verify_cost_for", lambda target: VerifyCost({1: {1: 1.0, 16: 1.3}}))
+    monkeypatch.setattr(control_policy, "verify_cost_for",
+                        lambda target, graphs=False: VerifyCost({1: {1: 1.0, 16: 1.3}}))
     monkeypatch.setattr(DiffusionCandidateGenerator, "_distributions",
                         lambda self, logits: (logits.float() * sharpness).softmax(-1))
     ids = torch.randint(2, 24, (2, 6), generator=torch.Generator().manual_seed(2))

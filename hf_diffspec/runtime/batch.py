@@ -507,10 +507,8 @@ def _node_laws(trees, layout: TreeLayout) -> CompactLaw:
         if law is None:
             continue
         drawn = law.probs.shape[0]  # the nodes after them are copied tokens: point masses
-        ids[row, :drawn, : law.width] = law.ids
-        ids[row, :drawn, law.width :] = -1
+        ids[row, :drawn, : law.width] = law.ids  # (a narrower law's other columns stay id -1, probability 0)
         probs[row, :drawn, : law.width] = law.probs
-        probs[row, :drawn, law.width :] = 0
     return CompactLaw(ids, probs)
 
 
