@@ -367,8 +367,22 @@ def test_a_graphed_call_is_priced_by_a_profile_measured_through_graphs(monkeypat
     assert control_profiles.profile_path(target).is_file()  # the eager call measured the eager profile
 
 
+def test_static_calls_inside_and_outside_inference_mode_follow_one_another():
+    """A step made under `torch.inference_mode()` holds inference tensors, which a call outside it cannot write:
+    calls in either mode, in any order, each find a step they can use."""
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=1)
+    reference = target.generate(ids, max_new_tokens=12, do_sample=False)
+    kwargs = dict(assistant_model=drafter, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    for inference in (True, False, True, False):
+        with torch.inference_mode(inference):
+            assert torch.equal(target.generate(ids, **kwargs), reference)
+
+
 def test_a_failed_capture_is_not_tried_again_in_later_calls(monkeypatch):
-    """A capture that raised warns once, in the first call; later calls of that shape run eagerly without trying."""
+    """A capture that raised warns once, in the first call (whose verify-cost profile, measured through graphs,
+    meets it first); no later forward on the model tries again: later calls run eagerly."""
     failing = FailingGraphs()
     monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: failing)
     target = tiny_target("llama", seed=3)
@@ -384,7 +398,7 @@ def test_a_failed_capture_is_not_tried_again_in_later_calls(monkeypatch):
 
 def test_calls_at_once_never_share_a_static_step():
     """Two calls of one shape at once each take a step of their own (a shared one would interleave two calls' keys
-    in one cache); after them one is kept for the next call."""
+    in one cache); after them the last to end is kept for the next call."""
     from hf_diffspec.runtime.control_state import memory_of
 
     target = tiny_target("llama", seed=3)
@@ -393,9 +407,34 @@ def test_calls_at_once_never_share_a_static_step():
     for step in taken:  # as a call's prefill leaves it: its rows known
         step.cache.early_initialization(2, 1, 4, torch.float32, torch.device("cpu"))
         verify_graphs.keep_static_step(target, step)
-    assert list(memory_of(target).static_steps.values()) == [taken[0]]
-    assert verify_graphs.lease_static_step(target, 2, 40) is taken[0]
-    assert verify_graphs.lease_static_step(target, 2, 40) is not taken[0]  # taken out while a call holds it
+    assert list(memory_of(target).static_steps.values()) == [taken[1]]  # the last to end
+    assert verify_graphs.lease_static_step(target, 2, 40) is taken[1]
+    assert verify_graphs.lease_static_step(target, 2, 40) is not taken[1]  # taken out while a call holds it
+
+
+def test_one_static_step_is_kept_and_serves_the_calls_it_fits():
+    """As transformers keeps one static cache, one step is kept (the memory it holds is the last call's): a call of
+    its rows within its capacity takes it, a longer call or one of other rows gets a new one in its place."""
+    from hf_diffspec.runtime.control_state import memory_of
+
+    target = tiny_target("llama", seed=3)
+
+    def used(step, rows):  # as a call's prefill leaves it, then its end
+        step.cache.early_initialization(rows, 1, 4, torch.float32, torch.device("cpu"))
+        verify_graphs.keep_static_step(target, step)
+        return step
+
+    small = used(verify_graphs.lease_static_step(target, 2, 40), 2)
+    assert verify_graphs.lease_static_step(target, 2, 60) is small  # 60 + headroom fit its 256 slots
+    used(small, 2)
+    large = used(verify_graphs.lease_static_step(target, 2, 100), 2)  # 100 do not: a new one of 512
+    assert large is not small and large.capacity == 512 and len(memory_of(target).static_steps) == 1
+    assert verify_graphs.lease_static_step(target, 2, 40) is large  # a shorter call fits the larger one
+    used(large, 2)
+    other = verify_graphs.lease_static_step(target, 1, 40)
+    assert other is not large
+    used(other, 1)
+    assert list(memory_of(target).static_steps.values()) == [other]
 
 
 class DispatchTrace(TorchDispatchMode):

@@ -9,10 +9,11 @@
   Plain numbers: the memory holds no model.
 - `warned`: warnings already given about this target; `remeasured`: profiles measured again because live steps
   disagreed with them (once per target).
-- `static_steps`: the capture-ready verify step's preallocated cache, persistent inputs and CUDA graphs, per (rows,
-  capacity, graph mode) (`verify_graphs.StaticStep`): a call with `cache_implementation="static"` takes one, the next call of that
-  shape replays its graphs instead of capturing them again. Taken out while a call holds it: two calls at once never
-  share one.
+- `static_steps`: the capture-ready verify step's preallocated cache, persistent inputs and CUDA graphs, one per
+  (graph mode, inference mode) (`verify_graphs.StaticStep`): a call with `cache_implementation="static"` takes it,
+  and the next call of its rows replays its graphs instead of capturing them again. Taken out while a call holds
+  it: two calls at once never share one. `graph_capture_failed`: once a capture failed, no verify forward on the
+  target tries again.
 
 No module global is written while calls run. Calls running at once (threads of one process) share none of it while
 they run: each call takes its own copy of the controller and the verify cost at its start and hands them back at its
@@ -51,7 +52,8 @@ class SpeculationMemory:
         self.verify_costs: dict[str, tuple] = {}  # profile path -> (mtime_ns, costs, corrections, observations, loads)
         self.warned: set[str] = set()
         self.remeasured: set[str] = set()
-        self.static_steps: dict[tuple, object] = {}  # (rows, capacity, graph mode) -> verify_graphs.StaticStep
+        self.static_steps: dict[tuple, object] = {}  # (graph mode, inference mode) -> StaticStep
+        self.graph_capture_failed = False  # a CUDA graph capture failed on this target: verify forwards run eagerly
 
     def kept_costs(self, path) -> tuple | None:
         """Copies of (costs, corrections, observations, loads) the last call on the profile at `path` kept, while the file

@@ -18,11 +18,11 @@ On the CPU it is the default path computed over the preallocated cache, identica
 With `HF_DIFFSPEC_CUDA_GRAPHS=1` on a CUDA device the verify forward is captured once per shape and replayed
 (`VerifyGraphs`; opt-in until a GPU run has checked it inside `generate`: the standalone capture was exact, 2026-12-04).
 
-The cache, the inputs and the graphs outlive the call (`StaticStep`, kept on the target by `control_state`, per rows,
-capacity and graph mode, the capacity rounded up to `verify_cache.CAPACITY_STEP` slots so that prompts of other
-lengths share them): the next call of that shape resets the cache in place and replays the graphs the earlier one
-captured. As with transformers' own static cache, the cache a call returns is the one the next call of its shape
-overwrites.
+The cache, the inputs and the graphs outlive the call (`StaticStep`, one kept on the target by `control_state` per
+graph mode and inference mode, as transformers keeps one static cache): the next call of the same rows, within its
+capacity (rounded up to `verify_cache.CAPACITY_STEP` slots, so that prompts of other lengths fit), resets the cache
+in place and replays the graphs the earlier one captured. As with transformers' own static cache, the cache a call
+returns is the one the next call overwrites.
 
 Targets whose caches must drop keys (sliding windows) or hold recurrent states (linear attention) are refused with it
 (`support.py`): they decode on the default path.
@@ -71,20 +71,21 @@ def graph_backend(device: torch.device):
 
 class VerifyGraphs:
     """The verify forward as one graph per (rows, width, attended slots): the first step of a shape runs its forward
-    eagerly (its outputs are that step's) and captures it; later steps of that shape replay the graph over the persistent inputs
-    (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the next replay: the
-    loop consumes them within the step; the drafter's features are concatenated copies). Rows leaving the batch keep
-    the cache's memory (its first rows), so the graphs of every row count stay valid. A capture that fails (a kernel
-    that cannot be captured, memory) leaves the cache as the step's eager forward left it, warns once, and the call
-    goes on eagerly."""
+    eagerly (its outputs are that step's) and captures it; later steps of that shape replay the graph over the
+    persistent inputs (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the
+    next replay: the loop consumes them within the step; the drafter's features are concatenated copies). Rows
+    leaving the batch keep the cache's memory (its first rows), so the graphs of every row count stay valid. A
+    capture that fails (a kernel that cannot be captured, memory) leaves the cache as the step's eager forward left
+    it, warns once, and every verify forward on this target goes on eagerly (`memory`: the target's)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, memory):
         self.backend = backend
+        self.memory = memory  # the target's (`control_state`): a capture that failed there is not tried again
         self.graphs: dict[tuple[int, int, int], tuple] = {}
 
     def run(self, forward, cache, shape: tuple[int, int, int]):
         """`forward` of `shape` (rows, width, attended slots), replayed when a graph of it was captured."""
-        if self.backend is None:  # a capture failed
+        if self.backend is None or self.memory.graph_capture_failed:
             return forward()
         width = shape[1]
         if shape in self.graphs:
@@ -98,8 +99,10 @@ class VerifyGraphs:
             self.graphs[shape] = self.backend.capture(forward, lambda: crop_attention(cache, width))
         except Exception as error:  # noqa: BLE001 (any failure to capture: the eager forward is always right)
             warnings.warn(f"capturing the verify forward as a CUDA graph failed ({type(error).__name__}: {error}); "
-                          "this call goes on without graphs", RuntimeWarning, stacklevel=2)
+                          "this call goes on without graphs, and later ones on this model",
+                          RuntimeWarning, stacklevel=2)
             self.backend, self.graphs = None, {}
+            self.memory.graph_capture_failed = True
             for layer, length in zip(cache.layers, lengths):  # a warm-up may have run: its writes lie past them
                 layer.cumulative_length.copy_(length)
         for layer in cache.layers:  # as this step's forward left them (capturing ran nothing)
@@ -111,12 +114,13 @@ class StaticStep:
     """What the capture-ready verify step keeps from one call to the next (see the module docstring): the
     preallocated cache, the persistent inputs and the graphs captured over them."""
 
-    def __init__(self, config, max_length: int, backend):
+    def __init__(self, model, max_length: int, backend):
         self.capacity = static_capacity(max_length)
-        self.cache = target_cache(config, static_length=max_length)
+        self.cache = target_cache(model.config, static_length=max_length)
         self.inputs = CaptureReadyInputs(self.capacity)
-        self.graphs = VerifyGraphs(backend) if backend else None
+        self.graphs = VerifyGraphs(backend, memory_of(model)) if backend else None
         self.graph_mode = backend is not None  # made to replay graphs (a failed capture keeps it so: no retry)
+        self.inference = torch.is_inference_mode_enabled()  # its tensors are inference tensors
 
     @property
     def rows(self) -> int | None:
@@ -139,24 +143,27 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def lease_static_step(model, rows: int, max_length: int) -> StaticStep:
-    """The static step for a call of `rows` rows and `max_length` tokens: the one an earlier call of that shape and
-    graph mode kept, its cache emptied in place (its tensors, and so its graphs, stay valid), or a new one."""
-    backend = graph_backend(model.device)
-    key = (rows, static_capacity(max_length), backend is not None)
+    """The static step for a call of `rows` rows and `max_length` tokens: the one the last call in this graph and
+    inference mode kept, when it has these rows and room enough (a larger cache costs nothing more: only the slots in
+    use are attended), its cache emptied in place (its tensors, and so its graphs, stay valid); else a new one."""
     memory = memory_of(model)
+    backend = None if memory.graph_capture_failed else graph_backend(model.device)
+    # tensors made under `torch.inference_mode()` cannot be written outside it: a step per mode
+    mode = (backend is not None, torch.is_inference_mode_enabled())
     with memory.lock:
-        step = memory.static_steps.pop(key, None)
-    if step is None:
-        return StaticStep(model.config, max_length, backend)
+        step = memory.static_steps.pop(mode, None)
+    if step is None or step.rows != rows or step.capacity < static_capacity(max_length):
+        return StaticStep(model, max_length, backend)  # (one that does not fit is freed)
     step.reset()
     return step
 
 
 def keep_static_step(model, step: StaticStep) -> None:
-    """At a call's end, `step` is where the next call of its shape starts; one per shape (of calls that ran at
-    once, the first to end is kept)."""
+    """At a call's end, `step` is where the next call in its mode starts. One step per mode is kept, as transformers
+    keeps one static cache: the memory it holds is the last call's to end (a call's own end comes after the
+    verify-cost profile it measured, whose steps it replaces)."""
     if step.rows is None:
         return
     memory = memory_of(model)
     with memory.lock:
-        memory.static_steps.setdefault((step.rows, step.capacity, step.graph_mode), step)
+        memory.static_steps[step.graph_mode, step.inference] = step
