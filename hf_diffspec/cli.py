@@ -522,6 +522,9 @@ def add_profile_parser(sub) -> None:
     profile.add_argument("--batch-sizes", default="1,2,4,8,16", help="rows per forward to measure")
     profile.add_argument("--show", action="store_true", help="list the cached profiles and stop")
     profile.add_argument("--clear", action="store_true", help="remove the cached profiles and stop")
+    profile.add_argument("--graphs", action="store_true",
+                         help="the profile of calls whose verify forward replays CUDA graphs (cache_implementation="
+                              "'static' with HF_DIFFSPEC_CUDA_GRAPHS=1 on a CUDA device), measured through them")
     profile.add_argument("--skip-if-busy", action="store_true",
                          help="for scripts: a measurement disturbed by other processes is reported and not saved, and "
                               "the command still succeeds (generate then measures on first use)")
@@ -536,7 +539,15 @@ def cmd_profile(args) -> None:
         return
     batches = comma_separated(args.batch_sizes, int, "--batch-sizes takes comma-separated integers")
     target, _ = load_target_of(args)
-    measured = measure_profile(target, batches=batches, context_length=args.context_length, repeats=args.repeats)
+    if args.graphs:
+        from .runtime.verify_graphs import graph_backend
+
+        if graph_backend(target.device) is None:
+            raise SystemExit(f"--graphs measures the verify forward replayed as CUDA graphs: that needs a CUDA device "
+                             f"(the target is on {target.device}) and HF_DIFFSPEC_CUDA_GRAPHS=1. Without --graphs the "
+                             "profile of eager forwards is measured.")
+    measured = measure_profile(target, batches=batches, context_length=args.context_length, repeats=args.repeats,
+                               graphs=args.graphs)
     costs = measured.costs
     print("ms per target forward, rows x tokens per row (cached context of "
           f"{args.context_length} tokens per row)\n")
@@ -550,7 +561,7 @@ def cmd_profile(args) -> None:
             print(f"{message} generate() measures the profile on first use instead.")
             return
         raise SystemExit(f"{message} Stop what else runs on this machine and measure again.")
-    path = save_profile(target, costs, measured.others_load)
+    path = save_profile(target, costs, measured.others_load, graphs=args.graphs)
     print(f"\nsaved {path}; generate() now sizes drafts and trees from it for this target/device/dtype")
 
 
@@ -570,7 +581,8 @@ def show_or_clear_profiles(clear: bool) -> None:
         costs, problem = read_profile(path)
         one = f"T(1 row, 1 token) = {costs[1][1] * 1000:.1f} ms" if costs and 1 in costs and 1 in costs[1] else ""
         load = data.get("others_load_cores")
-        print(f"{path.name}: {data.get('model_type')} on {data.get('device')} in {data.get('dtype')}, "
+        print(f"{path.name}: {data.get('model_type')} on {data.get('device')} in {data.get('dtype')}"
+              + (", CUDA graphs" if data.get("graphs") else "") + ", "
               f"{data.get('threads')} threads, measured {data.get('measured_at', 'at an unknown time')}"
               + (f" with other processes at {load:.2f} cores" if load is not None else "")
               + (f"; {one}" if one else "") + (f"; {problem}" if problem else ""))

@@ -89,3 +89,28 @@ def test_profile_on_a_busy_machine_fails_unless_scripts_ask_to_skip(tmp_path, mo
     main(["profile", "--batch-sizes", "1,2", "--skip-if-busy"])
     assert "generate() measures the profile on first use instead" in capsys.readouterr().out
     assert not cost_model.profile_path(target).exists()
+
+
+def test_profile_graphs_saves_the_graph_modes_profile_and_is_refused_without_cuda_graphs(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """`hf-diffspec profile --graphs`: refused where no CUDA graph can be replayed (naming what it needs); with a
+    graph backend, measured through it and saved as the profile graphed calls read (`--show` says so)."""
+    from hf_diffspec.runtime import control_profiles as cost_model, verify_graphs
+    from helpers import tiny_target
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    monkeypatch.setattr(cli, "load_target_of", lambda args: (target, None))
+    with pytest.raises(SystemExit, match="needs a CUDA device.*HF_DIFFSPEC_CUDA_GRAPHS=1"):
+        main(["profile", "--graphs"])
+    modes = []
+    quiet = cost_model.ProfileMeasurement({b: {n: 0.01 * n for n in cost_model.PROFILE_SIZES} for b in (1, 2)},
+                                          0.0, 1, None)
+    monkeypatch.setattr(cost_model, "measure_profile", lambda *args, graphs=False, **kwargs: (
+        modes.append(graphs), quiet)[1])
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: object())
+    main(["profile", "--batch-sizes", "1,2", "--graphs"])
+    assert modes == [True]
+    assert cost_model.profile_path(target, graphs=True).is_file() and not cost_model.profile_path(target).exists()
+    main(["profile", "--show"])
+    assert ", CUDA graphs, " in capsys.readouterr().out

@@ -208,11 +208,12 @@ def profile_header(target, graphs: bool = False) -> dict:
             "dtype": str(target.dtype), "threads": torch.get_num_threads()}
 
 
-def save_profile(target, costs: dict[int, dict[int, float]], others_load: float | None = None) -> Path:
-    path = profile_path(target)
+def save_profile(target, costs: dict[int, dict[int, float]], others_load: float | None = None,
+                 graphs: bool = False) -> Path:
+    path = profile_path(target, graphs)
     path.parent.mkdir(parents=True, exist_ok=True)
     measured = ProfileMeasurement(costs, others_load, 1, None)
-    return atomic_write(path, json.dumps({**profile_header(target), **measured.fields}, indent=2))
+    return atomic_write(path, json.dumps({**profile_header(target, graphs), **measured.fields}, indent=2))
 
 
 def verify_cost_for(target, measure: bool = True, graphs: bool = False) -> VerifyCost | None:

@@ -41,7 +41,12 @@ from .verify_inputs import CaptureReadyInputs
 
 
 class CudaGraphs:
-    """Captures and replays CUDA graphs (`torch.cuda.CUDAGraph`), warmed up on a side stream as capturing asks."""
+    """Captures and replays CUDA graphs (`torch.cuda.CUDAGraph`), warmed up on a side stream as capturing asks, all of
+    one step's graphs in one memory pool (as vLLM's graphs of every batch size share one): each graph's outputs stay
+    referenced, so no later capture takes their memory, and only one graph replays at a time."""
+
+    def __init__(self):
+        self.pool = None
 
     def capture(self, forward, rewind):
         """(graph, its static outputs) of `forward`; `rewind()` puts the cache's lengths back after the warm-up
@@ -53,7 +58,9 @@ class CudaGraphs:
             rewind()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
             outputs = forward()
         return graph, outputs
 
