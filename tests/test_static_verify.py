@@ -323,6 +323,45 @@ def test_a_second_call_of_the_same_shape_replays_the_first_calls_graphs(monkeypa
     assert len(shapes) > captured
 
 
+@pytest.mark.every_step_speculates("asserts the captured shapes")
+def test_rows_that_finish_one_by_one_are_padded_to_a_power_of_two_and_capture_per_bucket(monkeypatch):
+    """Five rows that stop at EOS at different steps: the forward keeps 5 rows (all of them), then 4, 2, 1 (the next
+    power of two of the rows left: padding rows see only themselves), so graphs are captured for those row counts
+    alone, never for 3; plain generate's tokens, and the returned cache holds the rows that decoded last."""
+    emulated = EmulatedGraphs()
+    shapes = []
+    capture = emulated.capture
+    monkeypatch.setattr(emulated, "capture", lambda forward, rewind: (
+        shapes.append(tuple(forward.__closure__[forward.__code__.co_freevars.index("tokens")].cell_contents.shape)),
+        capture(forward, rewind))[1])
+    monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: emulated)
+    target = tiny_target("qwen3", seed=5, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=5)
+    ids = random_ids(7, 10, rows=5)
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False)[:, 10:]
+
+    def stops(eos):  # the step each row stops at (40: never)
+        hits = torch.isin(plain, torch.tensor(eos))
+        return [int(row.nonzero()[0]) if row.any() else 40 for row in hits]
+
+    tokens = plain.unique().tolist()  # two stop tokens at which the rows stop at the most different steps
+    eos = max(([a, b] for a in tokens for b in tokens if a < b), key=lambda pair: len(set(stops(pair))))
+    assert len(set(stops(eos))) >= 4, stops(eos)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    reference = target.generate(ids, **kwargs)
+    recorder = VerifyRecorder(target)
+    try:
+        out = target.generate(ids, assistant_model=drafter, num_assistant_tokens=3, return_dict_in_generate=True,
+                              cache_implementation="static", **kwargs)
+    finally:
+        recorder.remove()
+    rows_forwarded = [s["rows"] for s in recorder.steps]
+    assert torch.equal(out.sequences, reference)
+    assert set(rows_forwarded) <= {5, 4, 2, 1} and len(set(rows_forwarded)) >= 3, rows_forwarded
+    assert {rows for rows, _ in shapes} <= {5, 4, 2, 1}
+    assert out.cache.layers[0].keys.shape[0] <= 2 or rows_forwarded[-1] == out.cache.layers[0].keys.shape[0]
+
+
 def test_a_call_with_graphs_does_not_take_the_step_a_call_without_them_kept(monkeypatch):
     """Graphs switched on after a static call without them (`HF_DIFFSPEC_CUDA_GRAPHS=1` set between calls): the
     next call captures its graphs, and one without them again takes the eager step."""

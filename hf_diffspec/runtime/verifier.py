@@ -32,7 +32,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .tree import TreeLayout, call_indices, host_to_device, index_range
@@ -181,8 +181,9 @@ class TargetVerifier:
         tokens, mask, positions = tree_forward_inputs(trees, self.valid, root_positions, self.dtype, layout, no_mask)
         mask = verify_masks(self.attention_layout, mask, layout.depths, self.valid, self.prompt_length,
                             dropped_slots(self.cache))
-        if self.capture:
-            tokens, mask, positions = self.capture.fill(tokens, mask, positions)
+        rows = tokens.shape[0]
+        if self.capture:  # padded to the static cache's rows (`verify_cache.rows_bucket`)
+            tokens, mask, positions = self.capture.fill(tokens, mask, positions, self.cache.layers[0].keys.shape[0])
 
         model, cache, layers = self.model, self.cache, self.feature_layers
 
@@ -193,6 +194,9 @@ class TargetVerifier:
         with self.recurrent.recording(layout), self.attention.switched():
             out = self.graphs.run(verify, cache, (*tokens.shape, mask.shape[-1])) if self.graphs else verify()
         self.slots = tokens.shape[1]
+        if tokens.shape[0] > rows:  # the padding rows' outputs are no row's
+            out = CausalLMOutputWithPast(logits=out.logits[:rows], hidden_states=None if out.hidden_states is None
+                                         else tuple(None if h is None else h[:rows] for h in out.hidden_states))
         return out, layout
 
     def rewind(self) -> None:
@@ -275,6 +279,10 @@ class TargetVerifier:
         self._tail_counts = [self._tail_counts[i] for i in keep]
 
     def finish(self, next_slots):
-        """The cache as `generate`'s output returns it: no hidden tree nodes left in it."""
+        """The cache as `generate`'s output returns it: no hidden tree nodes left in it, no padding rows."""
         self.compact(next_slots)
+        rows = self.valid.shape[0]
+        for layer in self.cache.layers:
+            if isinstance(layer, StaticLayer) and layer.is_initialized and layer.keys.shape[0] > rows:
+                layer.keys, layer.values = layer.keys[:rows], layer.values[:rows]
         return self.cache

@@ -128,7 +128,8 @@ def gather_slots(cache, start: int, index: torch.Tensor, end: int | None = None)
             shape = tensor.shape
             if (shape[1], shape[3], first) not in expanded:
                 expanded[shape[1], shape[3], first] = (index + first).expand(-1, shape[1], -1, shape[3])
-            tensor[:, :, first : first + n] = tensor.gather(2, expanded[shape[1], shape[3], first])
+            # (a static layer may hold padding rows past the index's: `rows_bucket`)
+            tensor[: index.shape[0], :, first : first + n] = tensor.gather(2, expanded[shape[1], shape[3], first])
     if end > start + n:
         crop_attention(cache, end - start - n)
 
@@ -169,8 +170,11 @@ def select_rows(cache, index: torch.Tensor, moves=None) -> None:
         elif hasattr(layer, "batch_select_indices"):  # K/V (a layer may hold both K/V and linear states)
             layer.batch_select_indices(index)
         elif isinstance(layer, StaticLayer) and layer.is_initialized:
-            if moves is not None:  # the first rows of the same memory: graphs captured over it stay valid
-                layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
+            if moves is not None:  # the first rows of the same memory, as many as their bucket: graphs stay valid
+                whole = whole_tensor(layer.keys).shape[0]
+                kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
+                rows = rows_bucket(moves[0], whole)
+                layer.keys, layer.values = whole_tensor(layer.keys)[:rows], whole_tensor(layer.values)[:rows]
             else:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -179,6 +183,18 @@ def select_rows(cache, index: torch.Tensor, moves=None) -> None:
             for key, state in states.items():
                 if state is not None:
                     states[key] = state[index]
+
+
+def rows_bucket(rows: int, whole: int) -> int:
+    """The rows a static cache made for `whole` rows keeps while `rows` decode: the next power of two, at most all of
+    them. Rows past `rows` are padding (`verify_inputs.CaptureReadyInputs.fill`): the forward's shapes, and so its
+    graphs, change only when the rows left cross a power of two."""
+    return min(1 << (rows - 1).bit_length(), whole)
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor `tensor` is a view of (itself if none): a static layer's whole preallocated K/V."""
+    return tensor if tensor._base is None else tensor._base
 
 
 def kept_rows(tensor: torch.Tensor, moves) -> torch.Tensor:

@@ -36,7 +36,7 @@ import warnings
 import torch
 
 from .control_state import memory_of
-from .verify_cache import crop_attention, static_capacity, target_cache
+from .verify_cache import crop_attention, static_capacity, target_cache, whole_tensor
 from .verify_inputs import CaptureReadyInputs
 
 
@@ -81,7 +81,8 @@ class VerifyGraphs:
     eagerly (its outputs are that step's) and captures it; later steps of that shape replay the graph over the
     persistent inputs (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the
     next replay: the loop consumes them within the step; the drafter's features are concatenated copies). Rows
-    leaving the batch keep the cache's memory (its first rows), so the graphs of every row count stay valid. A
+    leaving the batch keep the cache's memory (its first rows, padded to `verify_cache.rows_bucket`), so a graph is
+    captured per power of two of rows at most, and every one stays valid. A
     capture that fails (a kernel that cannot be captured, memory) leaves the cache as the step's eager forward left
     it, warns once, and every verify forward on this target goes on eagerly (`memory`: the target's)."""
 
@@ -133,20 +134,15 @@ class StaticStep:
     def rows(self) -> int | None:
         """The rows the cache was made for (None before the first call's prefill)."""
         layer = self.cache.layers[0]
-        return _whole(layer.keys).shape[0] if layer.is_initialized else None
+        return whole_tensor(layer.keys).shape[0] if layer.is_initialized else None
 
     def reset(self) -> None:
         """Empty the cache in place for a new call, with all the rows it was made for (a call whose rows finished
         early left each layer a view of its first rows: `verify_cache.select_rows`)."""
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.keys, layer.values = _whole(layer.keys), _whole(layer.values)
+                layer.keys, layer.values = whole_tensor(layer.keys), whole_tensor(layer.values)
         self.cache.reset()
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor `tensor` is a view of (itself if none)."""
-    return tensor if tensor._base is None else tensor._base
 
 
 def lease_static_step(model, rows: int, max_length: int) -> StaticStep:

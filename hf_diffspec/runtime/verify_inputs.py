@@ -145,25 +145,30 @@ class CaptureReadyInputs:
         self.capacity = capacity
         self.buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def fill(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+    def fill(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, padded_rows: int | None = None):
         """`tokens`, `positions` (rows, width) and `mask` (rows, 1, width, used) over the `used` cached slots and the
         step's nodes, as `tree_forward_inputs` makes them: the same tensors in the step's persistent buffers, the
-        mask blocked past `used` up to the attended slots."""
+        mask blocked past `used` up to the attended slots. `padded_rows`: the rows of the forward (the static cache's
+        `rows_bucket`), the ones past the batch's padding whose queries each see their own slot alone."""
         rows, width = tokens.shape
+        padded = padded_rows or rows
         used = mask.shape[-1]
         if used > self.capacity:
             raise RuntimeError(f"the static cache holds {self.capacity} slots and this step needs {used}: "
                                "verify_cache.HEADROOM is too small for this call")
         attended = attended_slots(used, self.capacity)
-        key = (rows, width, attended)
+        key = (padded, width, attended)
         if key not in self.buffers:
-            self.buffers[key] = (torch.empty_like(tokens), torch.empty_like(positions),
-                                 mask.new_empty(rows, 1, width, attended))
+            self.buffers[key] = (tokens.new_zeros(padded, width), positions.new_zeros(padded, width),
+                                 mask.new_full((padded, 1, width, attended), torch.finfo(mask.dtype).min))
         token_buffer, position_buffer, mask_buffer = self.buffers[key]
-        token_buffer.copy_(tokens)
-        position_buffer.copy_(positions)
-        mask_buffer[..., :used].copy_(mask)
-        mask_buffer[..., used:].fill_(torch.finfo(mask.dtype).min)
+        token_buffer[:rows].copy_(tokens)
+        position_buffer[:rows].copy_(positions)
+        mask_buffer[:rows, ..., :used].copy_(mask)
+        mask_buffer[:rows, ..., used:].fill_(torch.finfo(mask.dtype).min)
+        if padded > rows:  # padding rows: each query sees its own new slot, nothing else
+            mask_buffer[rows:].fill_(torch.finfo(mask.dtype).min)
+            mask_buffer[rows:, 0, :, used - width : used].diagonal(dim1=-2, dim2=-1).zero_()
         return token_buffer, mask_buffer, position_buffer
 
 
