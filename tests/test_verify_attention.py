@@ -219,3 +219,50 @@ def test_flash_attention_targets_prefill_with_it_and_verify_through_the_verify_a
     assert len(verified) == layers * (out.speculation_stats.target_forwards - 1)
     assert out.speculation_stats.tau > 1
     assert target.config._attn_implementation == "flash_attention_2"
+
+
+@pytest.mark.every_step_speculates("steers plain and drafter steps")
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_plain_step_of_an_sdpa_target_runs_the_models_own_attention_as_plain_generate(monkeypatch, ragged):
+    """A plain decode step (one token a row, every row seeing its whole cache) of an SDPA target takes the model's own
+    attention, as plain generate's steps do (no verify attention call per layer); drafter steps, and plain steps of
+    padded rows (which need the loop's mask), take the verify attention. Plain generate's tokens either way."""
+    import itertools
+
+    from transformers import AttentionInterface
+
+    from helpers import steer_steps
+
+    steer_steps(monkeypatch, itertools.cycle([False, True]))  # plain, drafter, plain, ...
+    target = tiny_target("llama", seed=4, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=5, seed=4)
+    ids = random_ids(6, 9, rows=2)
+    mask = torch.ones_like(ids)
+    if ragged:
+        mask[1:, :2] = 0
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    verified, own = [], []
+
+    def counting(module, query, *args, **kwargs):
+        verified.append(query.shape[2])
+        return va.verify_attention_forward(module, query, *args, **kwargs)
+
+    targets_modules = {id(m) for m in target.modules()}
+
+    def own_sdpa(module, query, *args, **kwargs):
+        if id(module) in targets_modules:  # (the drafter's layers run SDPA too)
+            own.append(query.shape[2])
+        return sdpa_attention.sdpa_attention_forward(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, va.VERIFY_ATTENTION, counting)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", own_sdpa)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=20, do_sample=False,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    layers = target.config.num_hidden_layers
+    plain = out.speculation_stats.plain_steps
+    assert plain >= 3
+    if ragged:  # every step through the verify attention (the prefill alone through the model's own)
+        assert own == [9] * layers and len(verified) == layers * (out.speculation_stats.target_forwards - 1)
+    else:
+        assert own == [9] * layers + [1] * (layers * plain) and 1 not in verified

@@ -191,7 +191,8 @@ class TargetVerifier:
             return model(tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                          output_hidden_states=layers)
 
-        with self.recurrent.recording(layout), self.attention.switched():
+        switched = self.attention.needed(tokens.shape[1], mask, self.attention_layout.sliding_window)
+        with self.recurrent.recording(layout), self.attention.switched() if switched else contextlib.nullcontext():
             out = self.graphs.run(verify, cache, (*tokens.shape, mask.shape[-1])) if self.graphs else verify()
         self.slots = tokens.shape[1]
         if tokens.shape[0] > rows:  # the padding rows' outputs are no row's

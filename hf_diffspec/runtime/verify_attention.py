@@ -14,7 +14,9 @@ and SDPA serves it with the memory-efficient kernel: at long context a verify st
   the alignment the memory-efficient kernel reads a mask with in place.
 
 The function is switched in for the verify forward only (`verify_attention`), on targets loaded with SDPA or
-FlashAttention (eager and flex_attention targets verify as they are), and only in the thread (or asyncio task) that
+FlashAttention (eager and flex_attention targets verify as they are; a plain decode step of an SDPA target without
+windows, one token a row seeing its whole cache, takes the model's own attention, as plain generate's steps do:
+`VerifyAttention.needed`), and only in the thread (or asyncio task) that
 runs that forward: the target's config answers `VERIFY_ATTENTION` there and its own implementation everywhere else,
 so other calls on the same model, speculative or plain, run meanwhile as they would alone. The switch and the
 masks its layers share live in a `contextvars.ContextVar`; while speculative calls run on a model, its config has a
@@ -173,6 +175,15 @@ class VerifyAttention:
     def __init__(self, model):
         self.configs = _attention_configs(model)
         self.config_ids = frozenset(map(id, self.configs))
+        # the model's own SDPA attention serves a plain decode step as plain generate's (`needed`)
+        self.own_sdpa = bool(self.configs) and all(
+            _own_attributes(c).get("_attn_implementation_internal") == "sdpa" for c in self.configs)
+
+    def needed(self, queries: int, mask, sliding_window: int | None) -> bool:
+        """Whether a forward of `queries` tokens per row with `mask` (None: every row sees its whole cache) takes the
+        verify attention: not a plain decode step of an SDPA target without windows, which the model's own attention
+        runs exactly as plain generate does (and costs no call of this module's per layer)."""
+        return not (queries == 1 and mask is None and sliding_window is None and self.own_sdpa)
 
     @contextlib.contextmanager
     def held(self):
