@@ -872,3 +872,32 @@ def test_a_copied_node_carries_all_its_mass_on_its_own_token():
     layout = TreeLayout.of(rows, torch.device("cpu"))
     at_own = batch_module._node_laws(rows, layout).on(layout.tokens[..., None])[..., 0]
     assert at_own[2, 1:3].tolist() == pytest.approx([0.10, 0.10]) and at_own[1, 1] == 1.0
+
+
+@pytest.mark.every_step_speculates("counts which acceptance each drafter step takes")
+@pytest.mark.parametrize("tied", [False, True], ids=["distinct-scores", "top-k-tied-past-its-candidates"])
+def test_a_step_falls_back_to_token_by_token_acceptance_exactly_when_a_law_is_not_compacted_exactly(monkeypatch,
+                                                                                                     tied):
+    """Sampled steps are accepted on the device over compact laws; where top-k keeps tokens tied past the candidates
+    (fewer finite scores than k: every -inf ties), compaction is not exact and that step is accepted token by token
+    over the full vocabulary instead. Distinct scores: never a token-by-token step; ties: every drafter step is one,
+    and only the tokens left unsuppressed are ever written."""
+    vocab = 48
+    target = tiny_target("llama", seed=3, vocab_size=vocab, sharpen=2.0)
+    drafter = tiny_drafter(target, block_size=4, seed=3)
+    fallbacks = []
+    token_by_token = batch_module.BatchState._accept_token_by_token
+    monkeypatch.setattr(batch_module.BatchState, "_accept_token_by_token", lambda self, trees, logits: (
+        fallbacks.append(len(trees)), token_by_token(self, trees, logits))[1])
+    allowed = [3, 7, 11]  # with top-k 5: the 5th score is -inf, tied with every suppressed token's
+    suppress = [t for t in range(vocab) if t not in allowed] if tied else [5]
+    ids = torch.tensor([[4, 9, 2, 30, 17, 8]])
+    out = target.generate(ids, assistant_model=drafter, do_sample=True, temperature=0.9, top_k=5, top_p=1.0,
+                          suppress_tokens=suppress, max_new_tokens=12, return_dict_in_generate=True)
+    drafter_steps = out.speculation_stats.draft_steps
+    assert drafter_steps >= 3
+    if tied:
+        # every drafter step, and the prompt's first token (accepted the same way)
+        assert len(fallbacks) == drafter_steps + 1 and set(out.sequences[0, 6:].tolist()) <= set(allowed)
+    else:
+        assert fallbacks == []
