@@ -10,7 +10,7 @@ rows and verify width, so that a CUDA graph captured over that forward can be re
 - the verify width is bucketed to `VERIFY_WIDTHS` (padding slots see only themselves, their outputs ignored), and the
   cached slots attended to `verify_inputs.attended_slots` (256, 512, ... up to the capacity), so one graph per (rows,
   width, attended slots) serves every step;
-- the tokens, positions and the (rows, 1, width, capacity) additive mask are copied into persistent buffers
+- the tokens, positions and the (rows, 1, width, attended slots) additive mask are copied into persistent buffers
   (`verify_inputs.CaptureReadyInputs`); keys past the cache's length are masked there, so the forward reads the
   attended slots of the preallocated cache with no shape that depends on the step.
 
@@ -81,10 +81,10 @@ class VerifyGraphs:
     eagerly (its outputs are that step's) and captures it; later steps of that shape replay the graph over the
     persistent inputs (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the
     next replay: the loop consumes them within the step; the drafter's features are concatenated copies). Rows
-    leaving the batch keep the cache's memory (its first rows, padded to `verify_cache.rows_bucket`), so a graph is
-    captured per power of two of rows at most, and every one stays valid. A
-    capture that fails (a kernel that cannot be captured, memory) leaves the cache as the step's eager forward left
-    it, warns once, and every verify forward on this target goes on eagerly (`memory`: the target's)."""
+    leaving the batch keep the cache's memory (its first rows, padded to `verify_cache.rows_bucket`), so graphs are
+    captured per power of two of rows at most, and every one stays valid. A capture that fails (a kernel that cannot
+    be captured, memory) leaves the cache as the step's eager forward left it, warns once, and every verify forward on
+    this target goes on eagerly (`memory`: the target's)."""
 
     def __init__(self, backend, memory):
         self.backend = backend
@@ -127,7 +127,7 @@ class StaticStep:
         self.cache = target_cache(model.config, static_length=max_length)
         self.inputs = CaptureReadyInputs(self.capacity)
         self.graphs = VerifyGraphs(backend, memory_of(model)) if backend else None
-        self.graph_mode = backend is not None  # made to replay graphs (a failed capture keeps it so: no retry)
+        self.graph_mode = backend is not None  # made to replay graphs
         self.inference = torch.is_inference_mode_enabled()  # its tensors are inference tensors
 
     @property
