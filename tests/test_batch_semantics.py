@@ -191,3 +191,18 @@ def test_c_a_prompt_ending_in_a_masked_token_continues_from_generates_positions(
     pad = int(ids[0, -1])  # no mask: transformers masks the prompt's last token, being the pad token
     plain = target.generate(ids[:1], pad_token_id=pad, **kwargs)
     assert target.generate(ids[:1], pad_token_id=pad, assistant_model=drafter, **kwargs).tolist() == plain.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_scores_choose_the_first_maximum_as_plain_generates_argmax(dtype):
+    """Greedy acceptance takes each node's first maximal score, as plain `generate`'s argmax does: with every score
+    tied (an LM head of zeros), speculative and plain greedy write the same tokens, in fp32 and bf16 alike."""
+    target = tiny_target("llama", seed=3).to(dtype)
+    with torch.no_grad():
+        target.lm_head.weight.zero_()
+    drafter = tiny_drafter(target, block_size=5).to(dtype)
+    ids = random_ids(2, 7, rows=2)
+    reference = target.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    assert (reference[:, 7:] == 0).all()  # every score tied: the first token
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    assert torch.equal(out, reference)
