@@ -190,10 +190,10 @@ class EmulatedGraphs:
     every tensor of the cache's layers (keys, values, lengths), with their addresses. A replay runs the forward again
     on exactly those tensors (the loop's current ones swapped out meanwhile) and writes its results into the captured
     outputs, which stay the ones the loop reads. A captured tensor whose memory moved fails the replay: a graph would
-    read freed memory."""
+    read freed memory. `shapes`: the (rows, width) of each capture, in order."""
 
     def __init__(self):
-        self.captured, self.replays = {}, 0
+        self.captured, self.replays, self.shapes = {}, 0, []
 
     @staticmethod
     def _reads(forward) -> tuple[dict, list[dict]]:
@@ -211,6 +211,7 @@ class EmulatedGraphs:
         cells, layers = self._reads(forward)
         tensors = [v for v in cells.values() if isinstance(v, torch.Tensor)] + [t for l in layers for t in l.values()]
         self.captured[forward] = (outputs, cells, layers, [(t, t.data_ptr()) for t in tensors])
+        self.shapes.append(tuple(cells["tokens"].shape))
         return forward, outputs
 
     @staticmethod
@@ -297,11 +298,7 @@ def test_a_second_call_of_the_same_shape_replays_the_first_calls_graphs(monkeypa
     capture only (rows, width) shapes no call captured before, replay every other verify forward, and write plain
     generate's tokens; a call of another row count gets a step of its own."""
     emulated = EmulatedGraphs()
-    shapes = []
-    capture = emulated.capture
-    monkeypatch.setattr(emulated, "capture", lambda forward, rewind: (
-        shapes.append(tuple(forward.__closure__[forward.__code__.co_freevars.index("tokens")].cell_contents.shape)),
-        capture(forward, rewind))[1])
+    shapes = emulated.shapes
     monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: emulated)
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, block_size=6)
@@ -329,11 +326,7 @@ def test_rows_that_finish_one_by_one_are_padded_to_a_power_of_two_and_capture_pe
     power of two of the rows left: padding rows see only themselves), so graphs are captured for those row counts
     alone, never for 3; plain generate's tokens, and the returned cache holds the rows that decoded last."""
     emulated = EmulatedGraphs()
-    shapes = []
-    capture = emulated.capture
-    monkeypatch.setattr(emulated, "capture", lambda forward, rewind: (
-        shapes.append(tuple(forward.__closure__[forward.__code__.co_freevars.index("tokens")].cell_contents.shape)),
-        capture(forward, rewind))[1])
+    shapes = emulated.shapes
     monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: emulated)
     target = tiny_target("qwen3", seed=5, sharpen=3.0)
     drafter = tiny_drafter(target, block_size=5)
@@ -397,9 +390,7 @@ def test_a_graphed_call_is_priced_by_a_profile_measured_through_graphs(monkeypat
     graphed = control_profiles.profile_path(target, graphs=True)
     assert graphed.is_file() and not control_profiles.profile_path(target).exists()
     assert graphed != control_profiles.profile_path(target)
-    measured_shapes = {(rows, width) for rows, width in [
-        tuple(f.__closure__[f.__code__.co_freevars.index("tokens")].cell_contents.shape) for f in emulated.captured]}
-    assert {4, 16} <= {rows for rows, _ in measured_shapes}  # the profile's rows, replayed as graphs
+    assert {4, 16} <= {rows for rows, _ in emulated.shapes}  # the profile's rows, replayed as graphs
     monkeypatch.setattr(verify_graphs, "graph_backend", lambda device: None)
     assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False,
                                        cache_implementation="static"), reference)
