@@ -283,7 +283,7 @@ class NoisyOracle:
         self.trees: list[CandidateTree] = []
         self.active = list(range(len(self.references)))
 
-    def propose(self, generator, root_tokens, root_positions, max_depths):
+    def propose(self, generator, root_tokens, root_positions, max_depths, ahead=None):
         active = getattr(generator, "oracle_rows", self.active)  # the rows still decoding in that generator's call
         return [self.tree(generator, self.references[row], root, position, depth)
                 for row, root, position, depth in zip(active, root_tokens, root_positions, max_depths)]
@@ -338,8 +338,8 @@ class ProposalRecorder:
         self.steps: list[tuple[list[int], list[CandidateTree]]] = []
         propose = cls.propose
 
-        def recording(generator, root_tokens, root_positions, remaining):
-            trees = propose(generator, root_tokens, root_positions, remaining)
+        def recording(generator, root_tokens, root_positions, remaining, ahead=None):
+            trees = propose(generator, root_tokens, root_positions, remaining, ahead)
             self.steps.append((list(remaining), trees))
             return trees
 

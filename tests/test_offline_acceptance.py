@@ -51,8 +51,8 @@ def decode(target, drafter, prompt, monkeypatch):
     proposed = []
     propose = DiffusionCandidateGenerator.propose
 
-    def recording(self, roots, positions, remaining):
-        trees = propose(self, roots, positions, remaining)
+    def recording(self, roots, positions, remaining, ahead=None):
+        trees = propose(self, roots, positions, remaining, ahead)
         proposed.append((positions[0], trees[0].tokens[1:].tolist()))
         return trees
 

@@ -8,11 +8,14 @@ the first tokens). Where the remaining ones are, per step (`HostSyncCounter` cou
 forwards; see `hf_diffspec/bench/host_syncs.py`):
 - syncs (no wait for the whole device among them: steps are timed by stamps read later): one copy of the step's
   outcome to the host (accepted length, committed tokens and stop flags of every row, `BatchState.accept`), with
-  prompt-lookup drafts too (they join the drafter's tokens unread: `CandidateTree.lookup`); with best-first trees,
-  one more: every row's top-k draft probabilities and tokens (the tree's shape is chosen on the host); with the cost
-  model live, one more: the drafter's confidences (each row's chain length is chosen on the host);
-- copies: the anchors and their positions to the drafter (one), the verified trees' tokens and parents when they were
-  built on the host (one), and the rows still decoding when some finished (one, only on such steps).
+  prompt-lookup drafts too (they join the drafter's tokens unread: `CandidateTree.lookup`). A drafter step runs the
+  next step's drafting pass before that copy (`drafting.draft_ahead`), so what the host reads to build the next
+  trees rides on it: the drafter's confidences or its length head's reach when the cost model sizes chains, every
+  row's top-k draft probabilities and tokens for best-first trees. A step that drafts after a step that did not
+  (a lookup or plain step, whose successor is not drafted ahead) reads its pass once more;
+- copies: the anchors and their positions to the drafter (one, only on such steps), the verified trees' tokens and
+  parents when they were built on the host (one), and the rows still decoding when some finished (one, only on
+  such steps).
 """
 
 import pytest
@@ -21,9 +24,9 @@ import torch
 from hf_diffspec.bench.host_syncs import HostSyncCounter
 from helpers import oracle_drafter_outputs, tiny_drafter, tiny_target
 
-# chains: the outcome alone (lookup drafts included); trees: and the best-first shape's top-k; live: and the drafter's
-# confidences, from which the cost model sizes each row's chain on the host (`drafting.DiffusionCandidateGenerator`)
-SYNC_BUDGET = {"chains": 1, "trees": 2, "live": 2}
+# the outcome, and what the next step's trees are built from riding on it; one more on a step that switches to
+# drafting (`_allowed`)
+SYNC_BUDGET = 1
 COPY_BUDGET = 3
 PREFILL_READS = 3
 
@@ -47,6 +50,31 @@ LIVE_COSTS = {1: {1: 1.0, 4: 1.1, 8: 1.3, 16: 1.8}, 4: {1: 1.2, 4: 1.4, 8: 1.8, 
               16: {1: 1.6, 4: 2.2, 8: 3.0, 16: 4.6}}
 
 
+def _record_kinds(monkeypatch) -> list:
+    """Each step's kind, as the controller decides them (in order)."""
+    from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, SpeculationController
+
+    kinds = []
+    for cls in (SpeculationController, AlwaysSpeculate):
+        def recording(self, *args, decide=cls.decide):
+            kind, depth = decide(self, *args)
+            kinds.append(kind)
+            return kind, depth
+
+        monkeypatch.setattr(cls, "decide", recording)
+    return kinds
+
+
+def _allowed(kinds: list) -> list[int]:
+    """Reads allowed in each window between two target forwards: window i holds step i - 1's outcome and step i's
+    drafting; a drafter step after a step that was not reads its own pass (the first step's pass rides on the
+    prefill's read)."""
+    from hf_diffspec.runtime.control_speculation import StepKind
+
+    draft = [k is StepKind.DRAFT for k in kinds]
+    return [SYNC_BUDGET + (i > 0 and draft[i] and not draft[i - 1]) for i in range(len(kinds))]
+
+
 def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkeypatch,
            sample: bool = False, length: int | None = 4) -> HostSyncCounter:
     if length is None:  # the cost model chooses the lengths and tree sizes
@@ -63,6 +91,7 @@ def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkey
         reference = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         oracle_drafter_outputs(monkeypatch, drafter, target, list(reference))
     counter = HostSyncCounter(target, [drafter])
+    counter.kinds = _record_kinds(monkeypatch)
     with counter:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                               num_assistant_tokens=length, prompt_lookup_num_tokens=lookup,
@@ -88,12 +117,14 @@ def test_host_syncs_per_step_stay_within_a_budget_independent_of_rows_trees_and_
     the device; the sampled trees' laws, drawn on the host, go to the device in one more copy), at a fixed draft
     length and with the cost model choosing it (`live`)."""
     counter = _count(rows, tree_budget, lookup, oracle, monkeypatch, sample, length)
-    budget = SYNC_BUDGET["live" if length is None else "chains" if tree_budget is None else "trees"]
     worst = counter.worst()
     syncs, copies = counter.per_step_syncs, counter.per_step_copies
+    allowed = _allowed(counter.kinds)
     # the first window also holds what the prefill reads once (the prompts' padding, the first tokens)
-    assert syncs[0] <= budget + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
-    assert max(syncs[1:]) <= budget, f"syncs per step {syncs}; worst: {worst}"
+    assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
+    assert all(n <= a for n, a in zip(syncs[1:], allowed[1:])), f"syncs per step {syncs}, allowed {allowed}; {worst}"
+    if length is not None:  # every step drafts: one read each
+        assert max(syncs[1:]) == SYNC_BUDGET, syncs
     assert max(copies[1:]) <= COPY_BUDGET + sample, f"copies per step {copies}; worst: {worst}"
     # no wait for the whole device inside a step: steps are timed by stamps read later (`device_clock.StepClock`;
     # the first window holds the prefill's one wait, which times the prefill)
@@ -199,5 +230,5 @@ def test_rolling_linear_attention_states_back_stays_within_the_budget(monkeypatc
                               return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference)
     assert out.speculation_stats.linear_state_replays >= 3
-    # measured: one step of eight reads twice (the chains' budget is met by attention-only targets, above)
-    assert max(counter.per_step_syncs[1:]) <= SYNC_BUDGET["trees"], counter.worst()
+    # measured: one step of eight reads twice (the budget is met by attention-only targets, above)
+    assert max(counter.per_step_syncs[1:]) <= SYNC_BUDGET + 1, counter.worst()

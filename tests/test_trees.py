@@ -94,9 +94,9 @@ def _oracle_marginals(monkeypatch, references, vocab, seed=0):
     trees, rng = [], torch.Generator().manual_seed(seed)
     original = BestFirstTreeCandidateGenerator.propose
 
-    def propose(self, root_tokens, root_positions, remaining):
+    def propose(self, root_tokens, root_positions, remaining, ahead=None):
         self.oracle_positions = root_positions
-        proposed = original(self, root_tokens, root_positions, remaining)
+        proposed = original(self, root_tokens, root_positions, remaining, ahead)
         trees.extend(proposed)
         return proposed
 
@@ -193,7 +193,11 @@ def _record_proposals(monkeypatch, cls):
 @pytest.mark.every_step_speculates("compares the trees of every step")
 def test_trees_from_slot_by_slot_logits_are_the_trees_of_the_whole_block(monkeypatch):
     """The LM head runs over the block's slots in chunks (4, 8, 15) and stops once the budget's tree stays above the
-    deepest slot computed: by best-first closure that is exactly the tree of the whole block, at less cost."""
+    deepest slot computed: by best-first closure that is exactly the tree of the whole block, at less cost. (Chunks
+    are taken past `ONE_PASS_SLOTS` rows x slots, as for a large batch; no pass is run ahead then.)"""
+    from hf_diffspec.runtime import drafting
+
+    monkeypatch.setattr(drafting, "ONE_PASS_SLOTS", 0)
     target = tiny_target("llama", seed=1, vocab_size=24)
     drafter = tiny_drafter(target, block_size=16, seed=1, draft_tree_budget=12, draft_tree_width=2)
     # a sharpened drafter: some trees are deep (the later chunks are needed), some wide (they are not)

@@ -12,6 +12,7 @@ generating (plain `generate` does not pad it) until every row has stopped, and a
 
 import copy
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -185,6 +186,23 @@ def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, log
     return chosen
 
 
+@dataclass
+class DeviceOutcome:
+    """A step accepted on the device, before the host reads it: per row, how many tokens it commits (`count`,
+    (rows,)), the tokens along its accepted path (`committed`, (rows, max depth + 1)), the path's slots (`path_nodes`,
+    None for uniform chains: their first slots) and the step's `TreeLayout`."""
+
+    count: torch.Tensor
+    committed: torch.Tensor
+    path_nodes: torch.Tensor | None
+    layout: TreeLayout
+
+    @property
+    def anchors(self) -> torch.Tensor:
+        """Each row's last committed token: the next step's anchor (a row that committed nothing ends now)."""
+        return self.committed.gather(1, (self.count - 1).clamp(min=0)[:, None])[:, 0]
+
+
 class BatchState:
     """Rows of one speculative `generate` call (see the module docstring).
 
@@ -217,6 +235,7 @@ class BatchState:
         self._room: torch.Tensor | None = None  # on the device, tokens each active row may still commit
         # the last step's (accepted nodes, counts) on the device, when it was accepted there
         self.accepted: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.read_along: list[list[float]] | None = None  # what `accept`'s `before_read` had read with the outcome
         self._max_length_stops = False
         self.sampling = sampling  # the target's laws, when sampling
         self._prefix_free = PREFIX_FREE_WHEN_SAMPLING if committers[0].config.do_sample else PREFIX_FREE_PROCESSORS
@@ -274,14 +293,17 @@ class BatchState:
         """Each active row's committed tokens (1-D, on the host), its anchor last."""
         return [self.store.history(row) for row in self.active]
 
-    def accept(self, trees, logits: torch.Tensor, layout: TreeLayout | None = None) -> list[list[int]]:
+    def accept(self, trees, logits: torch.Tensor, layout: TreeLayout | None = None,
+               before_read=None) -> list[list[int]]:
         """Descend each active row's tree with the target's choices (`logits` (rows, nodes, vocab)), committing every
         chosen token; returns the accepted nodes per row (root first) and sets the next anchors. `layout`: the
-        trees' `TreeLayout` when the caller has it."""
-        self.accepted = None
+        trees' `TreeLayout` when the caller has it. `before_read(outcome)`, when the step accepts on the device: run
+        with the `DeviceOutcome` before it is read, it returns a (rows, n) tensor read in the same copy (into
+        `read_along`, one list per row), or None."""
+        self.accepted, self.read_along = None, None
         depth = max(tree.max_depth for tree in trees)
         if self.device_ok and self._processors_act_alike(depth):
-            return self._accept_on_device(trees, logits, layout or TreeLayout.of(trees, logits.device))
+            return self._accept_on_device(trees, logits, layout or TreeLayout.of(trees, logits.device), before_read)
         return self._accept_token_by_token(trees, logits)
 
     def _accept_token_by_token(self, trees, logits: torch.Tensor) -> list[list[int]]:
@@ -302,10 +324,11 @@ class BatchState:
         span = range(min(lengths), max(lengths) + depth + 1)
         return all(type(p) in self._prefix_free or _inactive(p, span) for p in self.logits_processor)
 
-    def _accept_on_device(self, trees, logits: torch.Tensor, layout: TreeLayout) -> list[list[int]]:
+    def _accept_on_device(self, trees, logits: torch.Tensor, layout: TreeLayout, before_read=None) -> list[list[int]]:
         """Acceptance of every row's tree at once: the target's choice at every node (`_choices`), the deepest node
         whose ancestors all carry their parent's choice, its path's choices committed up to the first stop or the
-        row's limit. One copy to the host: per row, the tokens it commits, its accepted path and their count."""
+        row's limit. One copy to the host: per row, the tokens it commits, its accepted path and their count (and
+        what `before_read` adds)."""
         device = logits.device
         choice, inexact = self._choices(trees, logits, layout)
         reached, path_nodes, committed = _accepted_paths(layout, choice)
@@ -320,9 +343,18 @@ class BatchState:
             count = torch.minimum(count, first)
         # chains need no nodes read back: a row's accepted path is its first `count` slots
         outcome = torch.cat([count[:, None], committed] + ([] if path_nodes is None else [path_nodes])
-                            + ([] if inexact is None else [inexact[:, None].long()]), dim=1).tolist()
+                            + ([] if inexact is None else [inexact[:, None].long()]), dim=1)
+        along = None if before_read is None else before_read(DeviceOutcome(count, committed, path_nodes, layout))
+        if along is None:
+            outcome = outcome.tolist()
+        else:  # one copy (token ids and counts are exact in float64)
+            table = torch.cat([outcome.double(), along.double()], dim=1).tolist()
+            columns = outcome.shape[1]
+            outcome = [[int(v) for v in row[:columns]] for row in table]
+            self.read_along = [row[columns:] for row in table]
         if inexact is not None and any(values[-1] for values in outcome):
             # a law compaction could not keep exact (top-k tied past its candidates): this step token by token
+            self.read_along = None  # (what was read along assumed the outcome dropped here)
             return self._accept_token_by_token(trees, logits)
         self._room = self._room - count
         self.accepted = (path_nodes, count)

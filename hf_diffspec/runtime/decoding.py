@@ -56,11 +56,11 @@ from .batch import PREFIX_FREE_WHEN_SAMPLING, BatchState, RowCommitter, TokenSto
 from .control_speculation import StepKind, StepRecord
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock, device_time
-from .drafting import DiffusionCandidateGenerator, generator_class
+from .drafting import DiffusionCandidateGenerator, DraftPass, generator_class
 from .drafting_lookup import NO_LOOKUP_DRAFTS, PromptLookup
 from .files import pad_token_id
 from .sampling import SamplingLaws
-from .tree import CandidateTree
+from .tree import CandidateTree, index_range
 from .verifier import TargetVerifier
 
 
@@ -73,7 +73,8 @@ class SpeculationStats:
     included). Steps by kind (`control_speculation.StepKind`): `draft_steps` ran the drafter (lookup drafts grafted
     on), `lookup_steps` verified prompt-lookup drafts alone, `plain_steps` the anchors alone (a plain decode step).
     `linear_state_replays`: steps after which a linear-attention target's recurrent states
-    were put back and advanced through the accepted tokens only (`verify_recurrent.py`)."""
+    were put back and advanced through the accepted tokens only (`verify_recurrent.py`). `unused_drafting_passes`:
+    drafting passes run ahead for a step that then did not draft (`drafting.draft_ahead`)."""
 
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -86,6 +87,7 @@ class SpeculationStats:
     lookup_steps: int = 0
     plain_steps: int = 0
     linear_state_replays: int = 0
+    unused_drafting_passes: int = 0
     committed_per_step: list[int] = field(default_factory=list)
     _entry_rows: list[int] = field(default_factory=list, repr=False)  # the batch row of each committed_per_step entry
     prefill_time_s: float = 0.0
@@ -219,6 +221,7 @@ class DecodingCall:
     device: torch.device
     clock: StepClock
     timing: list = field(default_factory=list)  # (step, its start, verify start and end stamps) not read yet
+    ahead: DraftPass | None = None  # the drafting pass the last step ran for the next one (`drafting.draft_ahead`)
 
     def drop_finished(self) -> bool:
         """Finished rows leave the batch and every cache; False when no row is left."""
@@ -227,6 +230,8 @@ class DecodingCall:
             keep, index, moves = kept
             self.verifier.select_rows(index, keep, moves)
             self.drafting.select_rows(index, moves)
+            if self.ahead is not None:
+                self.ahead.select_rows(keep, index)
         return bool(self.batch.active)
 
 
@@ -295,7 +300,20 @@ def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask)
     batch.start(valid, positions[:, -1] + 1 - valid.sum(-1))
     call.drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=verifier.all_valid)
     batch.anchors = [0] * input_ids.shape[0]
-    batch.accept([CandidateTree([0], [-1])] * input_ids.shape[0], out.logits[:, -1:])  # every row's first token
+
+    def draft_first(outcome):  # the first step's drafting pass, its reads riding on the first tokens' read
+        call.ahead = call.drafting.draft_ahead(outcome.anchors, batch.root_position_tensor)
+        return call.ahead.read
+
+    room = call.policy.depth_limits([p + 1 for p in batch.root_positions], [d - 1 for d in batch.max_drafts()])
+    first = draft_first if max(room) > 0 and call.drafting.can_draft_ahead(input_ids.shape[0]) else None
+    batch.accept([CandidateTree([0], [-1])] * input_ids.shape[0], out.logits[:, -1:], before_read=first)
+    if call.ahead is not None:
+        if batch.accepted is None:  # the first tokens were chosen token by token: the pass saw no outcome
+            call.ahead = None
+        else:
+            call.ahead.values = batch.read_along if call.ahead.read is not None else None
+            call.drafting.keep_ahead(call.ahead, None)
     call.stats.prefill_time_s = device_time(call.device) - call.start_time
 
 
@@ -307,9 +325,11 @@ def _step(call: DecodingCall, step_start):
     found = call.lookup.propose(batch, root_positions, policy)  # as deep as each row may verify
     ngrams, lengths = found.ngrams or [0] * rows, found.lengths or [0] * rows
     kind, lookup_depth = policy.control.decide(rows, ngrams, lengths)
+    ahead, call.ahead = call.ahead, None
+    call.stats.unused_drafting_passes += ahead is not None and kind is not StepKind.DRAFT
     draft_start = call.clock.stamp() if kind is StepKind.DRAFT else None
     if kind is StepKind.DRAFT:
-        trees = call.drafting.propose(batch.anchors, root_positions, batch.max_drafts())
+        trees = call.drafting.propose(batch.anchors, root_positions, batch.max_drafts(), ahead)
     else:  # no drafter forward: the anchors alone (a plain decode step), or with their lookup drafts
         trees = [CandidateTree([anchor], [-1], device=device) for anchor in batch.anchors]
     lookups = found.truncated(lookup_depth) if kind is not StepKind.PLAIN else NO_LOOKUP_DRAFTS
@@ -317,20 +337,42 @@ def _step(call: DecodingCall, step_start):
 
     verify_start = call.clock.stamp()  # the drafter's forward is the draft's time
     out, layout = verifier.forward(trees, batch.root_position_tensor)
-    paths = batch.accept(trees, out.logits, layout)  # the step's one read of the device
+    # a drafter step drafts the next step before reading its own outcome: the next pass's reads ride on this read
+    # (not when no row will have room for drafts next: each commits a token at least, within its length and context)
+    room = policy.depth_limits([p + 1 for p in root_positions], [d - 1 for d in batch.max_drafts()])
+    drafts_ahead = kind is StepKind.DRAFT and max(room) > 0 and call.drafting.can_draft_ahead(rows)
+
+    def draft_next(outcome):  # the drafter's context: every slot of the accepted paths, those past a row's count hidden
+        levels = index_range(outcome.committed.shape[1], device)
+        index = slice(0, len(levels)) if outcome.path_nodes is None else outcome.path_nodes
+        call.ahead = call.drafting.draft_ahead(
+            outcome.anchors, batch.root_position_tensor + outcome.count,
+            (out.hidden_states, index, batch.root_position_tensor[:, None] + levels, levels < outcome.count[:, None]))
+        return call.ahead.read
+
+    paths = batch.accept(trees, out.logits, layout, draft_next if drafts_ahead else None)  # the step's one read
+    if call.ahead is not None and batch.accepted is None:  # accepted token by token: the pass saw no outcome
+        call.drafting.keep_ahead(call.ahead, None)
+        call.ahead = None
     if found.ngram:  # every row's lookup drafts against what it committed (on the host), whatever was verified
         policy.control.observe_lookups(ngrams, found.drafts, [ids[len(ids) - len(p):].tolist()
                                                               for ids, p in zip(batch.histories(), paths)])
     kept = verifier.keep(paths, batch.accepted, batch.next_slots)
-    call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
-                              kept.accepted, all_valid=kept.rows_all_valid)
+    if call.ahead is not None:  # its context holds every slot of the accepted paths: the drafter keeps the rows'
+        call.ahead.values = batch.read_along if call.ahead.read is not None else None
+        call.drafting.keep_ahead(call.ahead, kept.offsets.shape[0], kept.rows_all_valid)
+    else:
+        call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
+                                  kept.accepted, all_valid=kept.rows_all_valid)
     batch.advance(kept.counts)
 
     step_end = call.clock.stamp()  # after keep and the replay: their device time is this step's
     step = StepRecord(kind, rows, found.ngram, committed=sum(len(p) for p in paths), seconds=0.0,
                       slots=verifier.slots, verify_seconds=0.0)  # the times once read
     call.stats.add_step(step, trees, paths, lookups.num_tokens, batch.active)
-    call.timing.append((step, ngrams, [len(p) - 1 for p in paths], (step_start, draft_start, verify_start, step_end)))
+    # a tree built from a pass run ahead was drafted in the last step's span: that pass's span is its drafting time
+    draft_span = ahead.span if ahead is not None and draft_start is not None else (draft_start, verify_start)
+    call.timing.append((step, ngrams, [len(p) - 1 for p in paths], (step_start, draft_span, verify_start, step_end)))
     if _record_timed_steps(call):  # the profile was measured again: those seconds are no step's
         step_end = call.clock.stamp()
     return step_end
@@ -345,12 +387,12 @@ def _record_timed_steps(call: DecodingCall, wait: bool = False) -> bool:
     call.drafting.record_draft_times()
     measured = False
     while call.timing:
-        step, ngrams, accepted, (start, draft_start, verify_start, end) = call.timing[0]
+        step, ngrams, accepted, (start, draft_span, verify_start, end) = call.timing[0]
         seconds = call.clock.seconds(start, end)
         if seconds is None:
             break
         call.timing.pop(0)
-        drafting = call.clock.seconds(draft_start, verify_start) if draft_start is not None else 0.0
+        drafting = call.clock.seconds(*draft_span) if draft_span[0] is not None else 0.0
         step = replace(step, seconds=seconds, verify_seconds=call.clock.seconds(verify_start, end),
                        draft_seconds=drafting)
         # the cost model first: the controller charges the step and credits what it committed at the same prices

@@ -16,6 +16,8 @@ Like every runtime file that `custom_generate/` ships (see `hub.py`), it imports
 sibling modules, so it also runs from a Hub folder without hf_diffspec installed.
 """
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -73,6 +75,12 @@ class DrafterContext:
         if self.valid is not None:
             self.valid = self.valid[keep]
         self.pending = [(f, p, v, keep if kept is None else kept[keep]) for f, p, v, kept in self.pending]
+
+    def drop_last(self, slots: int) -> None:
+        """Forget the last `slots` cached context slots (nothing may be pending)."""
+        if slots > 0:
+            self.cache.crop(-slots)
+            self.valid = self.valid[:, :-slots]
 
     def _take_pending(self, rows: int):
         device = self.device
@@ -143,6 +151,27 @@ class DrafterContext:
         return hidden[index[:, 0], index[:, 1]]
 
 
+@dataclass
+class DraftPass:
+    """The next step's drafting pass, run before this step's one read of the device (`draft_ahead`): what its trees
+    are built from on the device (`tensors`, rows first) and the (rows, n) tensor the host reads for them (`read`:
+    reach or ranked probabilities; None when the trees need nothing read), read with the step's outcome into
+    `values`. `context`: the width of the step's slots in the drafter's context and its `all_valid` before
+    them; `span`: the pass's start and end stamps."""
+
+    tensors: tuple
+    read: torch.Tensor | None
+    context: tuple[int, bool]
+    span: tuple
+    values: list | None = None
+
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """Keep the rows still decoding (`keep` on the host, `index` on the device)."""
+        self.tensors = tuple(t if t is None else t[index] for t in self.tensors)
+        if self.values is not None:
+            self.values = [self.values[i] for i in keep]
+
+
 class DiffusionCandidateGenerator(CandidateGenerator):
     """Drafts with a block-diffusion (DFlash) drafter conditioned on the target's hidden states: one chain per row,
     every row of a batch in one drafter forward.
@@ -208,11 +237,73 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         for context in self.contexts:
             context.select_rows(keep, moves)
 
+    # ----- drafting ahead: the next step's pass before this step's read --------------------------------------------
+    def can_draft_ahead(self, rows: int) -> bool:
+        """Whether the next step's drafting pass can run before this step's read: one pass of the LM head over every
+        slot a row may verify (`ONE_PASS_SLOTS`; past it the slots are computed in chunks sized by reads)."""
+        return rows * self._ahead_span() <= ONE_PASS_SLOTS
+
+    def _ahead_span(self) -> int:
+        return min(self.policy.most_drafts(), self.block_size - 1)
+
     @torch.no_grad()
-    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
+    def draft_ahead(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, step_context=None) -> DraftPass:
+        """The next step's drafting pass, from anchors and positions on the device, before the host reads this
+        step's outcome (whose copy its own reads then ride: `DraftPass.read`). `step_context`: (hidden states, index,
+        positions, valid) of every slot of the step's accepted paths (those past a row's count not valid), queued
+        as context first; `keep_ahead` crops them to what the rows kept once the host knows it."""
+        context = (0, self.first.all_valid)
+        if step_context is not None:
+            hidden_states, index, positions, valid = step_context
+            context = (positions.shape[1], self.first.all_valid)
+            self.add_context(hidden_states, index, positions, valid, all_valid=False)
+        start = self.clock.stamp()
+        draft_hidden = self.first.draft_block(anchors, anchor_positions, self.block_size)
+        tensors, read = self._ahead_pass(anchors, draft_hidden[:, 1:], self._ahead_span())
+        span = (start, self.clock.stamp())
+        self._draft_spans.append(span)
+        return DraftPass(tensors, read, context, span)
+
+    def keep_ahead(self, ahead: DraftPass, kept: int | None, rows_all_valid: bool = True) -> None:
+        """After the read: the drafter keeps `kept` slots of the step's context (the longest accepted path), as
+        `add_context` would have given it; None: none of them (the step was accepted another way, which
+        `add_context` gives next)."""
+        width, all_valid = ahead.context
+        if width:
+            context = self.first  # (the only drafter context of a method that drafts ahead)
+            context.drop_last(width - (kept or 0))
+            context.all_valid = all_valid and (kept is None or rows_all_valid)
+        self.record_draft_times()
+
+    def _ahead_pass(self, roots: torch.Tensor, draft_hidden: torch.Tensor, span: int):
+        """`propose`'s device work for chains over `span` slots: (the tensors the chains are built from, the reach
+        the cost model sizes them by (rows, span), or None)."""
+        reach = None
+        if self.policy.uses_cost_model and self.length_head is not None:
+            reach = torch.cumprod(self.length_head(draft_hidden[:, :span]).float().sigmoid(), dim=-1)
+        logits = self.first.drafter.compute_logits(draft_hidden[:, :span])
+        drafts, confidences, probs = self._pick(draft_hidden, logits, roots)
+        if self.policy.uses_cost_model and reach is None:
+            reach = torch.cumprod(confidences.float(), dim=-1)
+        return (roots, drafts, confidences, probs), reach
+
+    def _ahead_trees(self, ahead: DraftPass, root_tokens: list[int], limits: list[int]) -> list[CandidateTree]:
+        roots, drafts, confidences, probs = ahead.tensors
+        if ahead.values is not None:
+            limits = self.policy.chain_lengths(ahead.values, limits)
+        if max(limits) <= 0:
+            return [self._root_only(root) for root in root_tokens]
+        return self._chains(roots, drafts, confidences, probs, limits)
+
+    @torch.no_grad()
+    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int],
+                ahead: DraftPass | None = None) -> list[CandidateTree]:
         """Draft after each row's anchor (at `root_positions`) a chain of at most `remaining` tokens per row: the
-        limits (the policy's, then the length head's), the slots' logits, the drafts picked, the chains."""
+        limits (the policy's, then the length head's), the slots' logits, the drafts picked, the chains. `ahead`:
+        the pass the previous step ran for this one (`draft_ahead`): the chains are built from it."""
         limits = self.policy.depth_limits(root_positions, remaining)
+        if ahead is not None:
+            return self._ahead_trees(ahead, root_tokens, limits)
         if max(limits) <= 0:  # nothing to draft: verify the anchors alone, no drafter forward
             return [self._root_only(root) for root in root_tokens]
         start = self.clock.stamp()
@@ -392,7 +483,8 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
             self.contexts.append(self.branch_context)
 
     @torch.no_grad()
-    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
+    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int],
+                ahead: DraftPass | None = None) -> list[CandidateTree]:
         limits = self.policy.depth_limits(root_positions, remaining)
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
@@ -434,6 +526,9 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
                     tree.draft_laws = self.sampling.compacted(tree.draft_laws.probs)
         return trees
 
+    def can_draft_ahead(self, rows: int) -> bool:
+        return False  # its branches are planned on the host from the first pass (`plan_branches`)
+
     def get_candidates(self, *args, **kwargs):
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
 
@@ -443,85 +538,128 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
     paths ranked by the product of their slot probabilities, at most `config.draft_tree_budget` nodes, the measured
     cost model choosing how many of them the target verifies."""
 
-    @torch.no_grad()
-    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
-        config = self.first.drafter.config
+    def _tree_limits(self, root_positions: list[int], remaining: list[int]) -> list[int]:
         # a tree of B drafted nodes is at most B deep: distributions for deeper slots would never be used
-        limits = [min(k, config.draft_tree_budget) for k in self.policy.depth_limits(root_positions, remaining)]
+        budget = self.first.drafter.config.draft_tree_budget
+        return [min(k, budget) for k in self.policy.depth_limits(root_positions, remaining)]
+
+    def _uses_selector(self) -> bool:
+        return getattr(self.first.drafter, "selector", None) is not None and self.sampling is None
+
+    def can_draft_ahead(self, rows: int) -> bool:
+        return not self._uses_selector() and super().can_draft_ahead(rows)
+
+    def _ahead_span(self) -> int:
+        return min(super()._ahead_span(), self.first.drafter.config.draft_tree_budget)
+
+    def _ahead_pass(self, roots: torch.Tensor, draft_hidden: torch.Tensor, span: int):
+        config = self.first.drafter.config
+        logits = self.first.drafter.compute_logits(draft_hidden[:, :span])
+        probs, table = self._ranked_table(logits, config.draft_tree_width, config.draft_tree_budget)
+        return (probs,), table
+
+    def _ahead_trees(self, ahead: DraftPass, root_tokens: list[int], limits: list[int]) -> list[CandidateTree]:
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
+        (probs,) = ahead.tensors
+        slots = self._ahead_span()
+        return self._trees(root_tokens, probs, [self._unpack(row, slots) for row in ahead.values], limits, {})
+
+    @torch.no_grad()
+    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int],
+                ahead: DraftPass | None = None) -> list[CandidateTree]:
+        limits = self._tree_limits(root_positions, remaining)
+        if ahead is not None:
+            return self._ahead_trees(ahead, root_tokens, limits)
+        if max(limits) <= 0:
+            return [self._root_only(root) for root in root_tokens]
+        config = self.first.drafter.config
         rows = len(root_tokens)
         start = self.clock.stamp()
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
-        sample = self.sampling is not None
-        if getattr(self.first.drafter, "selector", None) is not None and not sample:
+        if self._uses_selector():
             trees = self._selector_trees(root_tokens, draft_hidden, limits)
             self._draft_finished(start)
             return trees
         budget, width = config.draft_tree_budget, config.draft_tree_width
-        reads = {}  # slots computed -> `_ranked_read`
+        reads = {}  # slots computed -> (distributions or None, each row's ranked slots, read at once)
         shapes = {}  # (slots computed, row) -> the row's best-first shape over them
 
         def ranked(logits):
-            """`_ranked_read` of the slots computed so far, kept: the tree is built from the read that sized it."""
-            if logits.shape[1] not in reads:
-                reads[logits.shape[1]] = self._ranked_read(logits, width, budget)
-            return reads[logits.shape[1]]
+            """The ranked read of the slots computed so far, kept: the tree is built from the read that sized it."""
+            slots = logits.shape[1]
+            if slots not in reads:
+                probs, table = self._ranked_table(logits, width, budget)
+                reads[slots] = probs, [self._unpack(row, slots) for row in table.tolist()]
+            return reads[slots]
 
         # best-first closure: a node deeper than every node of the budget's tree scores below one of them, so deeper
         # slots matter only when that tree already reaches the deepest slot computed
         def needs_more(logits):
             computed = logits.shape[1]
-            values = ranked(logits)[1]
+            unpacked = ranked(logits)[1]
             for r in range(rows):
                 if limits[r] > computed:  # kept: the row's tree has this shape when no more slots are computed
-                    shapes[computed, r] = best_first_shape(values[r], budget, width)
+                    shapes[computed, r] = best_first_shape(unpacked[r][0], budget, width)
                     if max(len(path) for path, _ in shapes[computed, r]) == computed:
                         return True
             return False
 
         logits = self._slot_logits(draft_hidden, max(limits), needs_more)
-        limits = [min(k, logits.shape[1]) for k in limits]
+        probs, unpacked = ranked(logits)
+        self._draft_finished(start)
+        computed = logits.shape[1]
+        limits = [min(k, computed) for k in limits]
+        return self._trees(root_tokens, probs, unpacked, limits,
+                           {r: shape for (slots, r), shape in shapes.items() if slots == computed})
+
+    def _trees(self, root_tokens: list[int], probs, unpacked: list, limits: list[int], shapes: dict):
+        """Every row's best-first tree from its ranked slots (`_unpack`ed), within its limit."""
+        config, rows = self.first.drafter.config, len(root_tokens)
+        device = self.first.device
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
-        # every row's ranked tokens and probabilities in one read: the shapes are chosen on the host
-        probs, values, indices, uniform = ranked(logits)
-        self._draft_finished(start)
-        trees = [build_best_first_tree(root_tokens[r], None if probs is None else probs[r, : limits[r]], budget,
-                                       node_count, sample=sample, max_children=width,
-                                       shape=shapes.get((logits.shape[1], r)), device=draft_hidden.device,
-                                       uniform=None if uniform is None else uniform[r],
-                                       ranked=(values[r][: limits[r]], [[int(t) for t in slot] for slot in
-                                                                        indices[r][: limits[r]]]))
+        trees = [build_best_first_tree(root_tokens[r], None if probs is None else probs[r, : limits[r]],
+                                       config.draft_tree_budget, node_count, sample=self.sampling is not None,
+                                       max_children=config.draft_tree_width, shape=shapes.get(r), device=device,
+                                       uniform=unpacked[r][2],
+                                       ranked=(unpacked[r][0][: limits[r]], [[int(t) for t in slot] for slot in
+                                                                             unpacked[r][1][: limits[r]]]))
                  if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
-        laws_to_device(trees, draft_hidden.device)  # the laws the host drew from, every row's in one copy
+        laws_to_device(trees, device)  # the laws the host drew from, every row's in one copy
         return trees
 
-    def _ranked_read(self, logits: torch.Tensor, width: int, budget: int):
-        """The slots' distributions, and on the host, in one read, each row's ranked probabilities and tokens per
-        slot and (sampling with compact laws) uniform numbers for drawing its tree's tokens: (distributions or
-        None, probabilities, tokens, uniform numbers or None). Greedy, or dense laws: the top-`width` per slot.
-        Compact laws: each slot's whole law, ranked, and one uniform number per node a tree may take (drawn on the
-        device), for the host to draw the tokens from."""
+    def _ranked_table(self, logits: torch.Tensor, width: int, budget: int):
+        """The slots' distributions (or None), and per row one (rows, n) float64 tensor for the host to read: each
+        slot's ranked probabilities and tokens, and (sampling with compact laws) uniform numbers for drawing the
+        tree's tokens (`_unpack` reads a row of it). Greedy, or dense laws: the top-`width` per slot. Compact laws:
+        each slot's whole law, ranked, and one uniform number per node a tree may take (drawn on the device), for the
+        host to draw the tokens from."""
         if self.sampling is None or not self.sampling.compact:
             probs = self._distributions(logits)
             values, indices = probs.topk(min(width, probs.shape[-1]), dim=-1)
-            return (probs, *torch.stack([values.double(), indices.double()]).tolist(), None)
+            return probs, torch.cat([values.double().flatten(1), indices.double().flatten(1)], dim=1)
         laws = self._draft_laws(logits)
         values, order = laws.probs.sort(-1, descending=True)
         indices = laws.ids.gather(-1, order)
-        rows, slots, size = values.shape
-        uniform = torch.rand(rows, budget, dtype=torch.float64, device=values.device)
-        table = torch.cat([values.double().flatten(1), indices.double().flatten(1), uniform], dim=1).tolist()
+        uniform = torch.rand(values.shape[0], budget, dtype=torch.float64, device=values.device)
+        return None, torch.cat([values.double().flatten(1), indices.double().flatten(1), uniform], dim=1)
+
+    def _unpack(self, row: list[float], slots: int):
+        """One row of `_ranked_table` on the host: (probabilities per slot, tokens per slot, uniform numbers or
+        None)."""
+        uniform = None
+        if self.sampling is not None and self.sampling.compact:
+            uniform = row[len(row) - self.first.drafter.config.draft_tree_budget :]
+            row = row[: len(row) - len(uniform)]
+        size = len(row) // (2 * slots)
 
         def per_slot(flat):
             return [flat[i : i + size] for i in range(0, slots * size, size)]
 
-        return (None, [per_slot(row[: slots * size]) for row in table],
-                [per_slot(row[slots * size : 2 * slots * size]) for row in table],
-                [row[2 * slots * size :] for row in table])
+        return per_slot(row[: slots * size]), per_slot(row[slots * size :]), uniform
 
     def _selector_trees(self, root_tokens: list[int], draft_hidden: torch.Tensor, limits: list[int]):
         """DFlash 2: each row's branches from the selector's candidates."""

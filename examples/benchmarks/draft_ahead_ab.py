@@ -1,0 +1,81 @@
+"""Drafting ahead, on and off, interleaved in one run: a drafter step runs the next step's drafting pass before the
+host reads its outcome, so what the next trees are built from rides on that one read (`drafting.draft_ahead`). On a
+GPU that removes a wait per step; on a CPU a read costs nothing, and what drafting ahead can cost is the passes run
+for a step that then did not draft (the controller chose a lookup or plain step). This measures that cost: the same
+methods, with and without drafting ahead, same prompts, plain `generate` as the common reference.
+
+    python examples/benchmarks/draft_ahead_ab.py --methods tree-lookup,dflash --batch-sizes 1,16 --seed 7
+    python examples/benchmarks/draft_ahead_ab.py --do-sample --temperature 0.6 --top-k 20 --top-p 0.95 --seed 7
+
+Methods are reported as `METHOD` and `METHOD, no draft-ahead`, with every column `hf-diffspec bench` prints.
+"""
+
+import argparse
+import contextlib
+
+import torch
+
+from hf_diffspec import load_target
+from hf_diffspec.bench import (
+    build_method_drafters, machine_description, machine_markdown, markdown_table, run_benchmark, summarize, write_json,
+)
+from hf_diffspec.bench.method import Method
+from hf_diffspec.cli import DTYPES
+from hf_diffspec.prompts import load_prompts
+from hf_diffspec.runtime import drafting
+
+
+@contextlib.contextmanager
+def no_draft_ahead(target):
+    """Every drafting pass runs in its own step, after the last step's read."""
+    classes = (drafting.DiffusionCandidateGenerator, drafting.BestFirstTreeCandidateGenerator)
+    saved = [cls.__dict__["can_draft_ahead"] for cls in classes]
+    try:
+        for cls in classes:
+            cls.can_draft_ahead = lambda self, rows: False
+        yield
+    finally:
+        for cls, method in zip(classes, saved):
+            cls.can_draft_ahead = method
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="tree-lookup", help="bench methods of ours, comma-separated")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--prompts", type=int, default=5, help="prompts per domain")
+    parser.add_argument("--seed", type=int, default=7, help="draws the prompts (0: the built-in first ones)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=None, help="as `hf-diffspec bench --rounds`")
+    parser.add_argument("--do-sample", action="store_true")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
+    sampling = sampling if args.do_sample else None
+    torch.manual_seed(args.seed)
+    target, tok = load_target("smollm2-135m-instruct", dtype=DTYPES[args.dtype])
+    machine = machine_description(target)
+    print(machine_markdown(machine) + "\n")
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = {}
+    for name, method in build_method_drafters(names, target, "smollm2-135m-instruct", tokenizer=tok).items():
+        methods[name] = method
+        methods[f"{name}, no draft-ahead"] = Method(method.drafter, dict(method.generate_kwargs),
+                                                    target_patch=no_draft_ahead)
+    prompts = load_prompts(n_per_domain=args.prompts, tokenizer=tok, seed=args.seed)
+    rows = []
+    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+        rows += summarize(run_benchmark(target, tok, methods, prompts, args.max_new_tokens, batch_size=batch_size,
+                                        rounds=args.rounds, sampling=sampling))
+    print(markdown_table(rows))
+    if args.json:
+        write_json(args.json, rows, vars(args), machine)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

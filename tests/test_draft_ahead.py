@@ -1,0 +1,95 @@
+"""Drafting ahead (`drafting.draft_ahead`): a drafter step runs the next step's drafting pass from its outcome on the
+device, before the host reads that outcome, so the next trees need no read of their own. The pass must draft what a
+pass run at its own step would (same context, same anchors and positions), leave the drafter's context as that step
+would have left it, and follow the rows that finish meanwhile; a pass the next step does not use is counted."""
+
+import itertools
+
+import pytest
+import torch
+
+from hf_diffspec.runtime import drafting
+from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator, DiffusionCandidateGenerator
+from helpers import steer_steps, tiny_drafter, tiny_target
+
+VOCAB = 48
+
+
+def _no_draft_ahead(monkeypatch):
+    for cls in (DiffusionCandidateGenerator, BestFirstTreeCandidateGenerator):
+        monkeypatch.setattr(cls, "can_draft_ahead", lambda self, rows: False)
+
+
+def _decode(target, drafter, ids, monkeypatch, ahead: bool, **kwargs):
+    """One call; every tree proposed (tokens and parents, per step) and the drafter's context at the end."""
+    generators, trees = [], []
+    with monkeypatch.context() as patch:
+        if not ahead:
+            _no_draft_ahead(patch)
+        cls = drafting.generator_class(drafter)
+        propose = cls.propose
+
+        def recording(self, *args, **kw):
+            generators.append(self)
+            out = propose(self, *args, **kw)
+            trees.append([(t.tokens.tolist(), list(t.parents)) for t in out])
+            return out
+
+        patch.setattr(cls, "propose", recording)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                              return_dict_in_generate=True, **kwargs)
+    return out, trees, generators[0].first
+
+
+def _context_valid(context) -> torch.Tensor:
+    """Which of the drafter context's slots, cached or pending, each row sees."""
+    pending = [valid if kept is None else valid[kept] for _, _, valid, kept in context.pending]
+    return torch.cat([context.valid, *pending], dim=1)
+
+
+@pytest.mark.every_step_speculates("compares the trees of every step")
+@pytest.mark.parametrize("tree_budget", [None, 8], ids=["chains", "best-first"])
+def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(tree_budget, monkeypatch):
+    """fp32, greedy, three rows that accept different numbers of drafts and stop at different steps (EOS): every
+    step's trees are those of the loop that drafts at each step, the output is plain `generate`'s, and the drafter's
+    cached context at the end holds the same slots, visible to the same rows."""
+    target = tiny_target("llama", seed=4, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=4, draft_tree_budget=tree_budget, draft_tree_width=2)
+    ids = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
+                                                                                if k != "num_assistant_tokens"})
+    ahead, ahead_trees, ahead_context = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    at_step, step_trees, step_context = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    assert torch.equal(ahead.sequences, reference) and torch.equal(at_step.sequences, reference)
+    lengths = (reference != 0).sum(-1)
+    assert len(set(lengths.tolist())) > 1  # rows finished at different steps
+    assert ahead_trees == step_trees
+    assert len(ahead_trees) > 4 and any(len(t[0]) > 1 for step in ahead_trees for t in step)
+    # cached, or pending (a step whose successor is not drafted leaves its slots for the next pass to cache)
+    assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
+    cached = min(ahead_context.valid.shape[1], step_context.valid.shape[1])
+    seen = step_context.valid[:, None, :cached, None]  # (what a row may not see is never read)
+    for a, b in zip(ahead_context.cache.layers, step_context.cache.layers):
+        torch.testing.assert_close(a.keys[:, :, :cached] * seen, b.keys[:, :, :cached] * seen)
+        torch.testing.assert_close(a.values[:, :, :cached] * seen, b.values[:, :, :cached] * seen)
+    assert ahead.speculation_stats.unused_drafting_passes == 0  # every step drafted
+
+
+@pytest.mark.every_step_speculates("steers each step's kind")
+def test_a_pass_run_for_a_step_that_does_not_draft_is_counted_and_dropped(monkeypatch):
+    """Steps alternate drafting and plain decoding: every drafter step drafts the next one ahead, which a plain
+    step does not use; the output stays plain `generate`'s and the unused passes are counted."""
+    target = tiny_target("llama", seed=6, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=6)
+    ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    pattern = [True, True, False]  # draft, draft, plain, ...
+    steer_steps(monkeypatch, itertools.cycle(pattern))
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=30,
+                          do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
+                                                      do_sample=False))
+    stats = out.speculation_stats
+    assert stats.draft_steps > 2 and stats.plain_steps > 1
+    # every plain step follows a drafter step (which drafted it ahead)
+    assert stats.unused_drafting_passes == stats.plain_steps
