@@ -113,6 +113,9 @@ FULL_ATTENTION_KINDS = ("llama", "qwen3", "qwen3_moe")
 # greedy cases whose speculative call runs in 2-4 threads at once on the same target and drafter, beside a thread
 # running the plain call (a stream of their own)
 THREADS_SHARE = 0.2
+# cases that draft each drafter step's successor ahead of its read (`drafting.draft_ahead`, on by default where a read
+# waits for the device), whatever the controller expects
+DRAFT_AHEAD_SHARE = 0.5
 MIN_EXPECTED = 10  # chi-square bins: expected count at least this
 P_VALUE_FLOOR = 1e-5  # a sampling case fails below this p-value
 SCORE_TOLERANCE = 1e-4
@@ -224,6 +227,11 @@ def patched_runtime(case: "Case", target, oracle: NoisyOracle | None):
 
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as cache:
         patch.setenv("HF_DIFFSPEC_CACHE", cache)
+        patch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1" if case.runtime.get("draft_ahead") else "0")
+        if case.runtime.get("draft_ahead"):
+            from hf_diffspec.runtime.control_speculation import SpeculationController
+
+            patch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)
         if case.runtime["gate"] == "live":  # nothing switched off: as a user's first call runs
             patch.delenv("HF_DIFFSPEC_AUTO_PROFILE", raising=False)
             reset_speculation_state()  # no profile or controller from earlier cases in this process
@@ -274,6 +282,7 @@ class Case:
         runtime = f"gate={self.runtime['gate']}" + (f" profile={self.runtime['profile']}"
                                                       if self.runtime["profile"] else "")
         runtime += " static-cache" if self.runtime.get("static_cache") else ""
+        runtime += " draft-ahead" if self.runtime.get("draft_ahead") else ""
         runtime += f" threads={self.runtime['threads']}" if self.runtime.get("threads") else ""
         return (f"case {self.number} (seed {self.seed}, {'sampling' if self.sampling else 'greedy'}): "
                 f"{t['kind']}/{t['attn']} V={t['vocab_size']} layers={t['layers']} x{t['sharpen']}"
@@ -327,6 +336,8 @@ def make_case(seed: int, number: int) -> Case:
     if target["kind"] in FULL_ATTENTION_KINDS and \
             random.Random(f"hf-diffspec differential static cache {seed} {number}").random() < STATIC_CACHE_SHARE:
         runtime["static_cache"] = True
+    if random.Random(f"hf-diffspec differential draft ahead {seed} {number}").random() < DRAFT_AHEAD_SHARE:
+        runtime["draft_ahead"] = True
     # calls in several threads at once (a stream of its own)
     threads = random.Random(f"hf-diffspec differential threads {seed} {number}")
     if not sampling and threads.random() < THREADS_SHARE:
@@ -905,6 +916,7 @@ def summarize(outcomes: list[Outcome], seed: int) -> str:
         "first calls (profile measured on first use, live gates): "
         f"{sum(o.case.runtime['gate'] == 'live' for o in outcomes)}",
         f"calls in several threads at once: {sum(bool(o.case.runtime.get('threads')) for o in outcomes)}",
+        f"drafting ahead: {sum(bool(o.case.runtime.get('draft_ahead')) for o in outcomes)}",
     ]
     if by_status["plain_error"]:
         lines.append(f"plain generate refused the options (not counted): {by_status['plain_error']}")

@@ -9,23 +9,16 @@ import pytest
 import torch
 
 from hf_diffspec.runtime import drafting
-from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator, DiffusionCandidateGenerator
 from helpers import steer_steps, tiny_drafter, tiny_target
 
 VOCAB = 48
-
-
-def _no_draft_ahead(monkeypatch):
-    for cls in (DiffusionCandidateGenerator, BestFirstTreeCandidateGenerator):
-        monkeypatch.setattr(cls, "can_draft_ahead", lambda self, rows: False)
 
 
 def _decode(target, drafter, ids, monkeypatch, ahead: bool, **kwargs):
     """One call; every tree proposed (tokens and parents, per step) and the drafter's context at the end."""
     generators, trees = [], []
     with monkeypatch.context() as patch:
-        if not ahead:
-            _no_draft_ahead(patch)
+        patch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1" if ahead else "0")
         cls = drafting.generator_class(drafter)
         propose = cls.propose
 
@@ -79,10 +72,16 @@ def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(tree_budget,
 @pytest.mark.every_step_speculates("steers each step's kind")
 def test_a_pass_run_for_a_step_that_does_not_draft_is_counted_and_dropped(monkeypatch):
     """Steps alternate drafting and plain decoding: every drafter step drafts the next one ahead, which a plain
-    step does not use; the output stays plain `generate`'s and the unused passes are counted."""
+    step does not use; the output stays plain `generate`'s and the unused passes are counted. Where the controller
+    does not expect a drafter step to pay, none is drafted ahead."""
     target = tiny_target("llama", seed=6, vocab_size=VOCAB, sharpen=3.0)
     drafter = tiny_drafter(target, block_size=6, seed=6)
     ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    from hf_diffspec.runtime.control_speculation import SpeculationController
+
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")
+    # the controller expects drafting to pay, and then decodes every third step plainly
+    monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)
     pattern = [True, True, False]  # draft, draft, plain, ...
     steer_steps(monkeypatch, itertools.cycle(pattern))
     out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=30,
@@ -93,3 +92,21 @@ def test_a_pass_run_for_a_step_that_does_not_draft_is_counted_and_dropped(monkey
     assert stats.draft_steps > 2 and stats.plain_steps > 1
     # every plain step follows a drafter step (which drafted it ahead)
     assert stats.unused_drafting_passes == stats.plain_steps
+    monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: False)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=30,
+                          do_sample=False, return_dict_in_generate=True)
+    assert out.speculation_stats.plain_steps > 1 and out.speculation_stats.unused_drafting_passes == 0
+
+
+def test_drafting_ahead_is_on_where_a_read_waits_for_the_device(monkeypatch):
+    """On a CPU the host runs every op as it is called: a second read costs nothing, a pass the next step does not
+    use does. Elsewhere (CUDA) a read waits for the device. `HF_DIFFSPEC_DRAFT_AHEAD` overrides either way."""
+    from hf_diffspec.runtime.decoding import reads_wait
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("HF_DIFFSPEC_DRAFT_AHEAD", raising=False)
+    assert not reads_wait(cpu) and reads_wait(cuda)
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")
+    assert reads_wait(cpu)
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "0")
+    assert not reads_wait(cuda)

@@ -240,3 +240,17 @@ def test_a_call_starts_from_what_earlier_calls_learned_weighed_less():
     assert call.drafter.trials[0, 0] == pytest.approx(CALL_DISCOUNT * controller.drafter.trials[0, 0])
     call.drafter.add_step([(0, 0, 1.0, 1.0)])  # the call's own: the kept controller does not see it
     assert call.drafter.trials[0, 0] != pytest.approx(CALL_DISCOUNT * controller.drafter.trials[0, 0])
+
+
+def test_the_controller_expects_a_drafter_step_where_drafting_pays_at_its_estimates_means():
+    """`expects_draft` (whether the loop drafts the next step ahead): after a paying drafter it expects drafter
+    steps, after one that costs more than it commits it does not, and asking changes nothing the controller decides
+    with (no draw, no budget spent)."""
+    paying = SpeculationController(verify_cost, draft_guess=0.3)
+    run(paying, lambda i: fixed(3.0, 0.3), 200)
+    costly = SpeculationController(verify_cost, draft_guess=2.0)
+    run(costly, lambda i: fixed(0.2, 2.0), 200)
+    assert paying.expects_draft(1) and not costly.expects_draft(1)
+    state = (paying.budget, paying.rng.getstate())
+    assert [paying.expects_draft(rows) for rows in (1, 4, 1)] == [True, True, True]
+    assert (paying.budget, paying.rng.getstate()) == state

@@ -50,29 +50,33 @@ LIVE_COSTS = {1: {1: 1.0, 4: 1.1, 8: 1.3, 16: 1.8}, 4: {1: 1.2, 4: 1.4, 8: 1.8, 
               16: {1: 1.6, 4: 2.2, 8: 3.0, 16: 4.6}}
 
 
-def _record_kinds(monkeypatch) -> list:
-    """Each step's kind, as the controller decides them (in order)."""
-    from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, SpeculationController
+def _record_steps(monkeypatch) -> list:
+    """Per step, whether it drafted at its own step (a drafter step whose pass was not run ahead), in order."""
+    from hf_diffspec.runtime import drafting
+    from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, SpeculationController, StepKind
 
-    kinds = []
+    own_pass = []
     for cls in (SpeculationController, AlwaysSpeculate):
-        def recording(self, *args, decide=cls.decide):
+        def deciding(self, *args, decide=cls.decide):
             kind, depth = decide(self, *args)
-            kinds.append(kind)
+            own_pass.append(kind is StepKind.DRAFT)  # until `propose` says it had a pass run ahead
             return kind, depth
 
-        monkeypatch.setattr(cls, "decide", recording)
-    return kinds
+        monkeypatch.setattr(cls, "decide", deciding)
+    for cls in (drafting.DiffusionCandidateGenerator, drafting.BestFirstTreeCandidateGenerator):
+        def proposing(self, *args, propose=cls.propose):
+            own_pass[-1] = len(args) < 4 or args[3] is None
+            return propose(self, *args)
+
+        monkeypatch.setattr(cls, "propose", proposing)
+    return own_pass
 
 
-def _allowed(kinds: list) -> list[int]:
+def _allowed(own_pass: list) -> list[int]:
     """Reads allowed in each window between two target forwards: window i holds step i - 1's outcome and step i's
-    drafting; a drafter step after a step that was not reads its own pass (the first step's pass rides on the
-    prefill's read)."""
-    from hf_diffspec.runtime.control_speculation import StepKind
-
-    draft = [k is StepKind.DRAFT for k in kinds]
-    return [SYNC_BUDGET + (i > 0 and draft[i] and not draft[i - 1]) for i in range(len(kinds))]
+    drafting; a drafter step whose pass was not run ahead (after a lookup or plain step, or a probe the controller
+    did not expect to pay) reads its own."""
+    return [SYNC_BUDGET + (i > 0 and own) for i, own in enumerate(own_pass)]
 
 
 def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkeypatch,
@@ -90,8 +94,9 @@ def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkey
     if oracle:  # the drafter proposes the target's own continuation: long accepted paths
         reference = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         oracle_drafter_outputs(monkeypatch, drafter, target, list(reference))
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")  # drafting ahead, as where a read waits for the device
     counter = HostSyncCounter(target, [drafter])
-    counter.kinds = _record_kinds(monkeypatch)
+    counter.own_pass = _record_steps(monkeypatch)
     with counter:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                               num_assistant_tokens=length, prompt_lookup_num_tokens=lookup,
@@ -119,7 +124,7 @@ def test_host_syncs_per_step_stay_within_a_budget_independent_of_rows_trees_and_
     counter = _count(rows, tree_budget, lookup, oracle, monkeypatch, sample, length)
     worst = counter.worst()
     syncs, copies = counter.per_step_syncs, counter.per_step_copies
-    allowed = _allowed(counter.kinds)
+    allowed = _allowed(counter.own_pass)
     # the first window also holds what the prefill reads once (the prompts' padding, the first tokens)
     assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and copies[0] <= COPY_BUDGET + PREFILL_READS, (syncs, copies)
     assert all(n <= a for n, a in zip(syncs[1:], allowed[1:])), f"syncs per step {syncs}, allowed {allowed}; {worst}"

@@ -1,8 +1,9 @@
 """Drafting ahead, on and off, interleaved in one run: a drafter step runs the next step's drafting pass before the
-host reads its outcome, so what the next trees are built from rides on that one read (`drafting.draft_ahead`). On a
-GPU that removes a wait per step; on a CPU a read costs nothing, and what drafting ahead can cost is the passes run
-for a step that then did not draft (the controller chose a lookup or plain step). This measures that cost: the same
-methods, with and without drafting ahead, same prompts, plain `generate` as the common reference.
+host reads its outcome, so what the next trees are built from rides on that one read (`drafting.draft_ahead`). It is
+on where a read waits for the device (a GPU: one wait less per step); on a CPU a read costs nothing, and what drafting
+ahead costs is the passes run for a step that then did not draft (the controller chose a lookup or plain step). This
+measures that cost on a CPU (forcing it on with `HF_DIFFSPEC_DRAFT_AHEAD=1`): the same methods, with and without,
+same prompts, plain `generate` as the common reference.
 
     python examples/benchmarks/draft_ahead_ab.py --methods tree-lookup,dflash --batch-sizes 1,16 --seed 7
     python examples/benchmarks/draft_ahead_ab.py --do-sample --temperature 0.6 --top-k 20 --top-p 0.95 --seed 7
@@ -12,6 +13,7 @@ Methods are reported as `METHOD` and `METHOD, no draft-ahead`, with every column
 
 import argparse
 import contextlib
+import os
 
 import torch
 
@@ -22,21 +24,25 @@ from hf_diffspec.bench import (
 from hf_diffspec.bench.method import Method
 from hf_diffspec.cli import DTYPES
 from hf_diffspec.prompts import load_prompts
-from hf_diffspec.runtime import drafting
 
 
-@contextlib.contextmanager
-def no_draft_ahead(target):
-    """Every drafting pass runs in its own step, after the last step's read."""
-    classes = (drafting.DiffusionCandidateGenerator, drafting.BestFirstTreeCandidateGenerator)
-    saved = [cls.__dict__["can_draft_ahead"] for cls in classes]
-    try:
-        for cls in classes:
-            cls.can_draft_ahead = lambda self, rows: False
-        yield
-    finally:
-        for cls, method in zip(classes, saved):
-            cls.can_draft_ahead = method
+def draft_ahead(on: bool):
+    """A `Method.target_patch`: the call drafts ahead (`HF_DIFFSPEC_DRAFT_AHEAD=1`, as where a read waits for the
+    device) or at each step (`0`, the CPU's default)."""
+
+    @contextlib.contextmanager
+    def patch(target):
+        saved = os.environ.get("HF_DIFFSPEC_DRAFT_AHEAD")
+        os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = "1" if on else "0"
+        try:
+            yield
+        finally:
+            if saved is None:
+                del os.environ["HF_DIFFSPEC_DRAFT_AHEAD"]
+            else:
+                os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = saved
+
+    return patch
 
 
 def main() -> None:
@@ -63,9 +69,9 @@ def main() -> None:
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = {}
     for name, method in build_method_drafters(names, target, "smollm2-135m-instruct", tokenizer=tok).items():
-        methods[name] = method
+        methods[name] = Method(method.drafter, dict(method.generate_kwargs), target_patch=draft_ahead(True))
         methods[f"{name}, no draft-ahead"] = Method(method.drafter, dict(method.generate_kwargs),
-                                                    target_patch=no_draft_ahead)
+                                                    target_patch=draft_ahead(False))
     prompts = load_prompts(n_per_domain=args.prompts, tokenizer=tok, seed=args.seed)
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:

@@ -205,6 +205,14 @@ class SpeculationController:
         mean = accepted / steps
         return max(mean, self.rng.gammavariate(accepted, 1 / steps)) if draw else mean
 
+    def expects_draft(self, rows: int) -> bool:
+        """Whether, at its estimates' means, a drafter step commits more per second than a plain one at `rows` rows:
+        the loop then drafts the next step ahead (`drafting.draft_ahead`); a probe it would not expect is drafted at
+        its own step."""
+        draft = rows * (1 + self._drafter_tokens(0, draw=False)) / self._step_cost(StepKind.DRAFT, rows,
+                                                                                   self._draft_slots())
+        return draft > rows / self._step_cost(StepKind.PLAIN, rows, 1)
+
     def decide(self, rows: int, ngrams: list[int], lookup_lengths: list[int]) -> tuple[StepKind, int]:
         """The next step's kind, and how many lookup drafts each row verifies in it (its found ones, up to this),
         for `rows` rows whose lookup drafts were found after matches of `ngrams` tokens (0: none), `lookup_lengths`
@@ -278,6 +286,9 @@ class AlwaysSpeculate:
 
     def start_call(self) -> "AlwaysSpeculate":
         return self
+
+    def expects_draft(self, rows: int) -> bool:
+        return True
 
     def decide(self, rows: int, ngrams: list[int], lookup_lengths: list[int]) -> tuple[StepKind, int]:
         return StepKind.DRAFT, max(lookup_lengths, default=0)

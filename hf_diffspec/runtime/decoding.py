@@ -47,6 +47,7 @@ column per accepted position of the longest row, and a per-row validity mask hid
 its left padding).
 """
 
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -305,8 +306,7 @@ def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask)
         call.ahead = call.drafting.draft_ahead(outcome.anchors, batch.root_position_tensor)
         return call.ahead.read
 
-    room = call.policy.depth_limits([p + 1 for p in batch.root_positions], [d - 1 for d in batch.max_drafts()])
-    first = draft_first if max(room) > 0 and call.drafting.can_draft_ahead(input_ids.shape[0]) else None
+    first = draft_first if _drafts_ahead(call, batch.root_positions) else None
     batch.accept([CandidateTree([0], [-1])] * input_ids.shape[0], out.logits[:, -1:], before_read=first)
     if call.ahead is not None:
         if batch.accepted is None:  # the first tokens were chosen token by token: the pass saw no outcome
@@ -315,6 +315,25 @@ def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask)
             call.ahead.values = batch.read_along if call.ahead.read is not None else None
             call.drafting.keep_ahead(call.ahead, None)
     call.stats.prefill_time_s = device_time(call.device) - call.start_time
+
+
+def reads_wait(device: torch.device) -> bool:
+    """Whether the host waits for `device` when it reads a tensor: everywhere but on the CPU, where the host runs
+    every op as it is called (`HF_DIFFSPEC_DRAFT_AHEAD=1` / `0` says so instead, for tests and comparisons)."""
+    forced = os.environ.get("HF_DIFFSPEC_DRAFT_AHEAD")
+    return forced == "1" if forced in ("0", "1") else device.type != "cpu"
+
+
+def _drafts_ahead(call: DecodingCall, root_positions: list[int]) -> bool:
+    """Whether this step runs the next step's drafting pass before its read (`drafting.draft_ahead`): where a read
+    waits for the device (on a CPU the second read is free, and a pass the next step does not use is not), when the
+    controller expects the next step to draft, the method drafts in one pass, and some row will have room for drafts
+    next (each commits a token at least, within its length and the context)."""
+    batch = call.batch
+    if not (reads_wait(call.device) and call.policy.control.expects_draft(len(batch.active))
+            and call.drafting.can_draft_ahead(len(batch.active))):
+        return False
+    return max(call.policy.depth_limits([p + 1 for p in root_positions], [d - 1 for d in batch.max_drafts()])) > 0
 
 
 def _step(call: DecodingCall, step_start):
@@ -337,10 +356,8 @@ def _step(call: DecodingCall, step_start):
 
     verify_start = call.clock.stamp()  # the drafter's forward is the draft's time
     out, layout = verifier.forward(trees, batch.root_position_tensor)
-    # a drafter step drafts the next step before reading its own outcome: the next pass's reads ride on this read
-    # (not when no row will have room for drafts next: each commits a token at least, within its length and context)
-    room = policy.depth_limits([p + 1 for p in root_positions], [d - 1 for d in batch.max_drafts()])
-    drafts_ahead = kind is StepKind.DRAFT and max(room) > 0 and call.drafting.can_draft_ahead(rows)
+    # a drafter step drafts the next step before reading its own outcome, its reads riding on this one
+    drafts_ahead = kind is StepKind.DRAFT and _drafts_ahead(call, root_positions)
 
     def draft_next(outcome):  # the drafter's context: every slot of the accepted paths, those past a row's count hidden
         levels = index_range(outcome.committed.shape[1], device)
