@@ -24,7 +24,10 @@ def no_profile(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
 
 
-def test_zlabs_loop_and_ours_take_the_same_steps_and_write_plain_generates_output():
+@pytest.mark.parametrize("ahead", ["0", "1"], ids=["at-each-step", "drafting-ahead"])
+def test_zlabs_loop_and_ours_take_the_same_steps_and_write_plain_generates_output(ahead, monkeypatch):
+    """Drafting at each step (a CPU's default) and ahead (a GPU's): the oracle reads each pass's positions."""
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", ahead)
     target = tiny_target("qwen3", seed=0, layers=4)
     target.generation_config.eos_token_id = None
     drafter = tiny_drafter(target, block_size=8, mask_token_id=3)

@@ -88,9 +88,11 @@ def test_export_vllm_exports_the_trained_drafter_and_prints_the_serve_command(tr
     assert missing.returncode == 2 and "run examples/train_and_push.sh first" in missing.stderr
 
 
-def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path):
+def test_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_configs(tmp_path, monkeypatch):
     """examples/gpu_check.sh --tiny: every target family checked or skipped with the loop's refusal, the oracle's
-    rows reported with their host synchronisations per step, and fp32 identity with plain generate."""
+    rows reported with their host synchronisations per step, and fp32 identity with plain generate. Drafting ahead,
+    as on a GPU."""
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")
     report, results = tmp_path / "gpu_check.json", tmp_path / "gpu_check.jsonl"
     out = run("bash", "examples/gpu_check.sh", "--tiny", "--json", report, "--results", results).stdout
     assert "fp32 identity with plain generate: ok" in out

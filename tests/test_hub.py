@@ -60,7 +60,7 @@ NO_HF_DIFFSPEC = textwrap.dedent('''
     tree_module = next(m for name, m in sys.modules.items() if name.endswith("custom_generate.tree"))
     truth, rng, trees = ref[0].tolist(), random.Random(0), []
 
-    def oracle(self, root_tokens, root_positions, max_depths):
+    def oracle(self, root_tokens, root_positions, max_depths, ahead=None):
         (root_token,), (root_position,), (max_depth,) = root_tokens, root_positions, max_depths
         tokens, parents, parent = [root_token], [-1], 0
         for tok in truth[root_position + 1 : root_position + 1 + min(max_depth, 7)]:

@@ -39,10 +39,10 @@ def test_greedy_acceptance_makes_no_copy_of_the_verify_logits(bf16_pair, monkeyp
     target, drafter = bf16_pair
     accept, measured = BatchState.accept, []
 
-    def measuring(self, trees, logits, layout=None):
+    def measuring(self, trees, logits, layout=None, before_read=None):
         if measured or logits.shape[1] < SLOTS:
-            return accept(self, trees, logits, layout)
-        paths, peak = peak_extra_bytes(lambda: accept(self, trees, logits, layout))
+            return accept(self, trees, logits, layout, before_read)
+        paths, peak = peak_extra_bytes(lambda: accept(self, trees, logits, layout, before_read))
         measured.append(peak / logits.nbytes)
         return paths
 

@@ -104,7 +104,7 @@ class TreeOracle(OracleCandidateGenerator):
     """`OracleCandidateGenerator` with one sibling per depth beside the chain's draft: the right token where the
     chain's draft is wrong, with the same probability, else another wrong token."""
 
-    def propose(self, root_tokens, root_positions, remaining):
+    def propose(self, root_tokens, root_positions, remaining, ahead=None):
         trees = []
         for row, root, position, left in zip(self.rows, root_tokens, root_positions, remaining):
             depth = self.policy.depth_limit(position, left)

@@ -88,9 +88,13 @@ class EqualTauDrafts(DiffusionCandidateGenerator):
         super().select_rows(keep, moves)
         self.rows = [self.rows[i] for i in keep.tolist()]
 
-    def propose(self, root_tokens, root_positions, remaining):
+    def propose(self, root_tokens, root_positions, remaining, ahead=None):
         self._root_positions = root_positions
-        return super().propose(root_tokens, root_positions, remaining)
+        return super().propose(root_tokens, root_positions, remaining, ahead)
+
+    def _ahead_pass(self, roots, positions, draft_hidden, span):
+        self._root_positions = positions  # (on the device: a pass run ahead reads nothing)
+        return super()._ahead_pass(roots, positions, draft_hidden, span)
 
     def _pick(self, draft_hidden, logits, roots):
         drafts, confidences, probs = super()._pick(draft_hidden, logits, roots)

@@ -55,7 +55,11 @@ class OracleCandidateGenerator(DiffusionCandidateGenerator):
     def select_rows(self, keep: torch.Tensor, moves=None) -> None:
         self.rows = [self.rows[i] for i in keep.tolist()]
 
-    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int]) -> list[CandidateTree]:
+    def can_draft_ahead(self, rows: int) -> bool:
+        return False  # no drafter pass to run
+
+    def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int],
+                ahead=None) -> list[CandidateTree]:
         trees = []
         for row, root, position, left in zip(self.rows, root_tokens, root_positions, remaining):
             depth = self.policy.depth_limit(position, left)

@@ -14,12 +14,17 @@ target itself picks. It reads in one screen (`speculative_generate`, `_step`); i
                                            as one more branch), LOOKUP (lookup drafts alone, no drafter forward)
                                            or PLAIN (the anchors alone: a plain decode step), and how many lookup
                                            drafts pay
-        drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch)
+        drafting.propose(anchors)      ──► one CandidateTree per row (a chain is a tree with one branch), from
+                                           the pass the last step ran ahead when there is one
         verifier.forward(trees)        ──► one target forward: trees as a rectangle, 4D mask, depth positions
         batch.accept(trees, logits)    ──► descend each tree with the target's choices: greedy, for every row and
                                            node at once on the device, one read of the outcome per step (when the
                                            processors and criteria need no exact prefix per position); else token
-                                           by token (logits processors, stopping criteria, streamer)
+                                           by token (logits processors, stopping criteria, streamer). Before that
+                                           read, where a read waits for the device, a drafter step runs the next
+                                           step's drafting pass from the outcome still on the device
+                                           (`drafting.draft_ahead`): what the next trees are sized and shaped by
+                                           rides on the same read
         verifier.keep(paths)           ──► accepted paths kept in the cache, visible to their row; recurrent states
                                            rolled back and advanced along them; their target features become the
                                            drafter's new context (`drafting.add_context`)
@@ -30,7 +35,10 @@ target itself picks. It reads in one screen (`speculative_generate`, `_step`); i
 
 Between two target forwards the host reads the device a fixed number of times whatever the batch or tree size
 (`tests/test_sync_budget.py`): the committed tokens are copied to the host once per step (`TokenStore`), and prompt
-lookup, stopping and root positions work from that copy. Nothing else in a step waits for the device: steps are
+lookup, stopping and root positions work from that copy; with drafting ahead, that copy also carries the next
+step's drafter confidences or ranked top-k, so a step that drafts after a drafter step reads once (one more when its
+pass ran at its own step: on a CPU, where the host runs every op as called and a read costs nothing, and after a
+lookup or plain step or a probe the controller did not expect to pay). Nothing else in a step waits for the device: steps are
 timed by stamps on the device's own timeline (`device_clock.StepClock`; on the CPU the host clock), each ending after
 `keep` and the replay, so their time is the step's and not the next one's; on a GPU a step's times are read at a
 later step's read and reach the controller and the cost model then (`_record_timed_steps`).

@@ -259,7 +259,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             self.add_context(hidden_states, index, positions, valid, all_valid=False)
         start = self.clock.stamp()
         draft_hidden = self.first.draft_block(anchors, anchor_positions, self.block_size)
-        tensors, read = self._ahead_pass(anchors, draft_hidden[:, 1:], self._ahead_span())
+        tensors, read = self._ahead_pass(anchors, anchor_positions, draft_hidden[:, 1:], self._ahead_span())
         span = (start, self.clock.stamp())
         self._draft_spans.append(span)
         return DraftPass(tensors, read, context, span)
@@ -275,9 +275,9 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             context.all_valid = all_valid and (kept is None or rows_all_valid)
         self.record_draft_times()
 
-    def _ahead_pass(self, roots: torch.Tensor, draft_hidden: torch.Tensor, span: int):
-        """`propose`'s device work for chains over `span` slots: (the tensors the chains are built from, the reach
-        the cost model sizes them by (rows, span), or None)."""
+    def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int):
+        """`propose`'s device work for chains over `span` slots after anchors `roots` at `positions` (on the device):
+        (the tensors the chains are built from, the reach the cost model sizes them by (rows, span), or None)."""
         reach = None
         if self.policy.uses_cost_model and self.length_head is not None:
             reach = torch.cumprod(self.length_head(draft_hidden[:, :span]).float().sigmoid(), dim=-1)
@@ -552,7 +552,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
     def _ahead_span(self) -> int:
         return min(super()._ahead_span(), self.first.drafter.config.draft_tree_budget)
 
-    def _ahead_pass(self, roots: torch.Tensor, draft_hidden: torch.Tensor, span: int):
+    def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int):
         config = self.first.drafter.config
         logits = self.first.drafter.compute_logits(draft_hidden[:, :span])
         probs, table = self._ranked_table(logits, config.draft_tree_width, config.draft_tree_budget)
