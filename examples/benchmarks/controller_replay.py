@@ -110,6 +110,9 @@ def main():
     parser.add_argument("--draft-scale", type=float, default=1.0)
     parser.add_argument("--no-lookup", action="store_true")
     parser.add_argument("--controllers", default="previous,controller")
+    parser.add_argument("--drafting-known", action="store_true",
+                        help="the controller starts with the drafting pass's price at the call's row count (as a "
+                             "drafter profile measured on this machine would give it), not the layer-count guess")
     parser.add_argument("--min-tokens", type=int, default=0,
                         help="the percentile column counts only calls that committed at least this many tokens")
     args = parser.parse_args()
@@ -121,8 +124,13 @@ def main():
     import json
 
     costs = ReplayCosts(json.loads(Path(args.costs).read_text()), scale=args.draft_scale)
-    makers = {"previous": lambda: PreviousGates(costs), "controller": lambda: SpeculationController(
-        costs.verify, draft_guess=3 / 30)}  # the shipped drafter's layers over SmolLM2's
+    def guess(rows: int) -> float:  # in one-token forwards at `rows`, as the controller prices drafting
+        if args.drafting_known:
+            return costs.draft_seconds(rows) / costs.verify.profiled(1, rows)
+        return 3 / 30  # the shipped drafter's layers over SmolLM2's
+
+    makers = {"previous": lambda rows: PreviousGates(costs),
+              "controller": lambda rows: SpeculationController(costs.verify, draft_guess=guess(rows))}
     names = args.controllers.split(",")
     print(f"{len(traces)} traces ({args.split}), {args.seeds} seeds, drafting x{args.draft_scale}"
           f"{', no lookup' if args.no_lookup else ''}")
@@ -140,9 +148,9 @@ def main():
             results = {k: replay_call(c, batch, costs, random.Random(seed)) for k, c in runs.items()}
             results["oracle"] = replay_call(Fixed(StepKind.PLAIN), batch, costs, random.Random(seed), oracle=True)
             for name in names:
-                fresh = makers[name]().start_call()
+                fresh = makers[name](rows).start_call()
                 results[name, "fresh"] = replay_call(fresh, batch, costs, random.Random(seed))
-                carried = makers[name]()
+                carried = makers[name](rows)
                 for i, other in enumerate(warmups):
                     call = carried.start_call()
                     replay_call(call, other, costs, random.Random(10_000 + seed * 3 + i))
