@@ -413,7 +413,7 @@ def equal_tau(name, target, args) -> list[dict]:
         return [{"target": name, "section": "equal_tau", "skipped": zlab.skip_reason}]
     inputs = prompts(1, args.equal_tau_prompt, vocab, target.device)
     rows = equal_tau_rows(target, drafter, zlab, inputs, args.equal_tau_tokens, [3, 6.5],
-                          [*EQUAL_TAU_ARMS, "ours-live", "plain", "plain-static"]
+                          [*EQUAL_TAU_ARMS, "ours-live", "ours-live-at-each-step", "plain", "plain-static"]
                           + (["plain-compiled"] if target.device.type == "cuda" else []),  # a CPU compile: minutes
                           repeats=1 if args.tiny else 2, progress=lambda _: None)
     problems = check_equal_tau(rows)

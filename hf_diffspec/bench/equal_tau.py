@@ -11,7 +11,10 @@ of 16), both loops therefore commit the same tokens in the same steps, and their
 - `ours-block-static`: the same with `cache_implementation="static"` (the capture-ready path);
 - `ours-live`: our chains as the `dflash` method runs them (no length head), the cost model choosing each step's
   length from confidences set to q (the oracle's true acceptance) and the controller deciding whether to
-  speculate: its own tau, not an equal one;
+  speculate: its own tau, not an equal one (where a read waits for the device, each drafter step drafts the next
+  ahead, `drafting.draft_ahead`);
+- `ours-live-at-each-step`: the same, every drafting pass at its own step (`HF_DIFFSPEC_DRAFT_AHEAD=0`; on a CPU
+  that is `ours-live` itself): on a GPU, what drafting ahead saves;
 - `plain`, `plain-static`: `generate` without a drafter, dynamic and static cache (`disable_compile=True`);
   `plain-compiled` (not run by default: on the CPU a compile takes minutes), the static cache as transformers compiles
   it, its first call (the compile) reported apart.
@@ -29,6 +32,7 @@ Run it on a quiet machine (one process): it times calls.
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -41,7 +45,7 @@ from ..runtime.drafting import DiffusionCandidateGenerator
 from .counting import StepCounts, TargetForwardCounter
 from .oracle import _loop_drafting, oracle_acceptance
 
-ARMS = ("zlab", "ours-block", "ours-block-static", "ours-live", "plain", "plain-static")
+ARMS = ("zlab", "ours-block", "ours-block-static", "ours-live", "ours-live-at-each-step", "plain", "plain-static")
 PLAIN_ARMS = ("plain", "plain-static", "plain-compiled")  # plain-compiled: transformers compiles the static step
 EQUAL_TAU_ARMS = ("zlab", "ours-block", "ours-block-static")
 
@@ -169,11 +173,12 @@ class EqualTauBench:
             def make(drafter, target, policy, sampling):
                 return EqualTauDrafts(drafter, target, policy, sampling, oracle)
 
-            if arm != "ours-live":
+            if not arm.startswith("ours-live"):
                 kwargs["num_assistant_tokens"] = self.block - 1  # the whole block, every step
             if arm == "ours-block-static":
                 kwargs["cache_implementation"] = "static"
-            with _loop_drafting(make):
+            at_each_step = _drafting_at_each_step() if arm == "ours-live-at-each-step" else nullcontext()
+            with _loop_drafting(make), at_each_step:
                 out = self.target.generate(**self.inputs, **kwargs, assistant_model=self.drafter,
                                            return_dict_in_generate=True)
             out, counts = out.sequences, StepCounts.of(out.speculation_stats)
@@ -194,6 +199,19 @@ class EqualTauBench:
                 return reference, True, first
             reference = out
         return reference, False, first
+
+
+@contextmanager
+def _drafting_at_each_step():
+    saved = os.environ.get("HF_DIFFSPEC_DRAFT_AHEAD")
+    os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["HF_DIFFSPEC_DRAFT_AHEAD"]
+        else:
+            os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = saved
 
 
 def equal_tau_rows(target, drafter, zlab, inputs, max_new_tokens: int, taus: list[float], arms: list[str],
