@@ -802,9 +802,9 @@ def test_a_d2sd_tree_pruned_by_the_drawn_tokens_is_caught(monkeypatch, one_torch
 
     candidates = drafting_prefix_tree._candidate_nodes
 
-    def scored_by_the_drawn_tokens(first_probs, drafts, picks, branch_probs, sample):
-        main, scores, sources = candidates(first_probs, drafts, picks, branch_probs, sample)
-        drawn = first_probs.gather(-1, drafts[:, None].long()).squeeze(-1).cumprod(0).tolist()
+    def scored_by_the_drawn_tokens(plan, branches):
+        main, scores, sources = candidates(plan, branches)
+        drawn = plan.laws.gather(-1, plan.drafts[:, None].long()).squeeze(-1).cumprod(0).tolist()
         for k in range(len(main)):
             scores[main[: k + 1]] = drawn[k]
         return main, scores, sources

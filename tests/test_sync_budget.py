@@ -237,3 +237,27 @@ def test_rolling_linear_attention_states_back_stays_within_the_budget(monkeypatc
     assert out.speculation_stats.linear_state_replays >= 3
     # measured: one step of eight reads twice (the budget is met by attention-only targets, above)
     assert max(counter.per_step_syncs[1:]) <= SYNC_BUDGET + 1, counter.worst()
+
+
+D2SD_SYNC_BUDGET = 3  # the outcome; every row's drafts and branch points (`plan_rows`); every branch (`branch_values`)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_d2sd_steps_read_the_device_a_fixed_number_of_times_whatever_the_rows(rows, sample):
+    """D²SD plans its branches on the host from the first drafter's pass and builds its trees there from the second
+    drafter's: each in one read for all rows and branches (it read once per row, slot and node: 39 reads a step at
+    1 row, about 600 at 16)."""
+    from helpers import tiny_dual_drafter
+
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_dual_drafter(target, block_size=6, seed=3)
+    ids = _prompts(rows)
+    with HostSyncCounter(target, [drafter]) as counter:
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                              num_assistant_tokens=4, prompt_lookup_num_tokens=3, max_new_tokens=16, eos_token_id=1,
+                              pad_token_id=1, return_dict_in_generate=True,
+                              **(SAMPLING if sample else dict(do_sample=False)))
+    assert out.speculation_stats.draft_steps >= 3
+    syncs = counter.per_step_syncs
+    assert syncs[0] <= D2SD_SYNC_BUDGET + PREFILL_READS and max(syncs[1:]) <= D2SD_SYNC_BUDGET, syncs

@@ -25,7 +25,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .drafting_best_first import best_first_shape, build_best_first_tree, build_selector_tree, laws_to_device
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock
-from .drafting_prefix_tree import build_prefix_tree, plan_branches
+from .drafting_prefix_tree import branch_values, plan_rows, prefix_tree
 from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
 from .verify_cache import select_rows as select_cache_rows
@@ -494,32 +494,29 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         start = self.clock.stamp()
         roots, positions, draft_hidden = self._draft_block(root_tokens, root_positions)
         probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
-        # a row with no room left (limit 0) plans no branches and verifies its root alone
-        plans = [plan_branches(probs[r, : limits[r]], config.num_branches, sample) if limits[r] > 0
-                 else (probs.new_zeros(0, dtype=torch.long), []) for r in range(rows)]
+        # every row's drafts and branch points in one read (a row with no room left plans none: its root alone)
+        plans = plan_rows(probs, limits, config.num_branches, sample)
+        picks = [(r, i) for r, plan in enumerate(plans) for i in plan.picks]
         length = config.branch_length
         if config.branches_from_first_pass:
-            branch_probs = [[probs[r, i : i + length] for i in picks] for r, (_, picks) in enumerate(plans)]
+            branch_probs = [probs[r, i : i + length] for r, i in picks]
         else:  # one batched pass of the branch drafter over every branch of every row
-            branch_rows = [r for r, (_, picks) in enumerate(plans) for _ in picks]
-            prefixes = [drafts[:i] for drafts, picks in plans for i in picks]
+            branch_rows = [r for r, _ in picks]
+            prefixes = [plans[r].drafts[:i] for r, i in picks]
             hidden = self.branch_context.draft_branches(roots, positions, branch_rows, prefixes, self.block_size)
-            spans = [hidden[b, 1 + len(p) : 1 + min(len(p) + length, limits[branch_rows[b]])]
-                     for b, p in enumerate(prefixes)]
-            logits = self.branch_context.drafter.compute_logits(torch.cat(spans))
-            flat = self._distributions(logits).split([len(s) for s in spans])
-            branch_probs, offset = [], 0
-            for _, picks in plans:
-                branch_probs.append(list(flat[offset : offset + len(picks)]))
-                offset += len(picks)
+            spans = [hidden[b, 1 + i : 1 + min(i + length, limits[r])] for b, (r, i) in enumerate(picks)]
+            logits = self.branch_context.drafter.compute_logits(torch.cat(spans)) if spans else None
+            branch_probs = list(self._distributions(logits).split([len(s) for s in spans])) if spans else []
+        # every branch's alternative, drafts and their laws' maxima in one more read
+        branches = branch_values(branch_probs, [i for _, i in picks], [plans[r].tokens[i] for r, i in picks], sample)
         self._draft_finished(start)  # both passes, every row
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
-        trees = [build_prefix_tree(root_tokens[r], probs[r, : limits[r]], plans[r][0], plans[r][1], branch_probs[r],
-                                   config.tree_budget, node_count, sample=sample) if limits[r] > 0
-                 else CandidateTree.chain(root_tokens[r], plans[r][0]) for r in range(rows)]
+        trees = [prefix_tree(root_tokens[r], plans[r], [b for (row, _), b in zip(picks, branches) if row == r],
+                             config.tree_budget, node_count, sample=sample) if limits[r] > 0
+                 else self._root_only(root_tokens[r]) for r in range(rows)]
         if sample and self.sampling.compact:  # the nodes' laws as compact as the slots' they came from
             for tree in trees:
                 if tree.draft_laws is not None:
@@ -527,7 +524,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         return trees
 
     def can_draft_ahead(self, rows: int) -> bool:
-        return False  # its branches are planned on the host from the first pass (`plan_branches`)
+        return False  # its branches are planned on the host from the first pass (`plan_rows`)
 
     def get_candidates(self, *args, **kwargs):
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
