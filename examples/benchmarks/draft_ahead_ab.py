@@ -12,8 +12,6 @@ Methods are reported as `METHOD` and `METHOD, no draft-ahead`, with every column
 """
 
 import argparse
-import contextlib
-import os
 
 import torch
 
@@ -21,28 +19,16 @@ from hf_diffspec import load_target
 from hf_diffspec.bench import (
     build_method_drafters, machine_description, machine_markdown, markdown_table, run_benchmark, summarize, write_json,
 )
+from hf_diffspec.bench.host_syncs import drafting_ahead
 from hf_diffspec.bench.method import Method
 from hf_diffspec.cli import DTYPES
 from hf_diffspec.prompts import load_prompts
 
 
 def draft_ahead(on: bool):
-    """A `Method.target_patch`: the call drafts ahead (`HF_DIFFSPEC_DRAFT_AHEAD=1`, as where a read waits for the
-    device) or at each step (`0`, the CPU's default)."""
-
-    @contextlib.contextmanager
-    def patch(target):
-        saved = os.environ.get("HF_DIFFSPEC_DRAFT_AHEAD")
-        os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = "1" if on else "0"
-        try:
-            yield
-        finally:
-            if saved is None:
-                del os.environ["HF_DIFFSPEC_DRAFT_AHEAD"]
-            else:
-                os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = saved
-
-    return patch
+    """A `Method.target_patch`: the call drafts ahead (as where a read waits for the device) or at each step (the
+    CPU's default)."""
+    return lambda target: drafting_ahead(on)
 
 
 def main() -> None:

@@ -32,7 +32,6 @@ Run it on a quiet machine (one process): it times calls.
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -43,6 +42,7 @@ import torch
 from ..runtime.device_clock import device_time
 from ..runtime.drafting import DiffusionCandidateGenerator
 from .counting import StepCounts, TargetForwardCounter
+from .host_syncs import drafting_ahead
 from .oracle import _loop_drafting, oracle_acceptance
 
 ARMS = ("zlab", "ours-block", "ours-block-static", "ours-live", "ours-live-at-each-step", "plain", "plain-static")
@@ -177,7 +177,7 @@ class EqualTauBench:
                 kwargs["num_assistant_tokens"] = self.block - 1  # the whole block, every step
             if arm == "ours-block-static":
                 kwargs["cache_implementation"] = "static"
-            at_each_step = _drafting_at_each_step() if arm == "ours-live-at-each-step" else nullcontext()
+            at_each_step = drafting_ahead(False) if arm == "ours-live-at-each-step" else nullcontext()
             with _loop_drafting(make), at_each_step:
                 out = self.target.generate(**self.inputs, **kwargs, assistant_model=self.drafter,
                                            return_dict_in_generate=True)
@@ -199,19 +199,6 @@ class EqualTauBench:
                 return reference, True, first
             reference = out
         return reference, False, first
-
-
-@contextmanager
-def _drafting_at_each_step():
-    saved = os.environ.get("HF_DIFFSPEC_DRAFT_AHEAD")
-    os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["HF_DIFFSPEC_DRAFT_AHEAD"]
-        else:
-            os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = saved
 
 
 def equal_tau_rows(target, drafter, zlab, inputs, max_new_tokens: int, taus: list[float], arms: list[str],

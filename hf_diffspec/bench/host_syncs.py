@@ -18,6 +18,8 @@ and results) or copied it there. On a CPU run a `torch.device("cpu")` object is 
 (`tensor.to(device)`), so only the string "cpu" (or a host tensor) names the host there.
 """
 
+import contextlib
+import os
 import weakref
 from collections import Counter
 
@@ -231,3 +233,18 @@ def _flat(args, kwargs):
             yield from value
         else:
             yield value
+
+
+@contextlib.contextmanager
+def drafting_ahead(on: bool):
+    """Within the block, drafter steps draft their successor ahead of their read (`on`, as where a read waits for the
+    device) or every pass at its own step (as on a CPU): `HF_DIFFSPEC_DRAFT_AHEAD`, put back after."""
+    saved = os.environ.get("HF_DIFFSPEC_DRAFT_AHEAD")
+    os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["HF_DIFFSPEC_DRAFT_AHEAD"]
+        else:
+            os.environ["HF_DIFFSPEC_DRAFT_AHEAD"] = saved
