@@ -8,7 +8,7 @@ from transformers import AutoModel
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
-from hf_diffspec.runtime.drafting_prefix_tree import build_prefix_tree, plan_branches
+from hf_diffspec.runtime.drafting_prefix_tree import branch_values, plan_rows, prefix_tree
 from helpers import (
     ProposalRecorder,
     decoy_oracle_drafter_outputs,
@@ -92,15 +92,17 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
         probs = probs / probs.sum(-1, keepdim=True)
         return [probs[row, len(p):] for row, p in enumerate(prefixes)]
 
-    drafts, picks = plan_branches(first, num_branches=1)
+    plan = plan_rows(first[None], [4], num_branches=1)[0]
+    drafts, picks = plan.drafts, plan.picks
     assert drafts.tolist() == [1, 2, 3, 4] and picks == [1]   # one branch, re-drafted after the prefix [1]
-    tree = build_prefix_tree(0, first, drafts, picks, branch_probs([drafts[:i] for i in picks]), budget=16)
+    branches = branch_values(branch_probs([drafts[:i] for i in picks]), picks, [plan.tokens[i] for i in picks])
+    tree = prefix_tree(0, plan, branches, budget=16)
     node = 0
     for token in [1, 2, 3, 4]:                      # the main chain is kept whole
         node = tree.children[node][token]
     after_prefix = tree.children[tree.children[0][1]]
     assert set(after_prefix) == {2, 7}              # main draft 2 and the VP's alternative (never the same token)
-    small = build_prefix_tree(0, first, drafts, picks, branch_probs([drafts[:i] for i in picks]), budget=4)
+    small = prefix_tree(0, plan, branches, budget=4)
     assert len(small) == 4 and all(p < i for i, p in enumerate(small.parents) if i)
 
 

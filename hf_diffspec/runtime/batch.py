@@ -189,13 +189,12 @@ def commit_in_step(committers: list[RowCommitter], raw_logits: torch.Tensor, log
 @dataclass
 class DeviceOutcome:
     """A step accepted on the device, before the host reads it: per row, how many tokens it commits (`count`,
-    (rows,)), the tokens along its accepted path (`committed`, (rows, max depth + 1)), the path's slots (`path_nodes`,
-    None for uniform chains: their first slots) and the step's `TreeLayout`."""
+    (rows,)), the tokens along its accepted path (`committed`, (rows, max depth + 1)) and the path's slots
+    (`path_nodes`, None for uniform chains: their first slots)."""
 
     count: torch.Tensor
     committed: torch.Tensor
     path_nodes: torch.Tensor | None
-    layout: TreeLayout
 
     @property
     def anchors(self) -> torch.Tensor:
@@ -344,7 +343,7 @@ class BatchState:
         # chains need no nodes read back: a row's accepted path is its first `count` slots
         outcome = torch.cat([count[:, None], committed] + ([] if path_nodes is None else [path_nodes])
                             + ([] if inexact is None else [inexact[:, None].long()]), dim=1)
-        along = None if before_read is None else before_read(DeviceOutcome(count, committed, path_nodes, layout))
+        along = None if before_read is None else before_read(DeviceOutcome(count, committed, path_nodes))
         if along is None:
             outcome = outcome.tolist()
         else:  # one copy (token ids and counts are exact in float64)

@@ -320,8 +320,7 @@ def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask)
         if batch.accepted is None:  # the first tokens were chosen token by token: the pass saw no outcome
             call.ahead = None
         else:
-            call.ahead.values = batch.read_along
-            call.drafting.keep_ahead(call.ahead, None)
+            call.drafting.keep_ahead(call.ahead, batch.read_along)
     call.stats.prefill_time_s = device_time(call.device) - call.start_time
 
 
@@ -384,8 +383,7 @@ def _step(call: DecodingCall, step_start):
                                                               for ids, p in zip(batch.histories(), paths)])
     kept = verifier.keep(paths, batch.accepted, batch.next_slots)
     if call.ahead is not None:  # the pass cached every slot of the accepted paths: the longest path's are kept
-        call.ahead.values = batch.read_along
-        call.drafting.keep_ahead(call.ahead, kept.offsets.shape[0], kept.rows_all_valid)
+        call.drafting.keep_ahead(call.ahead, batch.read_along, kept.offsets.shape[0], kept.rows_all_valid)
     else:
         call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
                                   kept.accepted, all_valid=kept.rows_all_valid)

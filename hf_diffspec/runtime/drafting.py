@@ -264,10 +264,12 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         self._draft_spans.append(span)
         return DraftPass(tensors, read, context, span)
 
-    def keep_ahead(self, ahead: DraftPass, kept: int | None, rows_all_valid: bool = True) -> None:
-        """After the read: the drafter keeps `kept` slots of the step's context (the longest accepted path), as
-        `add_context` would have given it; None: none of them (the step was accepted another way, which
-        `add_context` gives next)."""
+    def keep_ahead(self, ahead: DraftPass, values: list | None, kept: int | None = None,
+                   rows_all_valid: bool = True) -> None:
+        """After the read: the pass gets what was read along for it (`values`), and the drafter keeps `kept` slots of
+        the step's context (the longest accepted path), as `add_context` would have given it; None: none of them
+        (the step was accepted another way, which `add_context` gives next)."""
+        ahead.values = values
         width, all_valid = ahead.context
         if width:
             context = self.first  # (the only drafter context of a method that drafts ahead)
@@ -280,7 +282,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         (the tensors the chains are built from, the reach the cost model sizes them by (rows, span), or None)."""
         reach = None
         if self.policy.uses_cost_model and self.length_head is not None:
-            reach = torch.cumprod(self.length_head(draft_hidden[:, :span]).float().sigmoid(), dim=-1)
+            reach = self._length_head_reach(draft_hidden[:, :span])
         logits = self.first.drafter.compute_logits(draft_hidden[:, :span])
         drafts, confidences, probs = self._pick(draft_hidden, logits, roots)
         if self.policy.uses_cost_model and reach is None:
@@ -339,8 +341,11 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         if not (self.policy.uses_cost_model and self.length_head is not None):
             return limits
         self._draft_finished(start)
-        reach = torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1).tolist()
-        return self.policy.chain_lengths(reach, limits)
+        return self.policy.chain_lengths(self._length_head_reach(draft_hidden).tolist(), limits)
+
+    def _length_head_reach(self, draft_hidden: torch.Tensor) -> torch.Tensor:
+        """The length head's probability that each slot is reached (its acceptance estimates, multiplied)."""
+        return torch.cumprod(self.length_head(draft_hidden).float().sigmoid(), dim=-1)
 
     def _logits(self, draft_hidden: torch.Tensor, limits: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Draft logits of the first `max(limits)` slots, and the limits cut to the slots computed."""

@@ -52,33 +52,23 @@ class Branch:
     laws: list[torch.Tensor]
 
 
-def plan_rows(first_probs: torch.Tensor, limits: list[int], num_branches: int, sample: bool = False,
-              drafts: torch.Tensor | None = None, picks: list[list[int]] | None = None) -> list[RowPlan]:
+def plan_rows(first_probs: torch.Tensor, limits: list[int], num_branches: int, sample: bool = False) -> list[RowPlan]:
     """Every row's plan from its first-drafter distributions `first_probs` (rows, depth, vocab), the first
-    `limits[r]` slots of row r, in one read of the device: its drafts (drawn when `sample`, or `drafts` when given)
-    and the `num_branches` prefix lengths with the largest r(i) (or `picks` when given)."""
+    `limits[r]` slots of row r, in one read of the device: its drafts (drawn when `sample`) and the `num_branches`
+    prefix lengths with the largest r(i)."""
     rows, depth, vocab = first_probs.shape
     confidences = first_probs.max(-1).values
-    if drafts is None:
-        drafts = draw_rows(first_probs.reshape(-1, vocab), sample).view(rows, depth)
+    drafts = draw_rows(first_probs.reshape(-1, vocab), sample).view(rows, depth)
     reach = torch.cat([confidences.new_ones(rows, 1), torch.cumprod(confidences, 1)[:, :-1]], 1)  # P(first i)
     boundary = reach * (1 - confidences)                                                           # r(i)
     table = torch.cat([drafts.double(), (reach * confidences).double(), boundary.double()], 1).tolist()
     plans = []
     for r, (values, limit) in enumerate(zip(table, limits)):
         row_boundary = values[2 * depth : 2 * depth + limit]
-        row_picks = picks[r] if picks is not None else sorted(
-            sorted(range(limit), key=lambda i: -row_boundary[i])[:num_branches])
+        row_picks = sorted(sorted(range(limit), key=lambda i: -row_boundary[i])[:num_branches])
         plans.append(RowPlan(drafts[r, :limit], [int(t) for t in values[:limit]], values[depth : depth + limit],
                              row_boundary, row_picks, first_probs[r, :limit]))
     return plans
-
-
-def plan_branches(first_probs: torch.Tensor, num_branches: int, sample: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """One row's `plan_rows`: its drafts and the prefix lengths to re-draft. `first_probs` (depth, vocab): its
-    distributions for slots 1..depth."""
-    plan = plan_rows(first_probs[None], [first_probs.shape[0]], num_branches, sample)[0]
-    return plan.drafts, plan.picks
 
 
 def branch_values(branch_probs: list[torch.Tensor], prefix_lengths: list[int], excluded: list[int],
@@ -109,17 +99,6 @@ def branch_values(branch_probs: list[torch.Tensor], prefix_lengths: list[int], e
                    [int(t) for t in slot_draws[first + 1 : first + n]], slot_max[first + 1 : first + n],
                    [flat[s] for s in range(first + 1, first + n)])
             for b, (i, first, n) in enumerate(zip(prefix_lengths, firsts, lengths))]
-
-
-def build_prefix_tree(root_token: int, first_probs: torch.Tensor, drafts: torch.Tensor, picks: list[int],
-                      branch_probs: list[torch.Tensor], budget: int, choose_count=None,
-                      sample: bool = False) -> CandidateTree:
-    """The prefix tree of one row from tensors: the main chain `drafts` drafted from `first_probs` (depth, vocab) and
-    the branches re-drafted at prefix lengths `picks` (from `plan_branches`), `branch_probs[j]` (slots, vocab) the
-    second drafter's distributions for slots picks[j]+1, picks[j]+2, ... (`prefix_tree` builds it)."""
-    plan = plan_rows(first_probs[None], [first_probs.shape[0]], 0, drafts=drafts[None], picks=[picks])[0]
-    branches = branch_values(branch_probs, picks, [plan.tokens[i] for i in picks], sample)
-    return prefix_tree(root_token, plan, branches, budget, choose_count, sample)
 
 
 def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: int, choose_count=None,
