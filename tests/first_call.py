@@ -63,13 +63,16 @@ def run(case: str) -> dict:
     # chooses; the sizing of prompt-lookup drafts is not counted (steps without a drafter forward verify those)
     tree_node_count, chain_lengths = policy.DraftLengthPolicy.tree_node_count, policy.DraftLengthPolicy.chain_lengths
 
-    def counted_tree(self, *args, **kwargs):
-        node_counts.append(tree_node_count(self, *args, **kwargs))
-        return node_counts[-1]
+    def counted_tree(self, *args, **kwargs):  # (not the drafting price's measured passes: a fixed length)
+        count = tree_node_count(self, *args, **kwargs)
+        if self.uses_cost_model:
+            node_counts.append(count)
+        return count
 
     def counted_chains(self, *args, **kwargs):
         lengths = chain_lengths(self, *args, **kwargs)
-        node_counts.append(1 + max(lengths, default=0))
+        if self.uses_cost_model:
+            node_counts.append(1 + max(lengths, default=0))
         return lengths
 
     policy.DraftLengthPolicy.tree_node_count, policy.DraftLengthPolicy.chain_lengths = counted_tree, counted_chains

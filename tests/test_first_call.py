@@ -36,7 +36,8 @@ def test_first_call_speculates_caches_its_profile_and_both_calls_equal_plain_gen
     result = json.loads(run.stdout.strip().splitlines()[-1])
     first, second = result["first"], result["second"]
     assert first["identical"] and second["identical"], result
-    # the gates try speculation before they have measured it: the first call's first step drafts, whatever the load
+    # the controller tries the drafter in the first call: its price, measured against a verify step (a ratio that a
+    # load leaves as it is), fits the call's budget
     assert first["draft_steps"] >= 1, result
     # and it verifies drafts (its own or prompt lookup's), unless the measured costs said no draft pays, every time
     assert first["draft_forwards"] >= 1 or first["node_counts"] and max(first["node_counts"]) == 1, result

@@ -173,7 +173,7 @@ def test_lookup_drafts_are_verified_only_where_the_measured_verify_cost_lets_the
     from hf_diffspec.runtime.control_cost import VerifyCost
 
     flat_at_one_row_steep_at_four = VerifyCost({1: {1: 1.0, 2: 1.0, 16: 1.0}, 4: {1: 1.0, 2: 2.0, 16: 16.0}})
-    controller = SpeculationController(flat_at_one_row_steep_at_four, draft_guess=100.0)  # never the drafter again
+    controller = SpeculationController(flat_at_one_row_steep_at_four, draft_price=100.0)  # never the drafter again
     controller.drafter.add_step([(0, 0, 0.0, 1.0)])  # after its first try, which accepted nothing
     for _ in range(30):  # 3-token matches: the first 3 drafts right
         controller.observe_lookups([3], [[1, 2, 3, 4]], [[1, 2, 3, 9]])

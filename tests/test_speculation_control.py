@@ -74,47 +74,52 @@ def test_the_budget_is_never_negative_where_the_cost_model_holds(seed):
     rng = random.Random(seed)
     cost = rng.uniform(0.1, 3.0)
     drafter = fixed(rng.uniform(0.0, 3.0), cost)
-    controller = SpeculationController(verify_cost, draft_guess=cost)
+    controller = SpeculationController(verify_cost, draft_price=cost)
     _, _, _, least = run(controller, lambda i: drafter, 400, rows=rng.choice([1, 4, 16]), seed=seed)
     assert least >= -1e-12
 
 
 @pytest.mark.parametrize("rows", [1, 16])
-def test_where_speculation_never_pays_decoding_stays_within_epsilon_of_plain(rows):
-    """A drafter accepting 0.1 drafts a row for half a plain step more: fresh, a call's decoding time stays within
+@pytest.mark.parametrize("price", [0.5, 14.0])
+def test_where_speculation_never_pays_decoding_stays_within_epsilon_of_plain(rows, price):
+    """A drafter accepting 0.1 drafts a row for half a plain step more, or for 14 (a drafter step dearer than the
+    bound's EPSILON of a 256-token call): fresh, told the call's length, a call's decoding time stays within
     (1 + EPSILON) x plain decoding's for its tokens plus one plain step, and over 3,000 steps throughput settles at
     1 / (1 + EPSILON) of plain decoding's (less the one step's share)."""
     for steps in (256, 3000):
         for seed in range(5):
-            controller = SpeculationController(verify_cost, draft_guess=0.5)
-            _, tokens, seconds, _ = run(controller, lambda i: fixed(0.1, 0.5), steps, rows=rows, seed=seed)
+            controller = SpeculationController(verify_cost, draft_price=price, horizon=steps)
+            _, tokens, seconds, _ = run(controller, lambda i: fixed(0.1, price), steps, rows=rows, seed=seed)
             assert seconds <= (1 + EPSILON) * tokens / plain_rate(rows) + verify_cost(1, rows) + 1e-9
             if steps == 3000:
                 assert tokens / seconds >= (1 / (1 + EPSILON) - 1 / steps) * plain_rate(rows), seed
 
 
 def test_where_speculation_always_pays_it_drafts_from_the_first_step():
-    kinds, tokens, seconds, _ = run(SpeculationController(verify_cost, draft_guess=0.3), lambda i: fixed(2.0, 0.3),
+    kinds, tokens, seconds, _ = run(SpeculationController(verify_cost, draft_price=0.3), lambda i: fixed(2.0, 0.3),
                                     200)
     assert kinds[0] is StepKind.DRAFT and kinds[:20].count(StepKind.DRAFT) >= 18
     assert tokens / seconds > 0.95 * 3.0 / (1.3 * verify_cost(4, 1) / verify_cost(1, 1)) * plain_rate(1)
 
 
-def test_a_drafter_never_seen_is_tried_first_whatever_its_guessed_price():
-    """A fresh controller's first step runs the drafter even where the cost model prices it far above two plain steps
-    (a profile measured on a busy machine can): an arm never observed is played once, as UCB does, and the budget
-    pays for it (it stays non-negative). After a try that accepted nothing, the dear drafter is left alone; one that
-    paid is taken at a call's start, where a credit of one plain step would allow no step dearer than two."""
-    controller = SpeculationController(verify_cost, draft_guess=20.0)
-    kinds, _, _, least = run(controller, lambda i: fixed(0.0, 20.0), 40)
-    assert kinds[0] is StepKind.DRAFT and kinds[1:] == [StepKind.PLAIN] * 39 and least >= 0
-    assert SpeculationController(verify_cost, draft_guess=20.0).start_call().decide(1, [0], [0])[0] is StepKind.DRAFT
-    assert controller.start_call().decide(1, [0], [0])[0] is StepKind.PLAIN  # a later call remembers the try
-    # a drafter that pays though a step of it costs 3 plain steps (2 beyond its verify): every call starts with it
-    paying = SpeculationController(verify_cost, draft_guess=2.0)
-    kinds, _, _, least = run(paying, lambda i: fixed(4.0, 2.0), 20)
-    assert kinds.count(StepKind.DRAFT) == 20 and least >= 0
-    assert paying.start_call().decide(1, [0], [0])[0] is StepKind.DRAFT
+def test_a_drafter_is_tried_only_where_the_budget_covers_its_price():
+    """A call's budget starts at one plain step and EPSILON of its plain time (`horizon`, its `max_new_tokens`) in
+    advance. A drafter whose step costs 20 plain steps is never tried in a call of 40 tokens where nothing earns
+    budget: one try would cost half the call (the never-pays suite at 16 rows lost 6% so). A drafter whose step costs
+    3 plain steps and pays is tried at the first step of a call of 256 tokens (never seen, and affordable: played
+    first, as UCB plays each arm once), taken from then on, and from the first step of a later call; without the
+    advance (horizon unknown) a later call waits for credit."""
+    dear = SpeculationController(verify_cost, draft_price=20.0, horizon=40)
+    kinds, tokens, seconds, least = run(dear, lambda i: fixed(0.0, 20.0), 40)
+    assert kinds == [StepKind.PLAIN] * 40 and least >= 0
+    assert seconds <= (1 + EPSILON) * tokens / plain_rate(1) + verify_cost(1, 1) + 1e-9
+    for seed in range(5):
+        paying = SpeculationController(verify_cost, draft_price=2.0, horizon=256, seed=seed)
+        kinds, _, _, least = run(paying, lambda i: fixed(4.0, 2.0), 60, seed=seed)
+        assert kinds[0] is StepKind.DRAFT and kinds.count(StepKind.DRAFT) >= 0.9 * len(kinds) and least >= 0
+        assert paying.start_call().decide(1, [0], [0])[0] is StepKind.DRAFT
+        paying.horizon = 0
+        assert paying.start_call().decide(1, [0], [0])[0] is StepKind.PLAIN
 
 
 def test_a_load_that_lifts_lowers_the_drafters_price_with_the_forwards():
@@ -125,7 +130,7 @@ def test_a_load_that_lifts_lowers_the_drafters_price_with_the_forwards():
 
     def price(loads):
         cost = VerifyCost({1: {1: 0.01, 4: 0.012}})
-        controller = SpeculationController(cost, draft_guess=1.0)
+        controller = SpeculationController(cost, draft_price=1.0)
         controller.decide(1, [0], [0])
         for load in loads:
             kind, slots, drafting = (StepKind.DRAFT, 4, 0.01) if load > 1 else (StepKind.PLAIN, 1, 0.0)
@@ -146,7 +151,7 @@ def test_a_busier_moment_neither_spends_nor_earns_budget():
     from hf_diffspec.runtime.control_cost import VerifyCost
 
     cost = VerifyCost({1: {1: 0.01, 4: 0.0101}})
-    controller = SpeculationController(cost, draft_guess=1.0)
+    controller = SpeculationController(cost, draft_price=1.0)
     kinds = []
     for load in [1.0] + [6.0] * 6:
         kind, _ = controller.decide(1, [0], [0])
@@ -168,7 +173,7 @@ def test_regret_is_bounded_where_acceptance_is_stationary(accepted, cost):
     best = max(draft_rate, plain_rate(1))
     rates = []
     for seed in range(3):
-        _, tokens, seconds, _ = run(SpeculationController(verify_cost, draft_guess=cost), lambda i: drafter, 2000,
+        _, tokens, seconds, _ = run(SpeculationController(verify_cost, draft_price=cost), lambda i: drafter, 2000,
                                     seed=seed)
         rates.append(tokens / seconds)
     clear = max(draft_rate, plain_rate(1)) >= 1.2 * min(draft_rate, plain_rate(1))
@@ -183,7 +188,7 @@ def test_an_abrupt_switch_is_followed():
     for first, then, least, most in ((good, bad, 0.0, 0.3), (bad, good, 0.9, 1.0)):
         share = 0.0
         for seed in range(5):
-            kinds, *_ = run(SpeculationController(verify_cost, draft_guess=0.3),
+            kinds, *_ = run(SpeculationController(verify_cost, draft_price=0.3),
                             lambda i: first if i < 300 else then, 600, seed=seed)
             share += kinds[350:].count(StepKind.DRAFT) / 250 / 5
         assert least <= share <= most
@@ -193,7 +198,7 @@ def test_lookup_drafts_are_scored_with_full_information():
     """Steps that verify no lookup draft still measure them (against what the target committed): a controller that
     only ever decoded plainly (after the drafter's first try, which accepted nothing) knows how far the drafts of each
     match length would have gone, and verifies them as soon as they pay."""
-    controller = SpeculationController(verify_cost, draft_guess=5.0)  # the drafter is far too dear to try again
+    controller = SpeculationController(verify_cost, draft_price=5.0)  # the drafter is far too dear to try again
     controller.drafter.add_step([(0, 0, 0.0, 1.0)])  # its first try (a controller's first step: `decide`)
 
     def lookups(rng):  # 3-token matches: 4 of 6 drafts right; 1-token matches: none
@@ -215,7 +220,7 @@ def test_lookup_steps_that_pay_are_taken_even_after_the_drafters_tries_spent_the
     looks cheap until measured) spend the budget; lookup drafts that are always right are then verified at full
     depth at once. Charged like tries, they waited for credit, one token a row at a time."""
     steep = lambda n, rows: PLAIN_SECONDS * rows * (1 + 0.3 * (n - 1))  # noqa: E731
-    controller = SpeculationController(steep, draft_guess=0.1)
+    controller = SpeculationController(steep, draft_price=0.1)
     kinds = []
     for _ in range(30):
         kind, depth = controller.decide(16, [3] * 16, [5] * 16)
@@ -233,7 +238,7 @@ def test_lookup_steps_that_pay_are_taken_even_after_the_drafters_tries_spent_the
 
 
 def test_a_call_starts_from_what_earlier_calls_learned_weighed_less():
-    controller = SpeculationController(verify_cost, draft_guess=0.3)
+    controller = SpeculationController(verify_cost, draft_price=0.3)
     run(controller, lambda i: fixed(2.0, 0.3), 50)
     call = controller.start_call()
     assert call is not controller and call.budget is None
@@ -246,9 +251,9 @@ def test_the_controller_expects_a_drafter_step_where_drafting_pays_at_its_estima
     """`expects_draft` (whether the loop drafts the next step ahead): after a paying drafter it expects drafter
     steps, after one that costs more than it commits it does not, and asking changes nothing the controller decides
     with (no draw, no budget spent)."""
-    paying = SpeculationController(verify_cost, draft_guess=0.3)
+    paying = SpeculationController(verify_cost, draft_price=0.3)
     run(paying, lambda i: fixed(3.0, 0.3), 200)
-    costly = SpeculationController(verify_cost, draft_guess=2.0)
+    costly = SpeculationController(verify_cost, draft_price=2.0)
     run(costly, lambda i: fixed(0.2, 2.0), 200)
     assert paying.expects_draft(1) and not costly.expects_draft(1)
     state = (paying.budget, paying.rng.getstate())

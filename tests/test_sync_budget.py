@@ -86,6 +86,7 @@ def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkey
         from hf_diffspec.runtime.control_cost import VerifyCost
 
         monkeypatch.setattr(control_policy, "verify_cost_for", lambda target, graphs=False: VerifyCost(LIVE_COSTS))
+        monkeypatch.setattr(control_policy, "drafting_price_for", lambda *args: 0.3)  # (its passes are no step's)
     target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
     drafter = tiny_drafter(target, block_size=6, seed=3, draft_tree_budget=tree_budget, draft_tree_width=2)
     ids = _prompts(rows)

@@ -110,9 +110,8 @@ def main():
     parser.add_argument("--draft-scale", type=float, default=1.0)
     parser.add_argument("--no-lookup", action="store_true")
     parser.add_argument("--controllers", default="previous,controller")
-    parser.add_argument("--drafting-known", action="store_true",
-                        help="the controller starts with the drafting pass's price at the call's row count (as a "
-                             "drafter profile measured on this machine would give it), not the layer-count guess")
+    parser.add_argument("--horizon", type=int, default=256,
+                        help="the calls' max_new_tokens as the controller is told (the traces were decoded to 256)")
     parser.add_argument("--min-tokens", type=int, default=0,
                         help="the percentile column counts only calls that committed at least this many tokens")
     args = parser.parse_args()
@@ -124,13 +123,11 @@ def main():
     import json
 
     costs = ReplayCosts(json.loads(Path(args.costs).read_text()), scale=args.draft_scale)
-    def guess(rows: int) -> float:  # in one-token forwards at `rows`, as the controller prices drafting
-        if args.drafting_known:
-            return costs.draft_seconds(rows) / costs.verify.profiled(1, rows)
-        return 3 / 30  # the shipped drafter's layers over SmolLM2's
+    def price(rows: int) -> float:  # a drafting pass in one-token forwards at `rows`, as the loop measures it first
+        return costs.draft_seconds(rows) / costs.verify.profiled(1, rows)
 
     makers = {"previous": lambda rows: PreviousGates(costs),
-              "controller": lambda rows: SpeculationController(costs.verify, draft_guess=guess(rows))}
+              "controller": lambda rows: SpeculationController(costs.verify, draft_price=price(rows), horizon=args.horizon)}
     names = args.controllers.split(",")
     print(f"{len(traces)} traces ({args.split}), {args.seeds} seeds, drafting x{args.draft_scale}"
           f"{', no lookup' if args.no_lookup else ''}")

@@ -23,7 +23,7 @@ import functools
 
 from .control_cost import VerifyCost, best_node_count
 from .control_speculation import AlwaysSpeculate, SpeculationController, StepRecord, controller_for, keep_controller
-from .control_profiles import keep_verify_cost, verify_cost_for
+from .control_profiles import drafting_price_for, keep_verify_cost, verify_cost_for
 
 
 class DraftLengthPolicy:
@@ -116,27 +116,35 @@ class FixedLength(DraftLengthPolicy):
         return self.length
 
 
-def speculation_policy(drafter, target, fixed: int | None = None, method: str = "DiffusionCandidateGenerator",
-                       graphs: bool = False):
-    """The draft-length policy and controller of one call of `drafter` on `target`: `fixed` drafts per step when
-    given, else the measured cost model when this machine has a profile for the target (measured now the first time;
-    `graphs`: the call's verify forward replays CUDA graphs, and so is the profile's), else the drafter's configured
-    length. `method` names the drafting method, whose controller persists across calls."""
+def speculation_policy(drafter, target, fixed: int | None = None, method=None, graphs: bool = False, rows: int = 1,
+                       horizon: int = 0):
+    """The draft-length policy and controller of one call of `drafter` on `target` over `rows` rows, at most `horizon`
+    new tokens a row (0: unknown; the controller's budget advances EPSILON of that much plain decoding): `fixed` drafts
+    per step when given, else the measured cost model when this machine has a profile for the target (measured now
+    the first time; `graphs`: the call's verify forward replays CUDA graphs, and so is the profile's), else the
+    drafter's configured length. `method`: the drafting method (its candidate generator class), whose controller
+    persists across calls and whose drafting pass is priced before the first one runs."""
     dual = drafter.config.model_type == "dual_diffusion_drafter"
     config = drafter.first.config if dual else drafter.config
     max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     if fixed is not None:
         return FixedLength(fixed, config.block_size, max_positions)
+    if method is None:
+        raise TypeError("a live policy needs its drafting method: speculation_policy(..., method=<generator class>)")
     # trees (D²SD, best-first) are sized by their node budget and the cost model, not by a chain length
     tree_depth = drafter.config.max_depth if dual else None
     if getattr(config, "draft_tree_budget", None):
         tree_depth = config.block_size - 1
     verify_cost = verify_cost_for(target, graphs=graphs)
+    price = None
+    if verify_cost is not None:
+        price = drafting_price_for(target, drafter, method, rows, lambda: method(
+            drafter, target, FixedLength(config.block_size - 1, config.block_size)))
     return DraftLengthPolicy(
         block_size=config.block_size, default_length=config.num_draft_tokens, verify_cost=verify_cost,
         tree_depth=tree_depth, max_positions=max_positions,
-        control=controller_for(drafter, target, method, verify_cost),
-        keep=functools.partial(_keep, drafter, target, method))
+        control=controller_for(drafter, target, method.__name__, verify_cost, price, horizon),
+        keep=functools.partial(_keep, drafter, target, method.__name__))
 
 
 def _keep(drafter, target, method: str, control, verify_cost) -> None:

@@ -98,7 +98,7 @@ def measure_verify_cost(target, sizes=PROFILE_SIZES, batches=PROFILE_BATCHES, co
 
 
 def _measure_rows(target, rows: int, sizes, context_length: int, repeats: int, generator,
-                  graphs: bool = False) -> dict[int, float]:
+                  graphs: bool = False, fastest: bool = False) -> dict[int, float]:
     device = target.device
     context = _plain_token_ids(target.config, rows * context_length, generator).view(rows, context_length).to(device)
     drafts = [[_plain_token_ids(target.config, n, generator).to(device) for _ in range(rows)]
@@ -119,7 +119,65 @@ def _measure_rows(target, rows: int, sizes, context_length: int, repeats: int, g
             times[len(tokens[0])].append(time.perf_counter() - start)
             verifier.rewind()
             states.restore()
+    if fastest:
+        return {n: min(t[1:]) for n, t in times.items()}
     return {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
+
+
+def measure_drafting_price(target, generator, rows: int, context_length: int = 32, repeats: int = 6) -> float:
+    """What one drafting pass of `generator` (a candidate generator at a fixed length) costs at `rows` rows, in the
+    loop's one-token verify steps at those rows (`_measure_rows`, the profile's), timed around them: a ratio that a
+    load slowing every forward leaves as it is; the fastest of each, the ones other processes disturbed least. The
+    drafter drafts every slot of its block after a random context of `context_length` target features (their values
+    do not change the time)."""
+    device, block = target.device, generator.block_size
+    features = torch.randn(rows, context_length, target.config.get_text_config().hidden_size, device=device,
+                           dtype=target.dtype)
+    generator.add_context((features,) * (max(generator.drafter.target_feature_layers) + 1), slice(None),
+                          torch.arange(context_length, device=device).repeat(rows, 1))
+    roots = _plain_token_ids(target.config, rows, torch.Generator().manual_seed(0)).tolist()
+
+    def drafting_pass() -> float:
+        _sync(device)
+        start = time.perf_counter()
+        generator.propose(roots, [context_length] * rows, [block] * rows)
+        _sync(device)
+        return time.perf_counter() - start
+
+    drafting_pass()  # warms up (the verify steps' first round does too)
+    times = [drafting_pass() for _ in range(repeats // 2)]
+    verify = _measure_rows(target, rows, (1,), context_length, repeats, torch.Generator().manual_seed(0), fastest=True)
+    times += [drafting_pass() for _ in range(repeats - repeats // 2)]
+    return min(times) / verify[1]
+
+
+def drafting_price_for(target, drafter, method, rows: int, make_generator) -> float | None:
+    """The drafting price (`measure_drafting_price`, on `make_generator()`) of `drafter`'s architecture with `method`
+    at `rows` rows on this machine: kept by the target for the process, cached beside the verify profiles (unless
+    other processes kept the machine busy meanwhile), measured the first time (under a second for SmolLM2 at 16
+    rows); None where nothing is cached and automatic profiling is off."""
+    config = drafter.config.to_json_string(use_diff=False)
+    key = hashlib.sha256(f"{config}|{method.__name__}|{profile_key(target)}".encode()).hexdigest()[:16]
+    path = profile_dir() / f"drafting-{key}.json"
+    memory = memory_of(target)
+    with MEASURING:
+        prices = memory.drafting_prices.get(key)
+        if prices is None:
+            try:
+                prices = {int(r): float(p) for r, p in json.loads(path.read_text())["price"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                prices = {}
+            memory.drafting_prices[key] = prices
+        if rows not in prices and _automatic():
+            with torch.no_grad(), OtherProcessesLoad() as load:
+                prices[rows] = measure_drafting_price(target, make_generator(), rows)
+            if load.cores is None or load.cores <= MAX_OTHERS_LOAD:
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write(path, json.dumps({"method": method.__name__, "price": prices}, indent=1))
+                except OSError:  # kept for this process; the verify profile's warning says how to fix it
+                    pass
+        return prices.get(rows)
 
 
 def _size_order(sizes, round_: int) -> list[int]:

@@ -9,7 +9,7 @@ most expected tokens per second,
 
 where T_verify is the measured cost model (`control_cost.VerifyCost`, at the exact row count: rows enter only there)
 and overhead(kind) the measured rest of such a step: the loop's own work (lookup, commit, bookkeeping), the same for
-every kind, and for a drafter step its drafting pass (`draft_guess` until measured), both in profiled one-token
+every kind, and for a drafter step its drafting pass (`draft_price` until measured), both in profiled one-token
 forwards at the step's rows. The expectations:
 
 - PLAIN: 1 token a row.
@@ -29,16 +29,19 @@ Observations are discounted by `DISCOUNT` a step (acceptance changes with the te
 step, observed or not, so a drafter not tried for a while grows uncertain and is tried again.
 
 The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
-it committed, plus one step, as far as the cost model and the lookup estimates hold. A budget starts at one step's
-credit (a plain step's, or what a drafter step costs beyond the plain step it commits at least, if more: every call
-can try the drafter once, however dear a profile measured on a busy machine prices it), gains (1 + EPSILON) x the
-plain cost of what each step committed and is charged the step's cost at the model's price (its own times included,
-so one step slowed by the machine does not lock speculation out), both in plain steps at the step's prices (a load
-that slows every forward slows plain decoding alike: the bound is against plain decoding at the same load); a drafter
-step is taken only when the budget stays non-negative even if it commits one token a row. A controller that has
-never seen a drafter step takes one first, as UCB plays each arm once. Lookup steps are never tries (lookup is
-observed after every step, whatever was verified): they are taken on their estimate alone. Where speculation never
-pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
+it committed, or for `max_new_tokens` if it stopped before (EPSILON of that is advanced at its start), plus one plain
+step, as far as the cost model and the lookup estimates hold. A budget starts at one plain step's credit and EPSILON
+x the call's plain time (`horizon`); each step earns the plain cost of what it committed (EPSILON more once the
+advance is repaid) and is charged its cost at the model's price (its own times included, so one step slowed by the
+machine does not lock speculation out), both in plain steps at the step's prices (a load that slows every forward
+slows plain decoding alike: the bound is against plain decoding at the same load); a drafter step is taken only when
+the budget stays non-negative even if it commits one token a row. Its price is known before the first one: the loop
+measures a drafting pass against a verify step once per machine (`control_profiles.drafting_price_for`). A drafter
+never seen is tried first where the budget covers its step, as UCB plays each arm once, and not where it does not
+(drafting once whatever the price lost 6% of a call at 16 rows, where one step of a slow drafter cost 14 plain
+steps). Lookup steps are never tries
+(lookup is observed after every step, whatever was verified): they are taken on their estimate alone. Where
+speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
 decoding, no lower; where it pays the budget grows and never binds.
 
 What a call learned carries to the next call on the same drafter, target and setup (`control_state.py`), its
@@ -139,12 +142,12 @@ class SpeculationController:
     """Decides each step's kind and how many lookup drafts it verifies (see the module docstring).
 
     `verify_cost(n, rows)`: the cost model (None: a flat cost, the mean verify time of the steps seen);
-    `draft_guess`: what a drafting pass costs, in one-token target forwards, until one is measured (the drafter's
+    `draft_price`: what a drafting pass costs, in one-token target forwards, until one is measured (the drafter's
     layers over the target's); `seed`: of the Thompson draws (they never change output)."""
 
-    def __init__(self, verify_cost=None, draft_guess: float = 1.0, seed: int = 0):
+    def __init__(self, verify_cost=None, draft_price: float = 1.0, seed: int = 0, horizon: int = 0):
         self.verify_cost = verify_cost
-        self.draft_guess = draft_guess
+        self.draft_price = draft_price
         self.rng = random.Random(seed)
         self.lookup = _Counts()  # per match length and depth: lookup draft d accepted given d - 1 was
         self.drafter = _Counts()  # per match length: drafts a drafter step accepted per row (depth 0)
@@ -155,6 +158,7 @@ class SpeculationController:
         self.slots = _Counts()  # per kind: slots verified
         self.flat_verify = _Counts()  # without a cost model: verify seconds of the steps seen
         self.budget: float | None = None  # in plain steps; None until the call's first decision
+        self.horizon = horizon  # the call's plain steps if it runs to its length limit (`max_new_tokens`)
 
     def start_call(self) -> "SpeculationController":
         """A copy for a new call: earlier calls' observations weigh `CALL_DISCOUNT`, the budget starts afresh."""
@@ -178,8 +182,8 @@ class SpeculationController:
 
     def _overhead(self, kind: StepKind, rows: int) -> float:
         """The rest of a `kind` step at `rows`: the loop's own work, the same for every kind, and for a drafter step
-        the drafting pass (`draft_guess` until measured, and again as its measurements fade)."""
-        drafting = self.drafting.mean("drafting", self.draft_guess) if kind is StepKind.DRAFT else 0.0
+        the drafting pass (`draft_price` until measured, and again as its measurements fade)."""
+        drafting = self.drafting.mean("drafting", self.draft_price) if kind is StepKind.DRAFT else 0.0
         return (self.loop.mean("loop", 0.0) + drafting) * self._unit(rows)
 
     def _step_cost(self, kind: StepKind, rows: int, slots: float) -> float:
@@ -230,14 +234,14 @@ class SpeculationController:
         if lookup_n > 1:
             options.append((lookup_tokens / lookup_cost, StepKind.LOOKUP, lookup_cost))
         beyond = draft_cost / plain_cost - (1 + EPSILON)  # a drafter step's price beyond one token a row, in plain steps
-        if self.budget is None:  # one step's credit: enough for a drafter step that commits one token a row
-            self.budget = max(1.0, beyond)
-        if not self.drafter.trials:  # never seen: tried first, as UCB plays each arm once (whatever the estimates)
-            return StepKind.DRAFT, lookup_n - 1
+        if self.budget is None:  # one step's credit: a plain step's, or a drafter step's up to EPSILON of the call
+            self.budget = beyond if 1.0 < beyond <= 1.0 + EPSILON * self.horizon else 1.0
         # the bound: even if it commits one token a row, a drafter step must leave the budget non-negative (lookup is
         # observed after every step, so a lookup step is never a try: it is taken on its estimate alone)
         if self.budget < beyond:
             options = [option for option in options if option[1] is not StepKind.DRAFT]
+        elif not self.drafter.trials:  # never seen, and affordable: tried first, as UCB plays each arm once
+            return StepKind.DRAFT, lookup_n - 1
         _, kind, _ = max(options, key=lambda option: option[0])
         return kind, lookup_n - 1 if kind is not StepKind.PLAIN else 0
 
@@ -304,16 +308,22 @@ def _setup(target, method: str) -> tuple:
     return target.dtype, target.device, torch.get_num_threads(), method
 
 
-def controller_for(drafter, target, method: str, verify_cost) -> SpeculationController:
+def controller_for(drafter, target, method: str, verify_cost, draft_price: float | None = None, horizon: int = 0
+                   ) -> SpeculationController:
     """The controller of one call of `drafter` on `target` with `method` (the candidate generator's name): a copy of
-    what the last call on the same setup kept (`start_call`), or a fresh one; `keep_controller` hands it back."""
+    what the last call on the same setup kept (`start_call`), or a fresh one; `keep_controller` hands it back.
+    `draft_price`: a drafting pass in one-token verify forwards at the call's rows, as measured
+    (`control_profiles.drafting_price_for`); None: guessed as the drafter's layers over the target's. `horizon`: the
+    call's `max_new_tokens` (0: unknown)."""
     memory = memory_of(target)
     with memory.lock:
         kept = memory.controllers.get(drafter, {}).get(_setup(target, method))
         call = kept.start_call() if kept is not None else SpeculationController()
     call.verify_cost = verify_cost
-    drafter_layers = sum(d.config.num_hidden_layers for d in _drafters(drafter))
-    call.draft_guess = drafter_layers / target.config.get_text_config().num_hidden_layers
+    if draft_price is None:
+        drafter_layers = sum(d.config.num_hidden_layers for d in _drafters(drafter))
+        draft_price = drafter_layers / target.config.get_text_config().num_hidden_layers
+    call.draft_price, call.horizon = draft_price, horizon
     return call
 
 

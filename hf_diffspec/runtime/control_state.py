@@ -7,6 +7,8 @@
 - `verify_costs`: the verify-cost profiles in use (`control_profiles.py`), per profile file: its modification time,
   costs and the corrections live steps made to them (`VerifyCost.observe`), so these carry over to later calls.
   Plain numbers: the memory holds no model.
+- `drafting_prices`: what a drafting pass costs in one-token verify steps, per drafter architecture, method and
+  row count (`control_profiles.drafting_price_for`), as its cached file says or as measured.
 - `warned`: warnings already given about this target; `remeasured`: profiles measured again because live steps
   disagreed with them (once per target).
 - `static_steps`: the capture-ready verify step's preallocated cache, persistent inputs and CUDA graphs, one per
@@ -50,6 +52,7 @@ class SpeculationMemory:
         # drafter (weakly) -> {(dtype, device, threads, method): SpeculationController}
         self.controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.verify_costs: dict[str, tuple] = {}  # profile path -> (mtime_ns, costs, corrections, observations, loads)
+        self.drafting_prices: dict[str, dict[int, float]] = {}  # drafting price key -> {rows: price}
         self.warned: set[str] = set()
         self.remeasured: set[str] = set()
         self.static_steps: dict[tuple, object] = {}  # (graph mode, inference mode) -> StaticStep

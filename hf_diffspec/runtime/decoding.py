@@ -269,8 +269,9 @@ def speculative_generate(
                               generation_config.max_length if static else None, drafter.target_feature_layers,
                               rows=input_ids.shape[0])
     method = generator_class(drafter)
-    policy = speculation_policy(drafter, model, num_draft_tokens, method.__name__,  # control first, handed on
-                                graphs=bool(verifier.graphs and verifier.graphs.backend))
+    policy = speculation_policy(drafter, model, num_draft_tokens, method,  # control first, handed on
+                                graphs=bool(verifier.graphs and verifier.graphs.backend), rows=input_ids.shape[0],
+                                horizon=generation_config.max_length - input_ids.shape[1])
     sampling = _sampling_laws(generation_config, logits_processor)
     drafting = method(drafter, model, policy, sampling)
     lookup = PromptLookup(prompt_lookup_tokens or 0, generation_config.max_matching_ngram_size or 3)  # 0: no lookup

@@ -200,7 +200,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         self.first = DrafterContext(first_drafter(drafter))
         self.contexts = [self.first]  # every drafter cache that must see the committed tokens
         self.block_size = self.first.drafter.config.block_size
-        self.policy = policy or speculation_policy(drafter, target)
+        self.policy = policy or speculation_policy(drafter, target, method=type(self))
         self.sampling = sampling
         self.clock = StepClock(self.first.device)
         self._draft_spans = []  # (start, end) stamps of drafting passes whose time is not read yet
@@ -700,5 +700,5 @@ def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: 
                             max_length: int | None = None) -> DiffusionCandidateGenerator:
     """The candidate generator of `drafter`'s method with its policy for one call (`speculation_policy`)."""
     cls = generator_class(drafter)
-    policy = speculation_policy(drafter, target, num_draft_tokens, method=cls.__name__)
+    policy = speculation_policy(drafter, target, num_draft_tokens, method=cls)
     return cls(drafter, target, policy, sampling, max_length)
