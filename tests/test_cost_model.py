@@ -413,3 +413,34 @@ def test_a_machine_busier_than_its_profile_keeps_drafting_what_pays(tmp_path, mo
     assert torch.equal(out.sequences, plain)
     steps = out.speculation_stats.committed_per_step
     assert sum(steps) >= 3 * len(steps), f"tokens a step: {steps}"
+
+
+def test_the_drafting_price_is_measured_once_per_machine_and_read_back(tmp_path, monkeypatch):
+    """A drafting pass's price in verify steps (`drafting_price_for`): measured the first time for a row count, kept
+    by the target, cached on disk (a new process, or after a reset, reads it without measuring), measured again for
+    another row count; with automatic profiling off and nothing cached, none (the controller then guesses)."""
+    from hf_diffspec.runtime import control_profiles
+    from hf_diffspec.runtime.control_policy import FixedLength
+    from hf_diffspec.runtime.control_state import reset_speculation_state
+
+    monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=8)
+    measured = []
+    measure = control_profiles.measure_drafting_price
+    monkeypatch.setattr(control_profiles, "measure_drafting_price",
+                        lambda *args, **kw: measured.append(args[2]) or measure(*args, **kw))
+
+    def price(rows):
+        return control_profiles.drafting_price_for(target, drafter, DiffusionCandidateGenerator, rows, lambda: (
+            DiffusionCandidateGenerator(drafter, target, FixedLength(7, 8))))
+
+    first = price(1)
+    assert 0 < first < 100 and measured == [1]
+    assert price(1) == first and measured == [1]
+    reset_speculation_state()
+    assert price(1) == first and measured == [1]  # read from the cached file
+    price(4)
+    assert measured == [1, 4] and len(list((tmp_path / "profiles").glob("drafting-*.json"))) == 1
+    monkeypatch.setenv("HF_DIFFSPEC_AUTO_PROFILE", "0")
+    assert price(16) is None and measured == [1, 4]
