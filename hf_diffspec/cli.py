@@ -566,7 +566,8 @@ def cmd_profile(args) -> None:
 
 
 def show_or_clear_profiles(clear: bool) -> None:
-    """`hf-diffspec profile --show | --clear`: the cached verify-cost profiles, one line each, or remove them."""
+    """`hf-diffspec profile --show | --clear`: the cached verify-cost profiles and drafting prices, one line each, or
+    remove them."""
     from .runtime.control_profiles import profile_dir, read_profile
 
     paths = sorted(profile_dir().glob("*.json"))
@@ -576,6 +577,14 @@ def show_or_clear_profiles(clear: bool) -> None:
         if clear:
             path.unlink()
             print(f"removed {path}")
+            continue
+        if path.name.startswith("drafting-"):  # a drafter's price (`control_profiles.drafting_price_for`)
+            try:
+                data = json.loads(path.read_text())
+                prices = ", ".join(f"{float(p):.2f} at {r} rows" for r, p in data["price"].items())
+                print(f"{path.name}: a {data['method']} drafting pass costs {prices} one-token verify steps")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                print(f"{path.name}: an unreadable drafting price (measured again on first use)")
             continue
         data = json.loads(path.read_text())
         costs, problem = read_profile(path)

@@ -312,11 +312,14 @@ def test_profile_show_and_clear(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_DIFFSPEC_CACHE", str(tmp_path))
     target = tiny_target("llama")
     path = save_profile(target, QUIET, others_load=0.02)
+    price = path.parent / "drafting-0123456789abcdef.json"  # as `drafting_price_for` writes it
+    price.write_text(json.dumps({"method": "BestFirstTreeCandidateGenerator", "price": {"1": 0.234, "16": 1.5}}))
     main(["profile", "--show"])
     shown = capsys.readouterr().out
     assert path.name in shown and "llama" in shown and "T(1 row, 1 token) = 50.0 ms" in shown and "0.02 cores" in shown
+    assert "BestFirstTreeCandidateGenerator drafting pass costs 0.23 at 1 rows, 1.50 at 16 rows" in shown
     main(["profile", "--clear"])
-    assert not path.exists() and "removed" in capsys.readouterr().out
+    assert not path.exists() and not price.exists() and "removed" in capsys.readouterr().out
     main(["profile", "--show"])
     assert "no verify-cost profiles" in capsys.readouterr().out
 
