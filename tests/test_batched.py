@@ -192,34 +192,3 @@ def test_bad_batches_get_clear_errors_and_right_padding_runs_as_plain():
     with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
         target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
                         num_assistant_tokens_schedule="heuristic")
-
-
-def test_the_prompts_forward_skips_left_padding_on_the_cpu(monkeypatch):
-    """Prompts of mixed lengths: on the CPU the prompts' forward runs the rows' own tokens only (35 here, where the
-    padded batch has 70 slots), and every row still equals plain greedy `generate` (fp32). Fails where the padded
-    batch is prefilled."""
-    from hf_diffspec.runtime.verifier import TargetVerifier
-
-    target = tiny_target("llama", seed=0)
-    drafter = tiny_drafter(target, block_size=4, seed=0)
-    prompts = mixed_prompts(0)
-    ids, mask = left_padded(prompts)
-    prefilled = []  # per prefill of the call's prompts (not a verify-cost profile's), the tokens of its forwards
-    prefill = TargetVerifier.prefill
-
-    def counting(self, input_ids, *args):
-        if input_ids.shape != ids.shape:  # a profile measured on first use, or again when live steps disagree
-            return prefill(self, input_ids, *args)
-        prefilled.append(0)
-        hook = self.model.get_input_embeddings().register_forward_hook(
-            lambda module, inputs, out: prefilled.append(prefilled.pop() + inputs[0].numel()))
-        try:
-            return prefill(self, input_ids, *args)
-        finally:
-            hook.remove()
-
-    monkeypatch.setattr(TargetVerifier, "prefill", counting)
-    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=16, do_sample=False)
-    assert prefilled == [sum(len(p) for p in prompts)] and prefilled[0] < ids.numel()
-    alone = rows_alone(target, prompts, max_new_tokens=16, do_sample=False)
-    assert [strip(out[r], len(p), ids.shape[1], None) for r, p in enumerate(prompts)] == alone

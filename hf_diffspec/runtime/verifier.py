@@ -32,13 +32,12 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import StaticLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .tree import TreeLayout, call_indices, host_to_device, index_range
 from .verify_attention import VerifyAttention
-from .verify_cache import (crop_attention, drop_old_keys, dropped_slots, full_kv_cache, gather_slots, select_rows,
-                           target_cache)
+from .verify_cache import crop_attention, drop_old_keys, dropped_slots, gather_slots, select_rows, target_cache
 from .verify_graphs import keep_static_step, lease_static_step
 from .verify_inputs import AttentionLayout, tree_forward_inputs, verify_masks, verify_width
 from .verify_recurrent import RecurrentStates
@@ -47,8 +46,6 @@ from .verify_recurrent import RecurrentStates
 # nodes together every step costs a gather and a write per K/V tensor per step, a fixed cost per layer that an
 # 8B target's 36 layers pay on every step; a few dozen hidden slots cost the attention next to nothing
 COMPACT_AFTER_HIDDEN_SLOTS = 64
-# the prompts' forward runs row by row when their tokens fill at most this share of the padded batch's slots
-PACKED_PREFILL_SHARE = 0.8
 
 
 @dataclass
@@ -119,59 +116,19 @@ class TargetVerifier:
             keep_static_step(self.model, self.static)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask, positions: torch.Tensor, valid: torch.Tensor):
-        """The prompts' forward (the model's own attention and masks, the last position's logits; one row at a time
-        where padding would cost more, `_prefills_rows_apart`); `valid` (rows, length) marks the real prompt tokens.
-        Not through the verify attention: at 4,096 and 8,000 tokens of one row its causal mask made the forward 1.7x
-        and 2.0x transformers' SDPA path (which needs no mask there) on the CPU."""
-        if self._prefills_rows_apart(valid):
-            out = self._prefill_rows_apart(input_ids, valid)
-        else:
-            out = self.model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=self.cache,
-                             use_cache=True, output_hidden_states=self.feature_layers, logits_to_keep=1)
+        """The prompts' forward, padded rows together (the model's own attention and masks, the last position's
+        logits); `valid` (rows, length) marks the real prompt tokens. Not through the verify attention: at 4,096 and
+        8,000 tokens of one row its causal mask made the forward 1.7x and 2.0x transformers' SDPA path (which needs
+        no mask there) on the CPU. Not row by row without the padding either: on the Xeon with AMX that took 1.3-1.7x
+        the padded batch's time (16 built-in prompts, 1,646 tokens padded to 2,896: 1.38 s against 0.94 s), a
+        forward's own cost outweighing the padding's tokens."""
+        out = self.model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, output_hidden_states=self.feature_layers, logits_to_keep=1)
         self.valid, self.prompt_length, self.device = valid, input_ids.shape[1], input_ids.device
         self.all_valid = self.rows_all_valid = bool(valid.all())
         self._tail_start, self._tail_counts = valid.shape[1], [0] * valid.shape[0]
         self._drop_old_keys(lambda: [self.prompt_length - 1] * valid.shape[0])
         return out
-
-    def _prefills_rows_apart(self, valid: torch.Tensor) -> bool:
-        """Whether the prompts' forward runs one row at a time, without their padding: on a CPU, where a forward's
-        cost follows its tokens, for left-padded rows whose padding is over a fifth of the batch's slots (16
-        built-in prompts, 1,646 tokens padded to 2,896: 1.9 s against 2.6 s), on a cache of plain full-attention
-        layers. A GPU runs the padded batch in about the time of its longest row."""
-        rows, length = valid.shape
-        if (valid.device.type != "cpu" or rows == 1 or self.capture is not None or self.recurrent.layers
-                or any(type(layer) is not DynamicLayer for layer in self.cache.layers)):
-            return False  # decided without reading `valid`
-        counts = valid.sum(-1)
-        left_padded = bool((valid == (torch.arange(length) >= length - counts[:, None])).all())
-        return left_padded and bool((counts > 0).all()) and int(counts.sum()) <= PACKED_PREFILL_SHARE * rows * length
-
-    def _prefill_rows_apart(self, input_ids: torch.Tensor, valid: torch.Tensor):
-        """The prompts' forward one row at a time, each without its padding, laid out as the padded batch's forward
-        would leave it: keys, values and hidden states at the row's own slots, zeros at its padding (which no query
-        sees: `valid` masks it), the last position's logits."""
-        rows, length = input_ids.shape
-        outs, caches = [], []
-        for r, count in enumerate(valid.sum(-1).tolist()):
-            caches.append(full_kv_cache(self.model.config))
-            outs.append(self.model(input_ids[r : r + 1, length - count :], cache=caches[-1], use_cache=True,
-                                   output_hidden_states=self.feature_layers, logits_to_keep=1))
-
-        def padded(pieces):  # per row (1, ..., count, dim) on the slot dimension -2 -> (rows, ..., length, dim)
-            out = pieces[0].new_zeros(rows, *pieces[0].shape[1:-2], length, pieces[0].shape[-1])
-            for r, piece in enumerate(pieces):
-                out[r, ..., length - piece.shape[-2] :, :] = piece[0]
-            return out
-
-        for i in range(len(self.cache.layers)):
-            self.cache.update(padded([c.layers[i].keys for c in caches]),
-                              padded([c.layers[i].values for c in caches]), i)
-        hidden = None
-        if outs[0].hidden_states is not None:
-            hidden = tuple(None if layer is None else padded([o.hidden_states[j] for o in outs])
-                           for j, layer in enumerate(outs[0].hidden_states))  # None: a layer not asked for
-        return CausalLMOutputWithPast(logits=torch.cat([o.logits for o in outs]), hidden_states=hidden)
 
     def forward(self, trees, root_positions: torch.Tensor):
         """Verify one tree per row (`root_positions` (rows,): each root's position, on the device) in one target
