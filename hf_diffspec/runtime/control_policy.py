@@ -119,7 +119,7 @@ class FixedLength(DraftLengthPolicy):
 def speculation_policy(drafter, target, fixed: int | None = None, method=None, graphs: bool = False, rows: int = 1,
                        horizon: int = 0):
     """The draft-length policy and controller of one call of `drafter` on `target` over `rows` rows, at most `horizon`
-    new tokens a row (0: unknown; the controller's budget advances EPSILON of that much plain decoding): `fixed` drafts
+    new tokens a row (0: unknown; a first drafter step may cost up to EPSILON of that much plain decoding): `fixed` drafts
     per step when given, else the measured cost model when this machine has a profile for the target (measured now
     the first time; `graphs`: the call's verify forward replays CUDA graphs, and so is the profile's), else the
     drafter's configured length. `method`: the drafting method (its candidate generator class), whose controller

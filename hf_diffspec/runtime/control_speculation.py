@@ -29,18 +29,18 @@ Observations are discounted by `DISCOUNT` a step (acceptance changes with the te
 step, observed or not, so a drafter not tried for a while grows uncertain and is tried again.
 
 The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
-it committed, or for `max_new_tokens` if it stopped before (EPSILON of that is advanced at its start), plus one plain
-step, as far as the cost model and the lookup estimates hold. A budget starts at one plain step's credit and EPSILON
-x the call's plain time (`horizon`); each step earns the plain cost of what it committed (EPSILON more once the
-advance is repaid) and is charged its cost at the model's price (its own times included, so one step slowed by the
-machine does not lock speculation out), both in plain steps at the step's prices (a load that slows every forward
-slows plain decoding alike: the bound is against plain decoding at the same load); a drafter step is taken only when
-the budget stays non-negative even if it commits one token a row. Its price is known before the first one: the loop
-measures a drafting pass against a verify step once per machine (`control_profiles.drafting_price_for`). A drafter
-never seen is tried first where the budget covers its step, as UCB plays each arm once, and not where it does not
-(drafting once whatever the price lost 6% of a call at 16 rows, where one step of a slow drafter cost 14 plain
-steps). Lookup steps are never tries
-(lookup is observed after every step, whatever was verified): they are taken on their estimate alone. Where
+it committed, plus one step, as far as the cost model and the lookup estimates hold. That step is a plain one, or a
+drafter step whose price beyond one token a row is at most 1 + EPSILON x the call's `max_new_tokens` (`horizon`)
+plain steps: the budget starts at that credit, gains (1 + EPSILON) x the plain cost of what each step committed and
+is charged the step's cost at the model's price (its own times included, so one step slowed by the machine does not
+lock speculation out), both in plain steps at the step's prices (a load that slows every forward slows plain decoding
+alike: the bound is against plain decoding at the same load); a drafter step is taken only when the budget stays
+non-negative even if it commits one token a row. Its price is known before the first one: the loop measures a
+drafting pass against a verify step once per machine (`control_profiles.drafting_price_for`). A drafter never seen is
+tried first where the budget covers its step, as UCB plays each arm once, and not where it does not (drafting once
+whatever the price lost 6% of a call at 16 rows, where one step of a slow drafter cost 14 plain steps). Lookup steps
+are never tries (lookup is observed after every step, whatever was verified): they are taken on their estimate alone.
+Where
 speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
 decoding, no lower; where it pays the budget grows and never binds.
 
@@ -142,8 +142,8 @@ class SpeculationController:
     """Decides each step's kind and how many lookup drafts it verifies (see the module docstring).
 
     `verify_cost(n, rows)`: the cost model (None: a flat cost, the mean verify time of the steps seen);
-    `draft_price`: what a drafting pass costs, in one-token target forwards, until one is measured (the drafter's
-    layers over the target's); `seed`: of the Thompson draws (they never change output)."""
+    `draft_price`: what a drafting pass costs, in one-token target forwards, until the call's own drafter steps
+    measure it (`controller_for` gives the price measured for the machine); `seed`: of the Thompson draws (they never change output)."""
 
     def __init__(self, verify_cost=None, draft_price: float = 1.0, seed: int = 0, horizon: int = 0):
         self.verify_cost = verify_cost
