@@ -19,8 +19,9 @@ cd "$ROOT"
 tests_for() {
     case "$1" in
         verification) echo "tests/test_sampling_exactness.py tests/test_batch_semantics.py tests/test_decoding.py tests/test_length_gated_processors.py tests/test_batched.py" ;;
-        # batch: also the families' tests, whose sliding-window targets read `next_slots`
-        batch) echo "tests/test_sampling_exactness.py tests/test_batch_semantics.py tests/test_decoding.py tests/test_length_gated_processors.py tests/test_batched.py tests/test_target_families.py" ;;
+        # batch: also the families' tests (sliding-window targets read `next_slots`) and the hybrids' (recurrent
+        # states follow the accepted paths)
+        batch) echo "tests/test_sampling_exactness.py tests/test_batch_semantics.py tests/test_decoding.py tests/test_length_gated_processors.py tests/test_batched.py tests/test_target_families.py tests/test_hybrid_targets.py" ;;
         drafting|drafting_best_first|drafting_prefix_tree|drafting_lookup|tree) echo "tests/test_trees.py tests/test_d2sd.py tests/test_prompt_lookup.py tests/test_sampling_exactness.py tests/test_decoding.py tests/test_selector.py" ;;
         verify_attention|verify_inputs|verify_cache|verify_graphs) echo "tests/test_verify_attention.py tests/test_static_verify.py tests/test_target_families.py tests/test_concurrency.py" ;;
         verify_recurrent) echo "tests/test_hybrid_targets.py" ;;

@@ -25,6 +25,8 @@ from transformers import (
     Qwen3ForCausalLM,
     StoppingCriteria,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers.generation.streamers import BaseStreamer
 
 import hf_diffspec
@@ -486,3 +488,90 @@ def steer_steps(monkeypatch, speculate) -> None:
         return StepKind.PLAIN, 0
 
     monkeypatch.setattr(SpeculationController, "decide", decide)
+
+
+class DispatchTrace(TorchDispatchMode):
+    """Every aten op run inside it: its name, its arguments' shapes, dtypes and scalars, and the memory each tensor
+    argument reads or writes, named as a CUDA graph would see it: a tensor made before the forward (weights, cache,
+    input buffers) by its storage's address, one made inside it by the order of its allocation (a replay reuses the
+    graph's own pool for those)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.made, self.allocations = [], {}, 0
+
+    def _name(self, t: torch.Tensor) -> tuple:
+        ptr = t.untyped_storage().data_ptr()
+        return (self.made.get(ptr, f"at {ptr:#x}"), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat, _ = tree_flatten((args, kwargs or {}))
+        inputs = [self._name(a) if isinstance(a, torch.Tensor) else repr(a) for a in flat]
+        read = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+            if ptr is not None and ptr not in read and ptr:  # new memory (not a view or an in-place write)
+                self.made[ptr], self.allocations = f"made {self.allocations}", self.allocations + 1
+        self.ops.append((str(func), inputs))
+        return out
+
+
+class EmulatedGraphs:
+    """CUDA graph semantics on the CPU: a graph reads and writes the memory it was captured over, whatever the loop's
+    variables hold later. A capture runs the forward (a warm-up, then the captured run), puts the cache's lengths back
+    (`rewind`) and records what the forward reads: the tensors of its closure (tokens, mask, positions), the cache and
+    every tensor of the cache's layers (keys, values, lengths), with their addresses. A replay runs the forward again
+    on exactly those tensors (the loop's current ones swapped out meanwhile) and writes its results into the captured
+    outputs, which stay the ones the loop reads. A captured tensor whose memory moved fails the replay: a graph would
+    read freed memory. `shapes`: the (rows, width) of each capture, in order."""
+
+    def __init__(self):
+        self.captured, self.replays, self.shapes = {}, 0, []
+
+    @staticmethod
+    def _reads(forward) -> tuple[dict, list[dict]]:
+        """The closure's variables, and the tensors of each of its cache's layers."""
+        cells = {name: cell.cell_contents for name, cell in zip(forward.__code__.co_freevars, forward.__closure__)}
+        layers = [{name: value for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
+                  for layer in cells["cache"].layers]
+        return cells, layers
+
+    def capture(self, forward, rewind):
+        forward()  # the warm-up
+        rewind()
+        outputs = forward()
+        rewind()
+        cells, layers = self._reads(forward)
+        tensors = [v for v in cells.values() if isinstance(v, torch.Tensor)] + [t for l in layers for t in l.values()]
+        self.captured[forward] = (outputs, cells, layers, [(t, t.data_ptr()) for t in tensors])
+        inputs = cells["tokens"] if "tokens" in cells else cells["noise_buffer"]  # a verify or a drafter forward
+        self.shapes.append(tuple(inputs.shape[:2]))
+        return forward, outputs
+
+    @staticmethod
+    def _swap(forward, cells: dict, layers: list[dict]) -> None:
+        for name, cell in zip(forward.__code__.co_freevars, forward.__closure__):
+            cell.cell_contents = cells[name]
+        for layer, tensors in zip(cells["cache"].layers, layers):
+            for name, tensor in tensors.items():
+                setattr(layer, name, tensor)
+
+    def replay(self, graph) -> None:
+        self.replays += 1
+        static, cells, layers, addresses = self.captured[graph]
+        assert all(t.data_ptr() == address for t, address in addresses), "a captured tensor's memory moved"
+        now = self._reads(graph)
+        assert now[0]["cache"] is cells["cache"], "the loop verifies with another cache than the one captured"
+        self._swap(graph, cells, layers)  # the closure's cells are the loop's variables: put back after
+        try:
+            fresh = graph()
+        finally:
+            self._swap(graph, *now)
+        if isinstance(static, torch.Tensor):  # the drafter's hidden states
+            static.copy_(fresh)
+            return
+        static.logits.copy_(fresh.logits)
+        for mine, new in zip(static.hidden_states or (), fresh.hidden_states or ()):  # (none asked: a profile's)
+            if mine is not None:  # (the layers the drafter does not read are not returned)
+                mine.copy_(new)

@@ -20,7 +20,11 @@ MIB = 1 << 20
 
 
 def run(args, cwd, check=True, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, check=check, env={**os.environ, **env})
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, env={**os.environ, **env})
+    if check and done.returncode:  # say why: a bare CalledProcessError hides the script's own message
+        raise AssertionError(f"{' '.join(map(str, args))} exited {done.returncode}:\n{done.stdout[-2000:]}\n"
+                             f"{done.stderr[-4000:]}")
+    return done
 
 
 def travelling(repo: Path) -> list[str]:

@@ -274,6 +274,8 @@ def speculative_generate(
                                 horizon=generation_config.max_length - input_ids.shape[1])
     sampling = _sampling_laws(generation_config, logits_processor)
     drafting = method(drafter, model, policy, sampling)
+    if static:
+        drafting.draft_statically(input_ids.shape[0], generation_config.max_length)
     lookup = PromptLookup(prompt_lookup_tokens or 0, generation_config.max_matching_ngram_size or 3)  # 0: no lookup
     batch, committers = _rows(input_ids, logits_processor, stopping_criteria, generation_config, streamer, sampling)
     call = DecodingCall(verifier, batch, committers, drafting, policy, lookup, SpeculationStats(target_forwards=1),
@@ -286,6 +288,8 @@ def speculative_generate(
             step_end = _step(call, step_end)
         _record_timed_steps(call, wait=True)
         policy.keep_measurements()  # where the next call on this drafter and target starts
+        if static:
+            drafting.keep_static()
         return _finish(call)
 
 

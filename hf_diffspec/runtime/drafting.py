@@ -26,6 +26,7 @@ from .drafting_best_first import best_first_shape, build_best_first_tree, build_
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock
 from .drafting_prefix_tree import branch_values, plan_rows, prefix_tree
+from .drafting_static import StaticDrafterStep, keep_drafter_step, lease_drafter_step
 from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
 from .verify_cache import select_rows as select_cache_rows
@@ -61,6 +62,11 @@ class DrafterContext:
         # (None: all): finished rows are left out when the features are taken, not copied out at every drop (steps
         # without a drafter forward pile up features, which at 64 rows made each drop copy tens of megabytes)
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self.static: StaticDrafterStep | None = None  # the capture-ready pass (`use_static`)
+
+    def use_static(self, step: StaticDrafterStep) -> None:
+        """Draft over `step`'s preallocated cache and persistent inputs from now on (before the first pass)."""
+        self.static, self.cache = step, step.cache
 
     @property
     def length(self) -> int:
@@ -70,7 +76,10 @@ class DrafterContext:
     def select_rows(self, keep: torch.Tensor, moves=None) -> None:
         """Drop finished rows: keep only `keep` (indices into the current rows; `moves`: how the K/V keep them in
         place, from `BatchState.drop_finished`)."""
-        select_cache_rows(self.cache, keep, moves)
+        if self.static is not None:
+            self.static.select_rows(keep, moves)
+        else:
+            select_cache_rows(self.cache, keep, moves)
         self.all_valid = False  # the rows left may see every slot, but the host does not know it
         if self.valid is not None:
             self.valid = self.valid[keep]
@@ -105,6 +114,8 @@ class DrafterContext:
         context, context_positions = self._take_pending(root_tokens.shape[0])
         noise = self.drafter.block_embeds(root_tokens, block_size)
         block_positions = root_positions[:, None] + index_range(block_size, root_positions.device)
+        if self.static is not None:
+            return self.static.draft(context, context_positions, self.valid, noise, block_positions)
         out = self.drafter(
             noise_embeds=noise, context_hidden_states=context,
             position_ids=torch.cat([context_positions, block_positions], dim=1),
@@ -188,6 +199,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
     """
 
     requires_model_outputs = True
+    static_drafting = True  # its passes can run over `drafting_static.StaticDrafterStep`
 
     def __init__(self, drafter, target: PreTrainedModel, policy: DraftLengthPolicy | None = None,
                  sampling: SamplingLaws | None = None, max_length: int | None = None):
@@ -236,6 +248,17 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         """Forget finished rows (`keep`: indices of the rows still decoding; `moves`: see `DrafterContext`)."""
         for context in self.contexts:
             context.select_rows(keep, moves)
+
+    def draft_statically(self, rows: int, max_length: int) -> None:
+        """Draft over a preallocated cache and persistent inputs (`drafting_static.py`), as the static verify step
+        verifies, where the drafter and the method allow it; call `keep_static` at the call's end."""
+        if self.static_drafting:
+            step = lease_drafter_step(self.first.drafter, rows, max_length)
+            if step is not None:
+                self.first.use_static(step)
+
+    def keep_static(self) -> None:
+        keep_drafter_step(self.first.static)
 
     # ----- drafting ahead: the next step's pass before this step's read --------------------------------------------
     def can_draft_ahead(self, rows: int) -> bool:
@@ -478,6 +501,8 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
     """D²SD: the first drafter's block per row, then K branches re-drafted from the prefix lengths where rejection is
     likeliest, by the dual drafter's VP drafter (its own cache) or, with `vp=None`, by the first drafter again, all
     in one batched pass; or taken from the first pass itself (`branches_from_first_pass`). One tree per row."""
+
+    static_drafting = False  # a branch pass reads a row's whole cached context, of the cache's own length
 
     def __init__(self, drafter, target: PreTrainedModel, policy: DraftLengthPolicy | None = None,
                  sampling: SamplingLaws | None = None, max_length: int | None = None):

@@ -16,7 +16,8 @@ rows and verify width, so that a CUDA graph captured over that forward can be re
 
 On the CPU it is the default path computed over the preallocated cache, identical to it (`tests/test_static_verify.py`).
 With `HF_DIFFSPEC_CUDA_GRAPHS=1` on a CUDA device the verify forward is captured once per shape and replayed
-(`VerifyGraphs`; opt-in until a GPU run has checked it inside `generate`: the standalone capture was exact, 2026-12-04).
+(`ForwardGraphs`, which also captures the drafter's forward: `drafting_static.py`; opt-in until a GPU run has
+checked it inside `generate`: the standalone capture was exact, 2026-12-04).
 
 The cache, the inputs and the graphs outlive the call (`StaticStep`, one kept on the target by `control_state` per
 graph mode and inference mode, as transformers keeps one static cache): the next call of the same rows, within its
@@ -76,19 +77,21 @@ def graph_backend(device: torch.device):
     return None
 
 
-class VerifyGraphs:
-    """The verify forward as one graph per (rows, width, attended slots): the first step of a shape runs its forward
+class ForwardGraphs:
+    """A capture-ready forward (the verify forward, or the drafter's: `drafting_static.py`) as one graph per (rows,
+    width, attended slots), `width` the slots it writes to the cache: the first step of a shape runs its forward
     eagerly (its outputs are that step's) and captures it; later steps of that shape replay the graph over the
     persistent inputs (`CaptureReadyInputs`) and the preallocated cache, and read its static outputs (valid until the
     next replay: the loop consumes them within the step; the drafter's features are concatenated copies). Rows
-    leaving the batch keep the cache's memory (its first rows, padded to `verify_cache.rows_bucket`), so graphs are
-    captured per power of two of rows at most, and every one stays valid. A capture that fails (a kernel that cannot
-    be captured, memory) leaves the cache as the step's eager forward left it, warns once, and every verify forward on
-    this target goes on eagerly (`memory`: the target's)."""
+    leaving the target's batch keep the cache's memory (its first rows, padded to `verify_cache.rows_bucket`), so
+    graphs are captured per power of two of rows at most, and every one stays valid. A capture that fails (a kernel
+    that cannot be captured, memory) leaves the cache as the step's eager forward left it, warns once, and every
+    such forward on this model goes on eagerly (`memory`: the model's)."""
 
-    def __init__(self, backend, memory):
+    def __init__(self, backend, memory, forward_name: str = "the verify forward"):
         self.backend = backend
-        self.memory = memory  # the target's (`control_state`): a capture that failed there is not tried again
+        self.memory = memory  # the model's (`control_state`): a capture that failed there is not tried again
+        self.forward_name = forward_name
         self.graphs: dict[tuple[int, int, int], tuple] = {}
 
     def run(self, forward, cache, shape: tuple[int, int, int]):
@@ -106,7 +109,7 @@ class VerifyGraphs:
         try:
             self.graphs[shape] = self.backend.capture(forward, lambda: crop_attention(cache, width))
         except Exception as error:  # noqa: BLE001 (any failure to capture: the eager forward is always right)
-            warnings.warn(f"capturing the verify forward as a CUDA graph failed ({type(error).__name__}: {error}); "
+            warnings.warn(f"capturing {self.forward_name} as a CUDA graph failed ({type(error).__name__}: {error}); "
                           "this call goes on without graphs, and later ones on this model",
                           RuntimeWarning, stacklevel=2)
             self.backend, self.graphs = None, {}
@@ -126,7 +129,7 @@ class StaticStep:
         self.capacity = static_capacity(max_length)
         self.cache = target_cache(model.config, static_length=max_length)
         self.inputs = CaptureReadyInputs(self.capacity)
-        self.graphs = VerifyGraphs(backend, memory_of(model)) if backend else None
+        self.graphs = ForwardGraphs(backend, memory_of(model)) if backend else None
         self.graph_mode = backend is not None  # made to replay graphs
         self.inference = torch.is_inference_mode_enabled()  # its tensors are inference tensors
 

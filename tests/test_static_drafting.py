@@ -1,0 +1,191 @@
+"""The capture-ready drafting pass (`hf_diffspec/runtime/drafting_static.py`), with `cache_implementation="static"`:
+the drafter's forward reads a preallocated cache and persistent inputs, so that every pass of one (rows, context
+width, attended slots) dispatches the same ops on the same memory, in a call and the next, and drafts what the
+default pass drafts."""
+
+import pytest
+import torch
+
+from hf_diffspec.runtime import drafting, drafting_static
+from helpers import DispatchTrace, EmulatedGraphs, tiny_drafter, tiny_dual_drafter, tiny_target
+
+VOCAB = 48
+
+
+def _decode(target, drafter, ids, monkeypatch, static_drafting: bool, **kwargs):
+    """One static call; every tree proposed (tokens and parents, per step) and the drafter's context at the end."""
+    generators, trees = [], []
+    with monkeypatch.context() as patch:
+        cls = drafting.generator_class(drafter)
+        propose = cls.propose
+
+        def recording(self, *args, **kw):
+            generators.append(self)
+            out = propose(self, *args, **kw)
+            trees.append([(t.tokens.tolist(), list(t.parents)) for t in out])
+            return out
+
+        patch.setattr(cls, "propose", recording)
+        patch.setattr(cls, "static_drafting", static_drafting)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                              cache_implementation="static", return_dict_in_generate=True, **kwargs)
+    return out, trees, generators[0].first
+
+
+@pytest.mark.every_step_speculates("compares the trees of every step")
+@pytest.mark.parametrize("ahead", [False, True], ids=["at-each-step", "drafted-ahead"])
+@pytest.mark.parametrize("tree_budget", [None, 8], ids=["chains", "best-first"])
+def test_a_static_pass_drafts_what_the_default_pass_drafts(tree_budget, ahead, monkeypatch):
+    """fp32, greedy, three rows that accept different numbers of drafts and stop at different steps (EOS), over the
+    static verify step: every step's trees are those the default drafting pass gives, the output is plain
+    `generate`'s, and the drafter's cached context at the end holds the same slots, visible to the same rows."""
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1" if ahead else "0")
+    target = tiny_target("llama", seed=4, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=4, draft_tree_budget=tree_budget, draft_tree_width=2)
+    ids = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
+                                                                                if k != "num_assistant_tokens"})
+    static, static_trees, static_context = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    default, default_trees, default_context = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    assert isinstance(static_context.static, drafting_static.StaticDrafterStep) and default_context.static is None
+    assert torch.equal(static.sequences, reference) and torch.equal(default.sequences, reference)
+    assert len(set((reference != 0).sum(-1).tolist())) > 1  # rows finished at different steps
+    assert static_trees == default_trees
+    assert len(static_trees) > 4 and any(len(t[0]) > 1 for step in static_trees for t in step)
+    assert torch.equal(static_context.valid, default_context.valid)
+    cached = default_context.valid.shape[1]
+    seen = default_context.valid[:, None, :cached, None]  # (what a row may not see is never read)
+    for a, b in zip(static_context.cache.layers, default_context.cache.layers):
+        assert int(a.cumulative_length) == cached  # padding and blocks cropped
+        torch.testing.assert_close(a.keys[:, :, :cached] * seen, b.keys * seen)
+        torch.testing.assert_close(a.values[:, :, :cached] * seen, b.values * seen)
+
+
+@pytest.mark.every_step_speculates("compares the drafter's forwards of two calls step by step")
+def test_the_drafters_forward_dispatches_the_same_ops_on_the_same_memory_in_every_pass_of_its_shape(monkeypatch):
+    """What a CUDA graph replays is what was dispatched when it was captured. Traced at the aten level, every pass of
+    the drafter's forward of one (rows, context width, attended slots), in this call and the next, dispatches the same
+    ops on the same shapes and scalars, reading and writing the same memory: the step's accepted count reaches it
+    as masked padding, not as a shape, and its cache and inputs outlive the call."""
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=3)
+    ids = torch.randint(2, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    reference = target.generate(ids, max_new_tokens=40, do_sample=False)
+    traces: dict[tuple, list] = {}
+    mode = []
+
+    def before(module, args, kwargs):
+        shapes = tuple(None if kwargs.get(name) is None else tuple(kwargs[name].shape)
+                       for name in ("noise_embeds", "context_hidden_states", "attention_mask"))
+        mode.append(DispatchTrace().__enter__())
+        traces.setdefault(shapes, []).append(mode[-1])
+
+    def after(module, args, kwargs, output):
+        mode.pop().__exit__(None, None, None)
+
+    handles = [drafter.register_forward_pre_hook(before, with_kwargs=True),
+               drafter.register_forward_hook(after, with_kwargs=True)]
+    try:
+        for _ in range(2):
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                                  cache_implementation="static", num_assistant_tokens=4)
+            assert torch.equal(out, reference)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert sum(len(t) >= 4 for t in traces.values()) >= 1, {k: len(t) for k, t in traces.items()}
+    assert len(traces) <= 8, list(traces)  # a few context widths, not one shape per accepted count and length
+    for shape, passes in traces.items():
+        for trace in passes[1:]:
+            assert trace.ops == passes[0].ops, shape
+
+
+class FailingGraphs(EmulatedGraphs):
+    """Graphs whose capture fails after its warm-up forward has run (the cache written past the pass's keys, its
+    lengths advanced), as a kernel that cannot be captured would."""
+
+    def __init__(self):
+        super().__init__()
+        self.attempts = 0
+
+    def capture(self, forward, rewind):
+        self.attempts += 1
+        forward()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.every_step_speculates("compares the trees of every step")
+def test_drafter_graphs_replay_to_the_eager_passes_drafts_and_outlive_the_call(monkeypatch):
+    """`HF_DIFFSPEC_CUDA_GRAPHS=1` on a GPU: the drafter's forward is captured on its shape's first pass and replayed
+    after, over the static cache and buffers. Emulated here with graph semantics (a replay reads and writes the
+    memory captured, a captured tensor that moved fails it): every step's trees are the eager static pass's, plain
+    `generate`'s output, most passes replayed, and a second call captures nothing new."""
+    emulated = EmulatedGraphs()
+    monkeypatch.setattr(drafting_static, "graph_backend", lambda device: emulated)  # on a GPU: CudaGraphs
+    target = tiny_target("llama", seed=4, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=4)
+    ids = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
+                                                                                if k != "num_assistant_tokens"})
+    graphed, graphed_trees, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    captured = len(emulated.captured)
+    assert captured and emulated.replays > captured
+    again, again_trees, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    assert len(emulated.captured) == captured  # the first call's graphs serve the second
+    monkeypatch.setattr(drafting_static, "graph_backend", lambda device: None)
+    eager, eager_trees, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    for out in (graphed, again, eager):
+        assert torch.equal(out.sequences, reference)
+    assert graphed_trees == eager_trees and again_trees == eager_trees
+
+
+@pytest.mark.every_step_speculates("asserts the captured path's passes")
+def test_a_drafter_capture_that_fails_goes_on_eagerly_with_one_warning(monkeypatch):
+    """A capture of the drafter's forward that raises: plain generate's tokens all the same, one warning naming the
+    drafter's forward, and no second attempt on this drafter, in this call or the next."""
+    failing = FailingGraphs()
+    monkeypatch.setattr(drafting_static, "graph_backend", lambda device: failing)
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=3)
+    ids = torch.randint(2, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    reference = target.generate(ids, max_new_tokens=24, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="drafter's forward as a CUDA graph failed") as warned:
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                              cache_implementation="static", num_assistant_tokens=4)
+    assert torch.equal(out, reference)
+    assert failing.attempts == 1 and len([w for w in warned if "CUDA graph" in str(w.message)]) == 1
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                          cache_implementation="static", num_assistant_tokens=4)
+    assert torch.equal(out, reference) and failing.attempts == 1
+
+
+def test_drafters_whose_keys_positions_come_from_the_cache_draft_on_the_default_path(monkeypatch):
+    """A drafter with causal layers, and D²SD (whose branches read a row's whole cached context), draft on the
+    default path with the static verify step, and still give plain `generate`'s output."""
+    target = tiny_target("llama", seed=5, vocab_size=VOCAB, sharpen=3.0)
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    reference = target.generate(ids, max_new_tokens=16, do_sample=False)
+    contexts = []
+    draft_block = drafting.DrafterContext.draft_block
+
+    def recording(self, *args, **kwargs):
+        contexts.append(self)
+        return draft_block(self, *args, **kwargs)
+
+    monkeypatch.setattr(drafting.DrafterContext, "draft_block", recording)
+    causal = tiny_drafter(target, block_size=4, seed=5, causal_layers=[0])
+    assert not drafting_static.supports_static_drafting(causal)
+    for drafter in (causal, tiny_dual_drafter(target, block_size=6, seed=5, num_branches=2, tree_budget=8)):
+        contexts.clear()
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=16, do_sample=False,
+                              cache_implementation="static", num_assistant_tokens=3)
+        assert torch.equal(out, reference)
+        assert contexts and all(context.static is None for context in contexts)
+    assert drafting_static.supports_static_drafting(tiny_drafter(target, block_size=4, seed=5))
+
+
+def test_the_context_a_pass_adds_is_padded_to_a_power_of_two_up_to_64_slots():
+    assert [drafting_static.context_width(n) for n in (0, 1, 2, 3, 5, 8, 9, 33, 64, 65, 300)] == \
+        [0, 1, 2, 4, 8, 8, 16, 64, 64, 65, 300]
