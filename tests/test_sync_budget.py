@@ -12,7 +12,8 @@ forwards; see `hf_diffspec/bench/host_syncs.py`):
   next step's drafting pass before that copy (`drafting.draft_ahead`), so what the host reads to build the next
   trees rides on it: the drafter's confidences or its length head's reach when the cost model sizes chains, every
   row's top-k draft probabilities and tokens for best-first trees. A step that drafts after a step that did not
-  (a lookup or plain step, whose successor is not drafted ahead) reads its pass once more;
+  (a lookup or plain step, whose successor is not drafted ahead) reads its pass once more, as every step with
+  DFlash 2's selector trees does (their tables: `drafting_best_first.selector_tables`);
 - copies: the anchors and their positions to the drafter (one, only on such steps), the verified trees' tokens and
   parents when they were built on the host (one), and the rows still decoding when some finished (one, only on
   such steps).
@@ -262,3 +263,21 @@ def test_d2sd_steps_read_the_device_a_fixed_number_of_times_whatever_the_rows(ro
     assert out.speculation_stats.draft_steps >= 3
     syncs = counter.per_step_syncs
     assert syncs[0] <= D2SD_SYNC_BUDGET + PREFILL_READS and max(syncs[1:]) <= D2SD_SYNC_BUDGET, syncs
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_selector_trees_read_the_device_twice_a_step_whatever_the_rows(rows):
+    """DFlash 2's selector trees (greedy) are built on the host from one read of every row's selector tables (each
+    slot's candidates ranked given each token a node there can hold: `selector_tables`), beside the step's outcome.
+    They read the device once per node expanded, per row: 19 reads a step at 1 row with these settings, 289 at 16."""
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=3, selector_rank=4, selector_top_k=4, draft_tree_budget=8,
+                           draft_tree_width=2)
+    ids = _prompts(rows)
+    with HostSyncCounter(target, [drafter]) as counter:
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                              num_assistant_tokens=4, max_new_tokens=16, eos_token_id=1, pad_token_id=1,
+                              do_sample=False, return_dict_in_generate=True)
+    assert out.speculation_stats.draft_steps >= 3 and out.speculation_stats.drafted_tokens > 0
+    syncs = counter.per_step_syncs
+    assert syncs[0] <= SYNC_BUDGET + 1 + PREFILL_READS and max(syncs[1:]) <= SYNC_BUDGET + 1, syncs

@@ -22,7 +22,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .drafting_best_first import best_first_shape, build_best_first_tree, build_selector_tree, laws_to_device
+from .drafting_best_first import (best_first_shape, build_best_first_tree, build_selector_tree, laws_to_device,
+                                  selector_tables)
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock
 from .drafting_prefix_tree import branch_values, plan_rows, prefix_tree
@@ -697,9 +698,11 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
-        return [build_selector_tree(root_tokens[r], draft_hidden[r, : limits[r]], logits[r, : limits[r]],
-                                    drafter.selector, config.selector_top_k, config.draft_tree_budget, node_count,
-                                    config.draft_tree_width)
+        roots = host_to_device(root_tokens, logits.device)
+        tables = selector_tables(roots, draft_hidden[:, : logits.shape[1]], logits, drafter.selector,
+                                 config.selector_top_k, config.draft_tree_width)  # every row's, one read
+        return [build_selector_tree(root_tokens[r], tables[r], limits[r], config.draft_tree_budget, logits.device,
+                                    node_count)
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
     def get_candidates(self, *args, **kwargs):

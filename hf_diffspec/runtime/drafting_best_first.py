@@ -173,37 +173,68 @@ def laws_to_device(trees: list[CandidateTree], device) -> None:
         tree.draft_laws, tree.host_laws = CompactLaw(rows[:, :width].long(), rows[:, width:].float()), None
 
 
-def build_selector_tree(root_token: int, draft_hidden: torch.Tensor, logits: torch.Tensor, selector, top_k: int,
-                        budget: int, node_count=None, max_children: int = 4) -> CandidateTree:
+def selector_tables(roots: torch.Tensor, draft_hidden: torch.Tensor, logits: torch.Tensor, selector, top_k: int,
+                    max_children: int) -> list[tuple[list, list, list]]:
+    """Every row's selector tables, from one read of the device: per slot d and parent candidate c, the children a
+    node gets (`build_selector_tree`). A node at depth d holds the root (d = 0) or one of slot d-1's top-`top_k`
+    candidates, so the selector's distribution over slot d's candidates given each of those tokens covers every node
+    a tree can hold. `roots` (rows,), `draft_hidden` (rows, depth, hidden), `logits` (rows, depth, vocab). Per row:
+    (probabilities (depth, k, m), candidate indices (depth, k, m), slot d's candidates' tokens (depth, k)), m =
+    `max_children` best first."""
+    top = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1)  # (rows, depth, k)
+    rows, depth, k = top.indices.shape
+    previous = torch.cat([roots[:, None, None].expand(rows, 1, k), top.indices[:, :-1]], dim=1)  # slot d's parents
+    scores = selector(draft_hidden[:, :depth, None, :].expand(-1, -1, k, -1), previous,
+                      top.indices[:, :, None, :].expand(-1, -1, k, -1), top.values[:, :, None, :].expand(-1, -1, k, -1))
+    probs, order = scores.softmax(-1).sort(-1, descending=True)
+    m = min(max_children, k)
+    # one copy: token ids and candidate indices are exact in float64
+    table = torch.cat([probs[..., :m].double().reshape(rows, -1), order[..., :m].double().reshape(rows, -1),
+                       top.indices.double().reshape(rows, -1)], dim=1).tolist()
+    out = []
+    for row in table:
+        n = depth * k * m
+        probs_of = [[row[(d * k + c) * m : (d * k + c + 1) * m] for c in range(k)] for d in range(depth)]
+        order_of = [[[int(i) for i in row[n + (d * k + c) * m : n + (d * k + c + 1) * m]] for c in range(k)]
+                    for d in range(depth)]
+        tokens_of = [[int(t) for t in row[2 * n + d * k : 2 * n + (d + 1) * k]] for d in range(depth)]
+        out.append((probs_of, order_of, tokens_of))
+    return out
+
+
+def build_selector_tree(root_token: int, tables: tuple[list, list, list], depth: int, budget: int, device,
+                        node_count=None) -> CandidateTree:
     """Greedy drafting with DFlash 2's candidate selector: the best-first tree whose children are coherent with
-    their parent. A node at depth d gets as children slot d's top-`top_k` candidates (of `logits` (depth, vocab))
-    ranked by the selector's distribution given the node's own token, softmax(S_d(token, .)); a path's score is
-    the product of those conditional probabilities. `draft_hidden` (depth, hidden): the block's draft slots.
+    their parent, built on the host from a row's `selector_tables`. A node at depth d gets as children slot d's
+    top-k candidates ranked by the selector's distribution given the node's own token, softmax(S_d(token, .)); a
+    path's score is the product of those conditional probabilities. `depth`: the slots the row may draft.
 
     Greedy only: when sampling, a node's children would depend on its drawn token, and with a shared budget the number
     of its siblings too, which rejection sampling over siblings cannot allow (the marginal tree is used instead)."""
-    top = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1)
-    depth = logits.shape[0]
+    probs_of, order_of, tokens_of = tables
 
-    def children(token: int, d: int) -> tuple[list[float], list[int]]:
-        scores = selector(draft_hidden[d], torch.tensor(token, device=logits.device), top.indices[d], top.values[d])
-        probs, order = scores.softmax(-1).sort(descending=True)
-        return probs[:max_children].tolist(), top.indices[d][order[:max_children]].tolist()
+    def children(d: int, candidate: int) -> tuple[list[float], list[int], list[int]]:
+        """A node at depth d holding slot d-1's candidate `candidate` (the root: 0): its children's probabilities,
+        candidate indices and tokens, best first."""
+        order = order_of[d][candidate]
+        return probs_of[d][candidate], order, [tokens_of[d][i] for i in order]
 
-    tokens, parents, depths, scores = [root_token], [-1], [0], [1.0]
-    tables = {0: children(root_token, 0)}  # node -> its children's (probabilities, tokens), best first
-    heap = [(-tables[0][0][0], 0, 0)]  # (-score, parent node, rank among the parent's children)
+    tokens, parents, depths, scores, candidates = [root_token], [-1], [0], [1.0], [0]
+    tables_of = {0: children(0, 0)}  # node -> its children's (probabilities, candidates, tokens), best first
+    heap = [(-tables_of[0][0][0], 0, 0)]  # (-score, parent node, rank among the parent's children)
     while heap and len(tokens) - 1 < budget:
         negative, parent, rank = heapq.heappop(heap)
         node = len(tokens)
-        tokens.append(tables[parent][1][rank])
+        probs, order, kids = tables_of[parent]
+        tokens.append(kids[rank])
+        candidates.append(order[rank])
         parents.append(parent)
         depths.append(depths[parent] + 1)
         scores.append(-negative)
         if depths[node] < depth:
-            tables[node] = children(tokens[node], depths[node])
-            heapq.heappush(heap, (negative * tables[node][0][0], node, 0))
-        if rank + 1 < len(tables[parent][0]):
-            heapq.heappush(heap, (-scores[parent] * tables[parent][0][rank + 1], parent, rank + 1))
+            tables_of[node] = children(depths[node], candidates[node])
+            heapq.heappush(heap, (negative * tables_of[node][0][0], node, 0))
+        if rank + 1 < len(probs):
+            heapq.heappush(heap, (-scores[parent] * probs[rank + 1], parent, rank + 1))
     keep = len(tokens) if node_count is None else node_count(scores[1:])  # taken best first: ancestors come first
-    return CandidateTree(tokens[:keep], parents[:keep], confidences=scores[1:keep], device=logits.device)
+    return CandidateTree(tokens[:keep], parents[:keep], confidences=scores[1:keep], device=device)
