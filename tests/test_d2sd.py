@@ -8,7 +8,7 @@ from transformers import AutoModel
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
-from hf_diffspec.runtime.drafting_prefix_tree import branch_values, plan_rows, prefix_tree
+from hf_diffspec.runtime.drafting_prefix_tree import plan_rows, prefix_tree, read_plans
 from helpers import (
     ProposalRecorder,
     decoy_oracle_drafter_outputs,
@@ -85,17 +85,15 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
     for slot, (token, conf) in enumerate([(1, 0.9), (2, 0.3), (3, 0.9), (4, 0.9)]):
         first[slot] = (1 - conf) / (vocab - 1)
         first[slot, token] = conf
-    def branch_probs(prefixes):
-        probs = torch.full((len(prefixes), 4, vocab), 0.01)
-        probs[:, :, 7] = 0.5   # VP's favourite everywhere
-        probs[:, :, 2] = 0.4
-        probs = probs / probs.sum(-1, keepdim=True)
-        return [probs[row, len(p):] for row, p in enumerate(prefixes)]
+    branch_probs = torch.full((1, 1, 3, vocab), 0.01)  # the slots after the one branch's prefix
+    branch_probs[..., 7] = 0.5   # VP's favourite everywhere
+    branch_probs[..., 2] = 0.4
+    branch_probs = branch_probs / branch_probs.sum(-1, keepdim=True)
 
-    plan = plan_rows(first[None], [4], num_branches=1)[0]
-    drafts, picks = plan.drafts, plan.picks
-    assert drafts.tolist() == [1, 2, 3, 4] and picks == [1]   # one branch, re-drafted after the prefix [1]
-    branches = branch_values(branch_probs([drafts[:i] for i in picks]), picks, [plan.tokens[i] for i in picks])
+    device_plan = plan_rows(first[None], [4], num_branches=1)
+    plans, branches = read_plans(device_plan, first[None], branch_probs, ends=[4])
+    plan, branches = plans[0], branches[0]
+    assert plan.drafts.tolist() == [1, 2, 3, 4] and plan.picks == [1]   # one branch, re-drafted after the prefix [1]
     tree = prefix_tree(0, plan, branches, budget=16)
     node = 0
     for token in [1, 2, 3, 4]:                      # the main chain is kept whole

@@ -83,13 +83,13 @@ def test_d2sd_branches_read_their_rows_context_without_a_copy_per_branch():
     context.pending.append((features, torch.arange(length).expand(rows, -1), torch.ones(rows, length, dtype=torch.bool),
                             None))
     roots, positions = random_ids(7, rows, rows=1)[0], torch.full((rows,), length)
-    prefixes = [torch.tensor([5] * (1 + b)) for _ in range(rows) for b in range(3)]
-    branch_rows = [row for row in range(rows) for _ in range(3)]
+    drafts = torch.full((rows, 7), 5)
+    picks = torch.tensor([1, 2, 3]).expand(rows, -1)  # three branches a row, after prefixes of 1, 2 and 3 drafts
     with torch.no_grad():  # as the loop drafts
         context.draft_block(roots, positions, 8)  # caches the context
-        hidden, peak = peak_extra_bytes(lambda: context.draft_branches(roots, positions, branch_rows, prefixes, 8))
+        hidden, peak = peak_extra_bytes(lambda: context.draft_branches(roots, positions, drafts, picks, 8))
     cached = sum(layer.keys.nbytes + layer.values.nbytes for layer in context.cache.layers)
-    assert hidden.shape == (3 * rows, 8, drafter.config.hidden_size)
+    assert hidden.shape == (rows, 3, 8, drafter.config.hidden_size)
     assert peak < cached, (peak, cached)
 
 

@@ -26,7 +26,7 @@ from .drafting_best_first import (best_first_shape, build_best_first_tree, build
                                   selector_tables)
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock
-from .drafting_prefix_tree import branch_values, plan_rows, prefix_tree
+from .drafting_prefix_tree import branch_slots, plan_rows, prefix_tree, read_plans
 from .drafting_static import StaticDrafterStep, keep_drafter_step, lease_drafter_step
 from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
@@ -126,41 +126,32 @@ class DrafterContext:
         self.cache.crop(-block_size)
         return out.last_hidden_state
 
-    def draft_branches(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, branch_rows: list[int],
-                       prefixes: list[torch.Tensor], block_size: int) -> torch.Tensor:
-        """Blocks `[anchor, prefix..., MASK...]`, one per prefix (of row `branch_rows[i]`), in one forward; returns
-        (len(prefixes), block, hidden). A row's blocks sit side by side in its own sequence, each seeing the row's
-        cached context and itself alone (the mask): the context's K/V are read once per row, never copied per
-        branch."""
+    def draft_branches(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, drafts: torch.Tensor,
+                       picks: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Blocks `[anchor, drafts[r, :i]..., MASK...]` for every prefix length i in `picks[r]` (rows, K), in one
+        forward, on the device; returns (rows, K, block, hidden). A row's blocks sit side by side in its own sequence,
+        each seeing the row's cached context and itself alone (the mask): the context's K/V are read once per row,
+        never copied per branch."""
         device = self.device
-        rows = root_tokens.shape[0]
+        rows, count = picks.shape
         context, context_positions = self._take_pending(rows)
         if context is not None:
             self.drafter.prefill_context(context, context_positions, self.cache)
-        places, counts = [], [0] * rows  # each branch's (row, index among the row's blocks)
-        for row in branch_rows:
-            places.append((row, counts[row]))
-            counts[row] += 1
-        width = max(counts) * block_size  # a row with fewer branches: unused blocks, their outputs never read
-        tokens = root_tokens[:, None].repeat(1, width)
-        is_mask = torch.ones((rows, width), dtype=torch.bool, device=device)
-        is_mask[:, ::block_size] = False  # every block's first slot is the anchor
-        for (row, block), prefix in zip(places, prefixes):
-            at = block * block_size + 1
-            tokens[row, at : at + len(prefix)] = prefix
-            is_mask[row, at : at + len(prefix)] = False
-        noise = self.drafter.target_embed_tokens(torch.where(is_mask, tokens[:, :1], tokens))
-        slot_in_block = index_range(width, device) % block_size
-        positions = root_positions[:, None] + slot_in_block
+        slot = index_range(block_size, device)
+        prefix = torch.cat([root_tokens[:, None], drafts], 1)[:, :block_size]  # slot s holds draft s - 1
+        prefix = torch.cat([prefix, root_tokens[:, None].expand(-1, block_size - prefix.shape[1])], 1)
+        is_mask = (slot[None, None] > picks[..., None]).reshape(rows, -1)  # (slot 0, the anchor, never)
+        tokens = torch.where(is_mask, root_tokens[:, None], prefix.repeat(1, count))
+        noise = self.drafter.target_embed_tokens(tokens)
+        width = count * block_size
+        positions = root_positions[:, None] + slot.repeat(count)
         block_of = index_range(width, device) // block_size
         sees = torch.cat([(self.valid if not self.all_valid else is_mask.new_ones(rows, self.length))[:, None]
                           .expand(-1, width, -1), (block_of[:, None] == block_of[None]).expand(rows, -1, -1)], dim=-1)
         mask = additive_mask(sees, noise.dtype)
         out = self.drafter(noise_embeds=noise, position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
                            mask_positions=is_mask, extend_cache=False)
-        hidden = out.last_hidden_state.view(rows, width // block_size, block_size, -1)
-        index = host_to_device(places, device)
-        return hidden[index[:, 0], index[:, 1]]
+        return out.last_hidden_state.view(rows, count, block_size, -1)
 
 
 @dataclass
@@ -525,28 +516,29 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         start = self.clock.stamp()
         roots, positions, draft_hidden = self._draft_block(root_tokens, root_positions)
         probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
-        # every row's drafts and branch points in one read (a row with no room left plans none: its root alone)
-        plans = plan_rows(probs, limits, config.num_branches, sample)
-        picks = [(r, i) for r, plan in enumerate(plans) for i in plan.picks]
-        length = config.branch_length
+        # every row's drafts and branch points on the device (a row with no room left plans none: its root alone)
+        plan = plan_rows(probs, limits, config.num_branches, sample)
+        length, depth = config.branch_length, probs.shape[1]
         if config.branches_from_first_pass:
-            branch_probs = [probs[r, i : i + length] for r, i in picks]
+            slots = branch_slots(plan.picks, length).clamp(max=depth - 1)  # past the last slot: read nowhere
+            branch_probs = probs[index_range(rows, probs.device)[:, None, None], slots]
+            ends = [depth] * rows
         else:  # one batched pass of the branch drafter over every branch of every row
-            branch_rows = [r for r, _ in picks]
-            prefixes = [plans[r].drafts[:i] for r, i in picks]
-            hidden = self.branch_context.draft_branches(roots, positions, branch_rows, prefixes, self.block_size)
-            spans = [hidden[b, 1 + i : 1 + min(i + length, limits[r])] for b, (r, i) in enumerate(picks)]
-            logits = self.branch_context.drafter.compute_logits(torch.cat(spans)) if spans else None
-            branch_probs = list(self._distributions(logits).split([len(s) for s in spans])) if spans else []
-        # every branch's alternative, drafts and their laws' maxima in one more read
-        branches = branch_values(branch_probs, [i for _, i in picks], [plans[r].tokens[i] for r, i in picks], sample)
+            hidden = self.branch_context.draft_branches(roots, positions, plan.drafts, plan.picks, self.block_size)
+            slots = (branch_slots(plan.picks, length) + 1).clamp(max=self.block_size - 1)  # after each prefix
+            spans = hidden.gather(2, slots[..., None].expand(-1, -1, -1, hidden.shape[-1]))
+            logits = self.branch_context.drafter.compute_logits(spans.flatten(0, 2))
+            branch_probs = self._distributions(logits).view(*spans.shape[:3], -1)
+            ends = limits
+        # every row's plan and every branch's alternative, drafts and their laws' maxima in one read
+        plans, branches = read_plans(plan, probs, branch_probs if plan.picks.shape[1] else None, ends, sample)
         self._draft_finished(start)  # both passes, every row
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
-        trees = [prefix_tree(root_tokens[r], plans[r], [b for (row, _), b in zip(picks, branches) if row == r],
-                             config.tree_budget, node_count, sample=sample) if limits[r] > 0
+        trees = [prefix_tree(root_tokens[r], plans[r], branches[r], config.tree_budget, node_count, sample=sample)
+                 if limits[r] > 0
                  else self._root_only(root_tokens[r]) for r in range(rows)]
         if sample and self.sampling.compact:  # the nodes' laws as compact as the slots' they came from
             for tree in trees:
@@ -555,7 +547,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         return trees
 
     def can_draft_ahead(self, rows: int) -> bool:
-        return False  # its branches are planned on the host from the first pass (`plan_rows`)
+        return False  # its branch pass follows from the first pass on the device (`plan_rows`); not drafted ahead yet
 
     def get_candidates(self, *args, **kwargs):
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import CompactLaw
-from .tree import CandidateTree, host_to_device
+from .tree import CandidateTree, host_to_device, index_range
 
 
 def draw_rows(probs: torch.Tensor, sample: bool) -> torch.Tensor:
@@ -52,59 +52,90 @@ class Branch:
     laws: list[torch.Tensor]
 
 
-def plan_rows(first_probs: torch.Tensor, limits: list[int], num_branches: int, sample: bool = False) -> list[RowPlan]:
+@dataclass
+class DevicePlan:
+    """Every row's first-drafter block, on the device, before any read: its drafts (rows, depth) (drawn when
+    sampling), each draft's reach score c_1 ... c_k (rows, depth), the rejection-boundary posterior r(i) (rows,
+    depth) and the `num_branches` prefix lengths to re-draft (`picks` (rows, K), ascending; a row of limit L < K has
+    real picks in its first L columns only, the rest past its limit). `limits`: each row's slots (host)."""
+
+    drafts: torch.Tensor
+    main_scores: torch.Tensor
+    boundary: torch.Tensor
+    picks: torch.Tensor
+    limits: list[int]
+
+
+def plan_rows(first_probs: torch.Tensor, limits: list[int], num_branches: int, sample: bool = False) -> DevicePlan:
     """Every row's plan from its first-drafter distributions `first_probs` (rows, depth, vocab), the first
-    `limits[r]` slots of row r, in one read of the device: its drafts (drawn when `sample`) and the `num_branches`
-    prefix lengths with the largest r(i)."""
+    `limits[r]` slots of row r, on the device: its drafts and the `num_branches` prefix lengths with the largest r(i)
+    among its slots (the earliest first among equal ones)."""
     rows, depth, vocab = first_probs.shape
     confidences = first_probs.max(-1).values
     drafts = draw_rows(first_probs.reshape(-1, vocab), sample).view(rows, depth)
     reach = torch.cat([confidences.new_ones(rows, 1), torch.cumprod(confidences, 1)[:, :-1]], 1)  # P(first i)
     boundary = reach * (1 - confidences)                                                           # r(i)
-    table = torch.cat([drafts.double(), (reach * confidences).double(), boundary.double()], 1).tolist()
-    plans = []
-    for r, (values, limit) in enumerate(zip(table, limits)):
-        row_boundary = values[2 * depth : 2 * depth + limit]
-        row_picks = sorted(sorted(range(limit), key=lambda i: -row_boundary[i])[:num_branches])
-        plans.append(RowPlan(drafts[r, :limit], [int(t) for t in values[:limit]], values[depth : depth + limit],
-                             row_boundary, row_picks, first_probs[r, :limit]))
-    return plans
+    slots = index_range(depth, first_probs.device)
+    within = slots[None] < host_to_device(limits, first_probs.device)[:, None]
+    ranked = torch.where(within, boundary, -1.0).sort(dim=-1, descending=True, stable=True).indices
+    picks = ranked[:, : min(num_branches, depth)].sort(-1).values  # a row's real picks come before its others
+    return DevicePlan(drafts, reach * confidences, boundary, picks, limits)
 
 
-def branch_values(branch_probs: list[torch.Tensor], prefix_lengths: list[int], excluded: list[int],
-                  sample: bool = False) -> list[Branch]:
-    """Every branch on the host, in one read: `branch_probs[b]` (slots, vocab), the second drafter's distributions
-    for slots i+1, i+2, ... after prefix length `prefix_lengths[b]` = i; its alternative is drawn from the first of
-    them with the main draft `excluded[b]` taken out (the main chain holds that one)."""
-    if not branch_probs:
-        return []
-    flat = torch.cat(branch_probs)
-    lengths = [b.shape[0] for b in branch_probs]
-    firsts = [sum(lengths[:b]) for b in range(len(lengths))]
-    index = host_to_device([firsts, excluded], flat.device)
-    maxima, draws = flat.max(-1).values, draw_rows(flat, sample)
-    alternative = flat[index[0]].clone()
-    alternative.scatter_(1, index[1][:, None], 0.0)
-    mass = alternative.sum(-1)
-    usable = mass > 0  # else the second drafter put all its mass on the main draft: no alternative to draft
-    alternative = alternative / torch.where(usable, mass, 1.0)[:, None]
-    alternative_draws = draw_rows(torch.where(usable[:, None], alternative, flat[index[0]]), sample)
-    table = torch.cat([maxima.double(), draws.double(), alternative.max(-1).values.double(),
-                       alternative_draws.double(), usable.double()]).tolist()
-    slots, count = flat.shape[0], len(lengths)
-    slot_max, slot_draws = table[:slots], table[slots : 2 * slots]
-    alternative_max = table[2 * slots : 2 * slots + count]
-    alternative_tokens, ok = table[2 * slots + count : 2 * slots + 2 * count], table[2 * slots + 2 * count :]
-    return [Branch(i, int(alternative_tokens[b]) if ok[b] else None, alternative_max[b], alternative[b],
-                   [int(t) for t in slot_draws[first + 1 : first + n]], slot_max[first + 1 : first + n],
-                   [flat[s] for s in range(first + 1, first + n)])
-            for b, (i, first, n) in enumerate(zip(prefix_lengths, firsts, lengths))]
+def branch_slots(picks: torch.Tensor, length: int) -> torch.Tensor:
+    """(rows, K, length) slot indices of each branch's distributions: slots i, i + 1, ... after prefix length i."""
+    return picks[..., None] + index_range(length, picks.device)
+
+
+def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor | None, ends: list[int],
+               sample: bool = False) -> tuple[list[RowPlan], list[list[Branch]]]:
+    """Every row's plan and branches on the host, in one read of the device. `branch_probs` (rows, K, length,
+    vocab): the second drafter's distributions for slots i+1, i+2, ... after each pick's prefix length i (None: no
+    branches); a branch of row r holds those up to slot `ends[r]`. Its alternative is drawn from the first of them
+    with the main draft there taken out (the main chain holds that one)."""
+    rows, depth = plan.drafts.shape
+    columns = [plan.drafts, plan.main_scores, plan.boundary, plan.picks]
+    if branch_probs is not None:
+        _, count, length, vocab = branch_probs.shape
+        maxima = branch_probs.max(-1).values
+        draws = draw_rows(branch_probs.reshape(-1, vocab), sample).view(rows, count, length)
+        alternative = branch_probs[:, :, 0].clone()
+        alternative.scatter_(-1, plan.drafts.gather(1, plan.picks)[..., None], 0.0)  # the main draft taken out
+        mass = alternative.sum(-1)
+        usable = mass > 0  # else the second drafter put all its mass on the main draft: no alternative to draft
+        alternative = alternative / torch.where(usable, mass, 1.0)[..., None]
+        alternative_draws = draw_rows(torch.where(usable[..., None], alternative, branch_probs[:, :, 0])
+                                      .reshape(-1, vocab), sample).view(rows, count)
+        columns += [maxima.flatten(1), draws.flatten(1), alternative.max(-1).values, alternative_draws, usable]
+    table = torch.cat([c.double() for c in columns], 1).tolist()  # one copy: token ids are exact in float64
+    plans, branches = [], []
+    for r, (values, limit) in enumerate(zip(table, plan.limits)):
+        count = plan.picks.shape[1]
+        picks = [int(i) for i in values[3 * depth : 3 * depth + count]][: min(count, limit)]
+        plans.append(RowPlan(plan.drafts[r, :limit], [int(t) for t in values[:limit]],
+                             values[depth : depth + limit], values[2 * depth : 2 * depth + limit], picks,
+                             first_probs[r, :limit]))
+        row_branches = []
+        if branch_probs is not None:
+            at = 3 * depth + count
+            slot_max, slot_draws = values[at : at + count * length], values[at + count * length : at + 2 * count * length]
+            at += 2 * count * length
+            alt_max, alt_tokens, ok = (values[at : at + count], values[at + count : at + 2 * count],
+                                       values[at + 2 * count : at + 3 * count])
+            for b, i in enumerate(picks):
+                n = min(length, ends[r] - i)  # the branch's slots up to the row's end
+                row_branches.append(Branch(
+                    i, int(alt_tokens[b]) if ok[b] else None, alt_max[b], alternative[r, b],
+                    [int(t) for t in slot_draws[b * length + 1 : b * length + n]],
+                    slot_max[b * length + 1 : b * length + n], [branch_probs[r, b, j] for j in range(1, n)]))
+        branches.append(row_branches)
+    return plans, branches
 
 
 def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: int, choose_count=None,
                 sample: bool = False) -> CandidateTree:
     """The deduplicated, pruned tree of a row's main chain and its branches, built on the host from what
-    `plan_rows` and `branch_values` read. `choose_count(reach_probs) -> n`, optional: how many nodes (root included)
+    `read_plans` read. `choose_count(reach_probs) -> n`, optional: how many nodes (root included)
     to verify given the reach probabilities of the candidates in decreasing order (the cost model); `budget` stays
     the upper bound. `sample`: the drafts were drawn, and the tree carries the laws they were drawn from as its
     `draft_laws` (for rejection sampling). Scores use only the laws' maxima, never the drawn tokens, so which nodes
