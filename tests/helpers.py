@@ -338,11 +338,13 @@ class ProposalRecorder:
 
     def __init__(self, monkeypatch, cls=DiffusionCandidateGenerator):
         self.steps: list[tuple[list[int], list[CandidateTree]]] = []
+        self.generators = []  # the generator of every step
         propose = cls.propose
 
         def recording(generator, root_tokens, root_positions, remaining, ahead=None):
             trees = propose(generator, root_tokens, root_positions, remaining, ahead)
             self.steps.append((list(remaining), trees))
+            self.generators.append(generator)
             return trees
 
         monkeypatch.setattr(cls, "propose", recording)
@@ -350,6 +352,10 @@ class ProposalRecorder:
     @property
     def trees(self) -> list[CandidateTree]:
         return [tree for _, trees in self.steps for tree in trees]
+
+    def shapes(self) -> list[list[tuple[list[int], list[int]]]]:
+        """Every step's trees as (tokens, parents), comparable across calls."""
+        return [[(t.tokens.tolist(), list(t.parents)) for t in trees] for _, trees in self.steps]
 
 
 def two_sample_chi2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -575,3 +581,17 @@ class EmulatedGraphs:
         for mine, new in zip(static.hidden_states or (), fresh.hidden_states or ()):  # (none asked: a profile's)
             if mine is not None:  # (the layers the drafter does not read are not returned)
                 mine.copy_(new)
+
+
+class FailingGraphs(EmulatedGraphs):
+    """Graphs whose capture fails after its warm-up forward has run (the cache written past the step's keys, its
+    lengths advanced), as a kernel that cannot be captured would."""
+
+    def __init__(self):
+        super().__init__()
+        self.attempts = 0
+
+    def capture(self, forward, rewind):
+        self.attempts += 1
+        forward()
+        raise RuntimeError("operation not permitted when stream is capturing")

@@ -7,29 +7,21 @@ import pytest
 import torch
 
 from hf_diffspec.runtime import drafting, drafting_static
-from helpers import DispatchTrace, EmulatedGraphs, tiny_drafter, tiny_dual_drafter, tiny_target
+from helpers import (DispatchTrace, EmulatedGraphs, FailingGraphs, ProposalRecorder, tiny_drafter,
+                     tiny_dual_drafter, tiny_target)
 
 VOCAB = 48
 
 
 def _decode(target, drafter, ids, monkeypatch, static_drafting: bool, **kwargs):
     """One static call; every tree proposed (tokens and parents, per step) and the drafter's context at the end."""
-    generators, trees = [], []
     with monkeypatch.context() as patch:
         cls = drafting.generator_class(drafter)
-        propose = cls.propose
-
-        def recording(self, *args, **kw):
-            generators.append(self)
-            out = propose(self, *args, **kw)
-            trees.append([(t.tokens.tolist(), list(t.parents)) for t in out])
-            return out
-
-        patch.setattr(cls, "propose", recording)
+        recorder = ProposalRecorder(patch, cls)
         patch.setattr(cls, "static_drafting", static_drafting)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                               cache_implementation="static", return_dict_in_generate=True, **kwargs)
-    return out, trees, generators[0].first
+    return out, recorder.shapes(), recorder.generators[0].first
 
 
 @pytest.mark.every_step_speculates("compares the trees of every step")
@@ -99,20 +91,6 @@ def test_the_drafters_forward_dispatches_the_same_ops_on_the_same_memory_in_ever
     for shape, passes in traces.items():
         for trace in passes[1:]:
             assert trace.ops == passes[0].ops, shape
-
-
-class FailingGraphs(EmulatedGraphs):
-    """Graphs whose capture fails after its warm-up forward has run (the cache written past the pass's keys, its
-    lengths advanced), as a kernel that cannot be captured would."""
-
-    def __init__(self):
-        super().__init__()
-        self.attempts = 0
-
-    def capture(self, forward, rewind):
-        self.attempts += 1
-        forward()
-        raise RuntimeError("operation not permitted when stream is capturing")
 
 
 @pytest.mark.every_step_speculates("compares the trees of every step")

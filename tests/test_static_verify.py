@@ -11,8 +11,8 @@ from hf_diffspec.bench.host_syncs import DEVICE_TO_HOST
 from hf_diffspec.runtime import verifier as verifier_module
 from hf_diffspec.runtime import verify_graphs
 from hf_diffspec.runtime.verify_inputs import VERIFY_WIDTHS, verify_width
-from helpers import (DispatchTrace, EmulatedGraphs, NoisyOracle, assert_sampling_matches_plain, install_oracle,
-                     random_ids, tiny_drafter, tiny_family_target, tiny_hybrid_target, tiny_target)
+from helpers import (DispatchTrace, EmulatedGraphs, FailingGraphs, NoisyOracle, assert_sampling_matches_plain,
+                     install_oracle, random_ids, tiny_drafter, tiny_family_target, tiny_hybrid_target, tiny_target)
 
 
 class HostReads(TorchFunctionMode):
@@ -201,20 +201,6 @@ def test_verify_graphs_replay_to_plain_generates_tokens(monkeypatch, rows, branc
     assert torch.equal(out.sequences, reference)
     assert emulated.captured and emulated.replays > len(emulated.captured)
     assert out.speculation_stats.tau > 1.5
-
-
-class FailingGraphs(EmulatedGraphs):
-    """Graphs whose capture fails after its warm-up forward has run (the cache written past the step's keys, its
-    lengths advanced), as a kernel that cannot be captured would."""
-
-    def __init__(self):
-        super().__init__()
-        self.attempts = 0
-
-    def capture(self, forward, rewind):
-        self.attempts += 1
-        forward()
-        raise RuntimeError("operation not permitted when stream is capturing")
 
 
 @pytest.mark.every_step_speculates("asserts the captured path's steps")
