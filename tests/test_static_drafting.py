@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_diffspec.runtime import drafting, drafting_static
-from helpers import (DispatchTrace, EmulatedGraphs, FailingGraphs, ProposalRecorder, tiny_drafter,
+from helpers import (DispatchTrace, EmulatedGraphs, FailingGraphs, ProposalRecorder, run_in_threads, tiny_drafter,
                      tiny_dual_drafter, tiny_target)
 
 VOCAB = 48
@@ -137,6 +137,30 @@ def test_a_drafter_capture_that_fails_goes_on_eagerly_with_one_warning(monkeypat
     out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False,
                           cache_implementation="static", num_assistant_tokens=4)
     assert torch.equal(out, reference) and failing.attempts == 1
+
+
+def test_static_calls_at_once_on_one_drafter_each_draft_over_a_step_of_their_own(monkeypatch):
+    """Four static calls at once on one target and drafter (as a server's requests arrive): each leases a drafter
+    step of its own (a shared one would interleave two calls' context keys) and writes plain `generate`'s output;
+    one step is kept on the drafter for the next call, and it does not refer back to the drafter."""
+    from hf_diffspec.runtime.control_state import memory_of
+
+    target = tiny_target("llama", seed=6, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=6)
+    prompts = [torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    references = [target.generate(ids, max_new_tokens=20, do_sample=False) for ids in prompts]
+    leased = []
+    lease = drafting_static.lease_drafter_step
+    monkeypatch.setattr(drafting, "lease_drafter_step", lambda *args: leased.append(lease(*args)) or leased[-1])
+    for _ in range(2):  # the second round starts with a step kept by the first
+        leased.clear()
+        outs = run_in_threads([lambda ids=ids: target.generate(ids, assistant_model=drafter, max_new_tokens=20,
+                                                               do_sample=False, cache_implementation="static",
+                                                               num_assistant_tokens=4) for ids in prompts])
+        assert all(torch.equal(out, ref) for out, ref in zip(outs, references))
+        assert len(leased) == 4 and len({id(step) for step in leased}) >= 2  # at least two held at once
+    kept = [step for key, step in memory_of(drafter).static_steps.items() if key[0] == "drafter"]
+    assert len(kept) == 1 and all(value is not drafter for value in vars(kept[0]).values())
 
 
 def test_drafters_whose_keys_positions_come_from_the_cache_draft_on_the_default_path(monkeypatch):

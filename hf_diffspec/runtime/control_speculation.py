@@ -40,9 +40,8 @@ drafting pass against a verify step once per machine (`control_profiles.drafting
 tried first where the budget covers its step, as UCB plays each arm once, and not where it does not (drafting once
 whatever the price lost 6% of a call at 16 rows, where one step of a slow drafter cost 14 plain steps). Lookup steps
 are never tries (lookup is observed after every step, whatever was verified): they are taken on their estimate alone.
-Where
-speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x plain
-decoding, no lower; where it pays the budget grows and never binds.
+Where speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x
+plain decoding, no lower; where it pays the budget grows and never binds.
 
 What a call learned carries to the next call on the same drafter, target and setup (`control_state.py`), its
 observations weighed `CALL_DISCOUNT`. Losslessness never depends on any of it: the target alone picks every token.

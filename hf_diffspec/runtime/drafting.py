@@ -116,7 +116,7 @@ class DrafterContext:
         noise = self.drafter.block_embeds(root_tokens, block_size)
         block_positions = root_positions[:, None] + index_range(block_size, root_positions.device)
         if self.static is not None:
-            return self.static.draft(context, context_positions, self.valid, noise, block_positions)
+            return self.static.draft(self.drafter, context, context_positions, self.valid, noise, block_positions)
         out = self.drafter(
             noise_embeds=noise, context_hidden_states=context,
             position_ids=torch.cat([context_positions, block_positions], dim=1),
@@ -250,7 +250,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
                 self.first.use_static(step)
 
     def keep_static(self) -> None:
-        keep_drafter_step(self.first.static)
+        keep_drafter_step(self.first.drafter, self.first.static)
 
     # ----- drafting ahead: the next step's pass before this step's read --------------------------------------------
     def can_draft_ahead(self, rows: int) -> bool:
@@ -531,7 +531,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
             branch_probs = self._distributions(logits).view(*spans.shape[:3], -1)
             ends = limits
         # every row's plan and every branch's alternative, drafts and their laws' maxima in one read
-        plans, branches = read_plans(plan, probs, branch_probs if plan.picks.shape[1] else None, ends, sample)
+        plans, branches = read_plans(plan, probs, branch_probs, ends, sample)
         self._draft_finished(start)  # both passes, every row
 
         def node_count(reach):

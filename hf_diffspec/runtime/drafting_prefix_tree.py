@@ -87,47 +87,44 @@ def branch_slots(picks: torch.Tensor, length: int) -> torch.Tensor:
     return picks[..., None] + index_range(length, picks.device)
 
 
-def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor | None, ends: list[int],
+def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor, ends: list[int],
                sample: bool = False) -> tuple[list[RowPlan], list[list[Branch]]]:
     """Every row's plan and branches on the host, in one read of the device. `branch_probs` (rows, K, length,
-    vocab): the second drafter's distributions for slots i+1, i+2, ... after each pick's prefix length i (None: no
-    branches); a branch of row r holds those up to slot `ends[r]`. Its alternative is drawn from the first of them
-    with the main draft there taken out (the main chain holds that one)."""
+    vocab): the second drafter's distributions for slots i+1, i+2, ... after each pick's prefix length i; a branch
+    of row r holds those up to slot `ends[r]`. Its alternative is drawn from the first of them with the main draft
+    there taken out (the main chain holds that one)."""
     rows, depth = plan.drafts.shape
-    columns = [plan.drafts, plan.main_scores, plan.boundary, plan.picks]
-    if branch_probs is not None:
-        _, count, length, vocab = branch_probs.shape
-        maxima = branch_probs.max(-1).values
-        draws = draw_rows(branch_probs.reshape(-1, vocab), sample).view(rows, count, length)
-        alternative = branch_probs[:, :, 0].clone()
-        alternative.scatter_(-1, plan.drafts.gather(1, plan.picks)[..., None], 0.0)  # the main draft taken out
-        mass = alternative.sum(-1)
-        usable = mass > 0  # else the second drafter put all its mass on the main draft: no alternative to draft
-        alternative = alternative / torch.where(usable, mass, 1.0)[..., None]
-        alternative_draws = draw_rows(torch.where(usable[..., None], alternative, branch_probs[:, :, 0])
-                                      .reshape(-1, vocab), sample).view(rows, count)
-        columns += [maxima.flatten(1), draws.flatten(1), alternative.max(-1).values, alternative_draws, usable]
+    _, count, length, vocab = branch_probs.shape
+    maxima = branch_probs.max(-1).values
+    draws = draw_rows(branch_probs.reshape(-1, vocab), sample).view(rows, count, length)
+    alternative = branch_probs[:, :, 0].clone()
+    alternative.scatter_(-1, plan.drafts.gather(1, plan.picks)[..., None], 0.0)  # the main draft taken out
+    mass = alternative.sum(-1)
+    usable = mass > 0  # else the second drafter put all its mass on the main draft: no alternative to draft
+    alternative = alternative / torch.where(usable, mass, 1.0)[..., None]
+    alternative_draws = draw_rows(torch.where(usable[..., None], alternative, branch_probs[:, :, 0])
+                                  .reshape(-1, vocab), sample).view(rows, count)
+    columns = [plan.drafts, plan.main_scores, plan.boundary, plan.picks, maxima.flatten(1), draws.flatten(1),
+               alternative.max(-1).values, alternative_draws, usable]
     table = torch.cat([c.double() for c in columns], 1).tolist()  # one copy: token ids are exact in float64
+    slots = count * length
     plans, branches = [], []
     for r, (values, limit) in enumerate(zip(table, plan.limits)):
-        count = plan.picks.shape[1]
         picks = [int(i) for i in values[3 * depth : 3 * depth + count]][: min(count, limit)]
         plans.append(RowPlan(plan.drafts[r, :limit], [int(t) for t in values[:limit]],
                              values[depth : depth + limit], values[2 * depth : 2 * depth + limit], picks,
                              first_probs[r, :limit]))
+        at = 3 * depth + count
+        slot_max, slot_draws = values[at : at + slots], values[at + slots : at + 2 * slots]
+        at += 2 * slots
+        alt_max, alt_tokens, ok = values[at : at + count], values[at + count : at + 2 * count], values[at + 2 * count :]
         row_branches = []
-        if branch_probs is not None:
-            at = 3 * depth + count
-            slot_max, slot_draws = values[at : at + count * length], values[at + count * length : at + 2 * count * length]
-            at += 2 * count * length
-            alt_max, alt_tokens, ok = (values[at : at + count], values[at + count : at + 2 * count],
-                                       values[at + 2 * count : at + 3 * count])
-            for b, i in enumerate(picks):
-                n = min(length, ends[r] - i)  # the branch's slots up to the row's end
-                row_branches.append(Branch(
-                    i, int(alt_tokens[b]) if ok[b] else None, alt_max[b], alternative[r, b],
-                    [int(t) for t in slot_draws[b * length + 1 : b * length + n]],
-                    slot_max[b * length + 1 : b * length + n], [branch_probs[r, b, j] for j in range(1, n)]))
+        for b, i in enumerate(picks):
+            n = min(length, ends[r] - i)  # the branch's slots up to the row's end
+            row_branches.append(Branch(
+                i, int(alt_tokens[b]) if ok[b] else None, alt_max[b], alternative[r, b],
+                [int(t) for t in slot_draws[b * length + 1 : b * length + n]],
+                slot_max[b * length + 1 : b * length + n], [branch_probs[r, b, j] for j in range(1, n)]))
         branches.append(row_branches)
     return plans, branches
 

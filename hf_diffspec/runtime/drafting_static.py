@@ -20,8 +20,9 @@ the first pass of a shape runs eagerly and captures it; a capture that fails war
 drafter runs eagerly).
 
 Rows that finish leave the cache's memory in place (`select_rows`: the rows kept are its first rows, the moved ones
-copied), so every row count reads the same memory in every call; each is a shape of its own. Drafters with causal or sliding-window layers read their keys' positions from the cache's length, and D²SD
-branches read the whole cached context of a row: both draft on the default path (`supports_static_drafting`).
+copied), so every row count reads the same memory in every call; each is a shape of its own. Drafters with causal or
+sliding-window layers read their keys' positions from the cache's length, and D²SD branches read the whole cached
+context of a row: both draft on the default path (`supports_static_drafting`).
 
 The cache and its buffers outlive the call, kept on the drafter per inference mode (`lease_drafter_step` /
 `keep_drafter_step`), so the memory a later call's forward reads is the one an earlier call's would have been captured
@@ -83,8 +84,7 @@ class StaticDrafterStep:
     """The drafter's preallocated cache and the persistent inputs of its forward (see the module docstring)."""
 
     def __init__(self, drafter, rows: int, max_length: int, backend=None):
-        config = drafter.config
-        self.drafter = drafter
+        config = drafter.config  # (the drafter itself is not kept: this step is kept on it)
         self.graphs = ForwardGraphs(backend, memory_of(drafter), "the drafter's forward") if backend else None
         self.graph_mode = backend is not None
         self.capacity = static_capacity(max_length + config.block_size)
@@ -117,9 +117,9 @@ class StaticDrafterStep:
             else:
                 layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
 
-    def draft(self, context, context_positions: torch.Tensor, valid: torch.Tensor, noise: torch.Tensor,
+    def draft(self, drafter, context, context_positions: torch.Tensor, valid: torch.Tensor, noise: torch.Tensor,
               block_positions: torch.Tensor) -> torch.Tensor:
-        """The drafter's forward over [cached ; `context` ; block], as `DrafterContext.draft_block` runs it on the
+        """`drafter`'s forward over [cached ; `context` ; block], as `DrafterContext.draft_block` runs it on the
         default path: `context` (rows, n, features) or None, at `context_positions` (rows, n); `valid` (rows, cached
         + n): the slots each row sees; `noise` (rows, block, hidden): the block's embeddings at `block_positions`.
         Only the context's n slots stay cached; returns the block's hidden states."""
@@ -149,7 +149,7 @@ class StaticDrafterStep:
         sees[:, : cached + new].copy_(valid)
         sees[:, cached + width : used] = True
         self.cache.attend(attended)
-        cache, drafter = self.cache, self.drafter
+        cache = self.cache
 
         def forward():  # what a CUDA graph captures: every tensor it reads is one of its closure's
             return drafter(noise_embeds=noise_buffer, context_hidden_states=features, position_ids=positions,
@@ -180,10 +180,10 @@ def lease_drafter_step(drafter, rows: int, max_length: int) -> StaticDrafterStep
     return step
 
 
-def keep_drafter_step(step: StaticDrafterStep | None) -> None:
-    """At a call's end, `step` is where the next call on its drafter in its inference mode starts."""
+def keep_drafter_step(drafter, step: StaticDrafterStep | None) -> None:
+    """At a call's end, `step` is where the next call on `drafter` in its inference mode starts."""
     if step is None:
         return
-    memory = memory_of(step.drafter)
+    memory = memory_of(drafter)
     with memory.lock:
         memory.static_steps["drafter", step.graph_mode, step.inference] = step
