@@ -15,8 +15,9 @@ VOCAB = 48
 
 
 def _decode(target, drafter, ids, monkeypatch, ahead: bool, **kwargs):
-    """One call; every tree proposed (tokens and parents, per step) and the drafter's context at the end."""
-    generators, trees = [], []
+    """One call; every tree proposed (tokens and parents, per step, and whether a pass run ahead drafted them) and
+    the drafter's context at the end."""
+    generators, trees, drafted_ahead = [], [], []
     with monkeypatch.context() as patch:
         patch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1" if ahead else "0")
         cls = drafting.generator_class(drafter)
@@ -26,12 +27,13 @@ def _decode(target, drafter, ids, monkeypatch, ahead: bool, **kwargs):
             generators.append(self)
             out = propose(self, *args, **kw)
             trees.append([(t.tokens.tolist(), list(t.parents)) for t in out])
+            drafted_ahead.append((args[3:] or [kw.get("ahead")])[0] is not None)
             return out
 
         patch.setattr(cls, "propose", recording)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                               return_dict_in_generate=True, **kwargs)
-    return out, trees, generators[0].first
+    return out, trees, generators[0].first, drafted_ahead
 
 
 def _context_valid(context) -> torch.Tensor:
@@ -41,19 +43,25 @@ def _context_valid(context) -> torch.Tensor:
 
 
 @pytest.mark.every_step_speculates("compares the trees of every step")
-@pytest.mark.parametrize("tree_budget", [None, 8], ids=["chains", "best-first"])
-def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(tree_budget, monkeypatch):
+@pytest.mark.parametrize("tree_budget,selector", [(None, False), (8, False), (8, True)],
+                         ids=["chains", "best-first", "selector"])
+def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(tree_budget, selector, monkeypatch):
     """fp32, greedy, three rows that accept different numbers of drafts and stop at different steps (EOS): every
     step's trees are those of the loop that drafts at each step, the output is plain `generate`'s, and the drafter's
-    cached context at the end holds the same slots, visible to the same rows."""
+    cached context at the end holds the same slots, visible to the same rows. DFlash 2's selector trees: their tables
+    computed ahead over every slot a row may draft."""
     target = tiny_target("llama", seed=4, vocab_size=VOCAB, sharpen=3.0)
-    drafter = tiny_drafter(target, block_size=6, seed=4, draft_tree_budget=tree_budget, draft_tree_width=2)
+    drafter = tiny_drafter(target, block_size=6, seed=4, draft_tree_budget=tree_budget, draft_tree_width=2,
+                           **(dict(selector_rank=4, selector_top_k=4) if selector else {}))
     ids = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
     reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
                                                                                 if k != "num_assistant_tokens"})
-    ahead, ahead_trees, ahead_context = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
-    at_step, step_trees, step_context = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    ahead, ahead_trees, ahead_context, drafted_ahead = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    at_step, step_trees, step_context, at_own_step = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    # every step that drafted something did so from a pass run ahead (the last may have no room left to draft)
+    assert all(a for a, step in zip(drafted_ahead, ahead_trees) if any(len(t[0]) > 1 for t in step))
+    assert not any(at_own_step)
     assert torch.equal(ahead.sequences, reference) and torch.equal(at_step.sequences, reference)
     lengths = (reference != 0).sum(-1)
     assert len(set(lengths.tolist())) > 1  # rows finished at different steps

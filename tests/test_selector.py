@@ -85,14 +85,15 @@ def test_a_selector_is_added_to_a_dflash_checkpoint_as_a_no_op(tmp_path):
 def test_selector_trees_branch_coherently_and_greedy_stays_identical():
     """With a tree budget, the selector gives the branches: each node's children are its slot's candidates ranked
     by the selector given that node's own token."""
-    from hf_diffspec.runtime.drafting_best_first import build_selector_tree, selector_tables
+    from hf_diffspec.runtime.drafting_best_first import build_selector_tree, selector_tables, unpack_selector_table
 
     target = tiny_target("llama", seed=4)
     _, drafter = _with_selector(target, seed=4, scramble=True, block_size=6, draft_tree_budget=8, draft_tree_width=2)
     torch.manual_seed(0)
     hidden, logits = torch.randn(5, drafter.config.hidden_size), torch.randn(5, 128)
-    tables = selector_tables(torch.tensor([7]), hidden[None], logits[None], drafter.selector, 4, max_children=2)
-    tree = build_selector_tree(7, tables[0], 5, budget=8, device=logits.device)
+    table = selector_tables(torch.tensor([7]), hidden[None], logits[None], drafter.selector, 4, max_children=2)
+    tree = build_selector_tree(7, unpack_selector_table(table[0].tolist(), 5, 4, 2), 5, budget=8,
+                               device=logits.device)
     assert len(tree) == 9 and tree.parents[1] == 0
     top = logits.topk(4, dim=-1)
     for node in range(len(tree)):

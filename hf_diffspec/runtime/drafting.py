@@ -23,7 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .drafting_best_first import (best_first_shape, build_best_first_tree, build_selector_tree, laws_to_device,
-                                  selector_tables)
+                                  selector_tables, unpack_selector_table)
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock
 from .drafting_prefix_tree import branch_slots, plan_rows, prefix_tree, read_plans
@@ -566,23 +566,24 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
     def _uses_selector(self) -> bool:
         return getattr(self.first.drafter, "selector", None) is not None and self.sampling is None
 
-    def can_draft_ahead(self, rows: int) -> bool:
-        return not self._uses_selector() and super().can_draft_ahead(rows)
-
     def _ahead_span(self) -> int:
         return min(super()._ahead_span(), self.first.drafter.config.draft_tree_budget)
 
     def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int):
         config = self.first.drafter.config
         logits = self.first.drafter.compute_logits(draft_hidden[:, :span])
+        if self._uses_selector():  # the tables of every slot a row may draft: a shorter row's tree is the same
+            return (), self._selector_table(roots, draft_hidden, logits)
         probs, table = self._ranked_table(logits, config.draft_tree_width, config.draft_tree_budget)
         return (probs,), table
 
     def _ahead_trees(self, ahead: DraftPass, root_tokens: list[int], limits: list[int]) -> list[CandidateTree]:
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
-        (probs,) = ahead.tensors
         slots = self._ahead_span()
+        if self._uses_selector():
+            return self._selector_trees(root_tokens, ahead.values, slots, limits)
+        (probs,) = ahead.tensors
         return self._trees(root_tokens, probs, [self._unpack(row, slots) for row in ahead.values], limits, {})
 
     @torch.no_grad()
@@ -598,9 +599,10 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
         start = self.clock.stamp()
         _, _, draft_hidden = self._draft_block(root_tokens, root_positions)
         if self._uses_selector():
-            trees = self._selector_trees(root_tokens, draft_hidden, limits)
+            logits = self.first.drafter.compute_logits(draft_hidden[:, : max(limits)])
+            table = self._selector_table(host_to_device(root_tokens, logits.device), draft_hidden, logits).tolist()
             self._draft_finished(start)
-            return trees
+            return self._selector_trees(root_tokens, table, logits.shape[1], limits)
         budget, width = config.draft_tree_budget, config.draft_tree_width
         reads = {}  # slots computed -> (distributions or None, each row's ranked slots, read at once)
         shapes = {}  # (slots computed, row) -> the row's best-first shape over them
@@ -681,20 +683,23 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
 
         return per_slot(row[: slots * size]), per_slot(row[slots * size :]), uniform
 
-    def _selector_trees(self, root_tokens: list[int], draft_hidden: torch.Tensor, limits: list[int]):
-        """DFlash 2: each row's branches from the selector's candidates."""
-        drafter, rows = self.first.drafter, len(root_tokens)
-        config = drafter.config
-        logits = drafter.compute_logits(draft_hidden[:, : max(limits)])
+    def _selector_table(self, roots: torch.Tensor, draft_hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """DFlash 2: every row's selector tables over the slots of `logits`, on the device (`selector_tables`)."""
+        drafter = self.first.drafter
+        return selector_tables(roots, draft_hidden[:, : logits.shape[1]], logits, drafter.selector,
+                               drafter.config.selector_top_k, drafter.config.draft_tree_width)
+
+    def _selector_trees(self, root_tokens: list[int], table: list, slots: int, limits: list[int]):
+        """DFlash 2: each row's branches from the selector's candidates, from its tables (`table`, read) over
+        `slots` slots."""
+        config, rows, device = self.first.drafter.config, len(root_tokens), self.first.device
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
 
-        roots = host_to_device(root_tokens, logits.device)
-        tables = selector_tables(roots, draft_hidden[:, : logits.shape[1]], logits, drafter.selector,
-                                 config.selector_top_k, config.draft_tree_width)  # every row's, one read
-        return [build_selector_tree(root_tokens[r], tables[r], limits[r], config.draft_tree_budget, logits.device,
-                                    node_count)
+        return [build_selector_tree(root_tokens[r], unpack_selector_table(table[r], slots, config.selector_top_k,
+                                                                          config.draft_tree_width),
+                                    limits[r], config.draft_tree_budget, device, node_count)
                 if limits[r] > 0 else self._root_only(root_tokens[r]) for r in range(rows)]
 
     def get_candidates(self, *args, **kwargs):

@@ -174,12 +174,14 @@ def laws_to_device(trees: list[CandidateTree], device) -> None:
 
 
 def selector_tables(roots: torch.Tensor, draft_hidden: torch.Tensor, logits: torch.Tensor, selector, top_k: int,
-                    max_children: int) -> list[tuple[list, list, list]]:
-    """Every row's selector tables, from one read of the device: per slot d and parent candidate c, the children a
-    node gets (`build_selector_tree`). A node at depth d holds the root (d = 0) or one of slot d-1's top-`top_k`
-    candidates, so the selector's distribution over slot d's candidates given each of those tokens covers every node
-    a tree can hold. `roots` (rows,), `draft_hidden` (rows, depth, hidden), `logits` (rows, depth, vocab). Per row:
-    (probabilities (depth, k, m), candidate indices (depth, k, m), slot d's candidates' tokens (depth, k)), m =
+                    max_children: int) -> torch.Tensor:
+    """Every row's selector tables on the device, for the host to read in one copy (`unpack_selector_table`): per
+    slot d and parent candidate c, the children a node gets (`build_selector_tree`). A node at depth d holds the root
+    (d = 0) or one of slot d-1's top-`top_k` candidates, so the selector's distribution over slot d's candidates given
+    each of those tokens covers every node a tree can hold; slot d's tables depend on slots d-1 and d alone, so a row
+    limited to fewer slots than computed gets the same tree. `roots` (rows,), `draft_hidden` (rows, depth, hidden),
+    `logits` (rows, depth, vocab). Returns (rows, n) float64 (token ids and candidate indices are exact there): the
+    probabilities (depth, k, m), candidate indices (depth, k, m) and slot d's candidates' tokens (depth, k), m =
     `max_children` best first."""
     top = logits.float().topk(min(top_k, logits.shape[-1]), dim=-1)  # (rows, depth, k)
     rows, depth, k = top.indices.shape
@@ -188,18 +190,22 @@ def selector_tables(roots: torch.Tensor, draft_hidden: torch.Tensor, logits: tor
                       top.indices[:, :, None, :].expand(-1, -1, k, -1), top.values[:, :, None, :].expand(-1, -1, k, -1))
     probs, order = scores.softmax(-1).sort(-1, descending=True)
     m = min(max_children, k)
-    # one copy: token ids and candidate indices are exact in float64
-    table = torch.cat([probs[..., :m].double().reshape(rows, -1), order[..., :m].double().reshape(rows, -1),
-                       top.indices.double().reshape(rows, -1)], dim=1).tolist()
-    out = []
-    for row in table:
-        n = depth * k * m
-        probs_of = [[row[(d * k + c) * m : (d * k + c + 1) * m] for c in range(k)] for d in range(depth)]
-        order_of = [[[int(i) for i in row[n + (d * k + c) * m : n + (d * k + c + 1) * m]] for c in range(k)]
-                    for d in range(depth)]
-        tokens_of = [[int(t) for t in row[2 * n + d * k : 2 * n + (d + 1) * k]] for d in range(depth)]
-        out.append((probs_of, order_of, tokens_of))
-    return out
+    return torch.cat([probs[..., :m].double().reshape(rows, -1), order[..., :m].double().reshape(rows, -1),
+                      top.indices.double().reshape(rows, -1)], dim=1)
+
+
+def unpack_selector_table(row: list[float], depth: int, top_k: int, max_children: int) -> tuple[list, list, list]:
+    """One row of `selector_tables`, read, over `depth` slots: (probabilities per slot and candidate, candidate
+    indices likewise, slot d's candidates' tokens). A vocabulary smaller than `top_k` has fewer candidates: the
+    row's length says how many (it grows with k)."""
+    k = next(k for k in range(top_k, 0, -1) if depth * k * (2 * min(max_children, k) + 1) <= len(row))
+    m = min(max_children, k)
+    n = depth * k * m
+    probs_of = [[row[(d * k + c) * m : (d * k + c + 1) * m] for c in range(k)] for d in range(depth)]
+    order_of = [[[int(i) for i in row[n + (d * k + c) * m : n + (d * k + c + 1) * m]] for c in range(k)]
+                for d in range(depth)]
+    tokens_of = [[int(t) for t in row[2 * n + d * k : 2 * n + (d + 1) * k]] for d in range(depth)]
+    return probs_of, order_of, tokens_of
 
 
 def build_selector_tree(root_token: int, tables: tuple[list, list, list], depth: int, budget: int, device,
