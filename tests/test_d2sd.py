@@ -90,8 +90,8 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
     branch_probs[..., 2] = 0.4
     branch_probs = branch_probs / branch_probs.sum(-1, keepdim=True)
 
-    device_plan = plan_rows(first[None], [4], num_branches=1)
-    plans, branches = read_plans(device_plan, first[None], branch_probs, ends=[4])
+    device_plan = plan_rows(first[None], torch.tensor([4]), num_branches=1)
+    plans, branches = read_plans(device_plan, first[None], branch_probs, limits=[4], ends=[4])
     plan, branches = plans[0], branches[0]
     assert plan.drafts.tolist() == [1, 2, 3, 4] and plan.picks == [1]   # one branch, re-drafted after the prefix [1]
     tree = prefix_tree(0, plan, branches, budget=16)

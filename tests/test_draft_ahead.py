@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_diffspec.runtime import drafting
-from helpers import steer_steps, tiny_drafter, tiny_target
+from helpers import steer_steps, tiny_drafter, tiny_dual_drafter, tiny_target
 
 VOCAB = 48
 
@@ -33,7 +33,7 @@ def _decode(target, drafter, ids, monkeypatch, ahead: bool, **kwargs):
         patch.setattr(cls, "propose", recording)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                               return_dict_in_generate=True, **kwargs)
-    return out, trees, generators[0].first, drafted_ahead
+    return out, trees, generators[0].contexts, drafted_ahead
 
 
 def _context_valid(context) -> torch.Tensor:
@@ -43,22 +43,27 @@ def _context_valid(context) -> torch.Tensor:
 
 
 @pytest.mark.every_step_speculates("compares the trees of every step")
-@pytest.mark.parametrize("tree_budget,selector", [(None, False), (8, False), (8, True)],
-                         ids=["chains", "best-first", "selector"])
-def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(tree_budget, selector, monkeypatch):
+@pytest.mark.parametrize("method", ["chains", "best-first", "selector", "d2sd", "d2sd-vp"])
+def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(method, monkeypatch):
     """fp32, greedy, three rows that accept different numbers of drafts and stop at different steps (EOS): every
     step's trees are those of the loop that drafts at each step, the output is plain `generate`'s, and the drafter's
     cached context at the end holds the same slots, visible to the same rows. DFlash 2's selector trees: their tables
-    computed ahead over every slot a row may draft."""
+    computed ahead over every slot a row may draft. D²SD (its first drafter again, or a VP drafter of its own cache):
+    both passes ahead, planned within the next step's limits computed on the device."""
     target = tiny_target("llama", seed=4, vocab_size=VOCAB, sharpen=3.0)
-    drafter = tiny_drafter(target, block_size=6, seed=4, draft_tree_budget=tree_budget, draft_tree_width=2,
-                           **(dict(selector_rank=4, selector_top_k=4) if selector else {}))
+    if method.startswith("d2sd"):
+        drafter = tiny_dual_drafter(target, block_size=6, seed=4, vp_seed=5 if method == "d2sd-vp" else None,
+                                    num_branches=3, tree_budget=10)
+    else:
+        drafter = tiny_drafter(target, block_size=6, seed=4, draft_tree_budget=None if method == "chains" else 8,
+                               draft_tree_width=2, **(dict(selector_rank=4, selector_top_k=4)
+                                                      if method == "selector" else {}))
     ids = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
     reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
                                                                                 if k != "num_assistant_tokens"})
-    ahead, ahead_trees, ahead_context, drafted_ahead = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
-    at_step, step_trees, step_context, at_own_step = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    ahead, ahead_trees, ahead_contexts, drafted_ahead = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    at_step, step_trees, step_contexts, at_own_step = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
     # every step that drafted something did so from a pass run ahead (the last may have no room left to draft)
     assert all(a for a, step in zip(drafted_ahead, ahead_trees) if any(len(t[0]) > 1 for t in step))
     assert not any(at_own_step)
@@ -67,13 +72,16 @@ def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(tree_budget,
     assert len(set(lengths.tolist())) > 1  # rows finished at different steps
     assert ahead_trees == step_trees
     assert len(ahead_trees) > 4 and any(len(t[0]) > 1 for step in ahead_trees for t in step)
-    # cached, or pending (a step whose successor is not drafted leaves its slots for the next pass to cache)
-    assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
-    cached = min(ahead_context.valid.shape[1], step_context.valid.shape[1])
-    seen = step_context.valid[:, None, :cached, None]  # (what a row may not see is never read)
-    for a, b in zip(ahead_context.cache.layers, step_context.cache.layers):
-        torch.testing.assert_close(a.keys[:, :, :cached] * seen, b.keys[:, :, :cached] * seen)
-        torch.testing.assert_close(a.values[:, :, :cached] * seen, b.values[:, :, :cached] * seen)
+    # every drafter's context (D²SD's VP drafter has its own), cached or pending (a step whose successor is not
+    # drafted leaves its slots for the next pass to cache)
+    assert len(ahead_contexts) == (2 if method == "d2sd-vp" else 1)
+    for ahead_context, step_context in zip(ahead_contexts, step_contexts):
+        assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
+        cached = min(ahead_context.valid.shape[1], step_context.valid.shape[1])
+        seen = step_context.valid[:, None, :cached, None]  # (what a row may not see is never read)
+        for a, b in zip(ahead_context.cache.layers, step_context.cache.layers):
+            torch.testing.assert_close(a.keys[:, :, :cached] * seen, b.keys[:, :, :cached] * seen)
+            torch.testing.assert_close(a.values[:, :, :cached] * seen, b.values[:, :, :cached] * seen)
     assert ahead.speculation_stats.unused_drafting_passes == 0  # every step drafted
 
 
@@ -118,3 +126,20 @@ def test_drafting_ahead_is_on_where_a_read_waits_for_the_device(monkeypatch):
     assert reads_wait(cpu)
     monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "0")
     assert not reads_wait(cuda)
+
+
+def test_d2sd_plans_ahead_within_the_limits_its_step_will_have():
+    """A D²SD pass drafted ahead picks its branch points within each row's limit at the next step, which it computes
+    on the device from the next roots' positions (`limits_on_device`): the policy's `depth_limits` at every position,
+    near a row's length limit and near the target's context end alike."""
+    target = tiny_target("llama", seed=4, vocab_size=VOCAB)
+    target.config.max_position_embeddings = 40
+    drafter = tiny_dual_drafter(target, block_size=6, seed=4, num_branches=2)
+    generator = drafting.candidate_generator_for(drafter, target)
+    assert generator.policy.max_positions == 40
+    span = generator._ahead_span()
+    row_ends = [12, 30, 45, 60]  # a row's root position plus the drafts it may still commit
+    for position in range(8, 40):
+        positions = torch.full((len(row_ends),), position)
+        expected = generator.policy.depth_limits([position] * len(row_ends), [e - position for e in row_ends])
+        assert generator.limits_on_device(positions, row_ends, span).tolist() == expected, position

@@ -293,8 +293,8 @@ def test_a_sampled_prefix_tree_skips_a_branch_whose_law_holds_only_the_main_draf
     first[:, 2] = 1.0  # the main chain: 2, 2, 2
     branch = torch.zeros(2, 6)
     branch[:, 2] = 1.0  # the second drafter agrees: nothing else to draft
-    plans, branches = read_plans(plan_rows(first[None], [3], num_branches=1, sample=True), first[None],
-                                 branch[None, None], ends=[3], sample=True)
+    plans, branches = read_plans(plan_rows(first[None], torch.tensor([3]), num_branches=1, sample=True), first[None],
+                                 branch[None, None], limits=[3], ends=[3], sample=True)
     assert plans[0].tokens == [2, 2, 2] and plans[0].picks == [0]
     tree = prefix_tree(5, plans[0], branches[0], budget=8, sample=True)
     assert tree.tokens.tolist() == [5, 2, 2, 2] and tree.is_chain

@@ -315,8 +315,10 @@ def _prefill(call: DecodingCall, input_ids, valid: torch.Tensor, attention_mask)
     call.drafting.add_context(out.hidden_states, slice(None), positions, valid, all_valid=verifier.all_valid)
     batch.anchors = [0] * input_ids.shape[0]
 
+    row_ends = [p + d for p, d in zip(batch.root_positions, batch.max_drafts())]
+
     def draft_first(outcome):  # the first step's drafting pass, its reads riding on the first tokens' read
-        call.ahead = call.drafting.draft_ahead(outcome.anchors, batch.root_position_tensor)
+        call.ahead = call.drafting.draft_ahead(outcome.anchors, batch.root_position_tensor, row_ends)
         return call.ahead.read
 
     first = draft_first if _drafts_ahead(call, batch.root_positions) else None
@@ -374,8 +376,9 @@ def _step(call: DecodingCall, step_start):
     def draft_next(outcome):  # the drafter's context: every slot of the accepted paths, those past a row's count hidden
         levels = index_range(outcome.committed.shape[1], device)
         index = slice(0, len(levels)) if outcome.path_nodes is None else outcome.path_nodes
+        row_ends = [p + d for p, d in zip(root_positions, batch.max_drafts())]
         call.ahead = call.drafting.draft_ahead(
-            outcome.anchors, batch.root_position_tensor + outcome.count,
+            outcome.anchors, batch.root_position_tensor + outcome.count, row_ends,
             (out.hidden_states, index, batch.root_position_tensor[:, None] + levels, levels < outcome.count[:, None]))
         return call.ahead.read
 

@@ -26,7 +26,7 @@ from .drafting_best_first import (best_first_shape, build_best_first_tree, build
                                   selector_tables, unpack_selector_table)
 from .control_policy import DraftLengthPolicy, speculation_policy
 from .device_clock import StepClock
-from .drafting_prefix_tree import branch_slots, plan_rows, prefix_tree, read_plans
+from .drafting_prefix_tree import DevicePlan, branch_slots, plan_rows, plan_table, prefix_tree, unpack_plans
 from .drafting_static import StaticDrafterStep, keep_drafter_step, lease_drafter_step
 from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
@@ -262,11 +262,14 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         return min(self.policy.most_drafts(), self.block_size - 1)
 
     @torch.no_grad()
-    def draft_ahead(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, step_context=None) -> DraftPass:
+    def draft_ahead(self, anchors: torch.Tensor, anchor_positions: torch.Tensor, row_ends: list[int],
+                    step_context=None) -> DraftPass:
         """The next step's drafting pass, from anchors and positions on the device, before the host reads this
-        step's outcome (whose copy its own reads then ride: `DraftPass.read`). `step_context`: (hidden states, index,
-        positions, valid) of every slot of the step's accepted paths (those past a row's count not valid), queued
-        as context first; `keep_ahead` crops them to what the rows kept once the host knows it."""
+        step's outcome (whose copy its own reads then ride: `DraftPass.read`). `row_ends`: each row's root position
+        this step plus the drafts it may still commit (the same at the next step: both move by what is committed).
+        `step_context`: (hidden states, index, positions, valid) of every slot of the step's accepted paths (those
+        past a row's count not valid), queued as context first; `keep_ahead` crops them to what the rows kept once
+        the host knows it."""
         context = (0, self.first.all_valid)
         if step_context is not None:
             hidden_states, index, positions, valid = step_context
@@ -274,7 +277,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
             self.add_context(hidden_states, index, positions, valid, all_valid=False)
         start = self.clock.stamp()
         draft_hidden = self.first.draft_block(anchors, anchor_positions, self.block_size)
-        tensors, read = self._ahead_pass(anchors, anchor_positions, draft_hidden[:, 1:], self._ahead_span())
+        tensors, read = self._ahead_pass(anchors, anchor_positions, draft_hidden[:, 1:], self._ahead_span(), row_ends)
         span = (start, self.clock.stamp())
         self._draft_spans.append(span)
         return DraftPass(tensors, read, context, span)
@@ -287,14 +290,16 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         ahead.values = values
         width, all_valid = ahead.context
         if width:
-            context = self.first  # (the only drafter context of a method that drafts ahead)
-            context.drop_last(width - (kept or 0))
-            context.all_valid = all_valid and (kept is None or rows_all_valid)
+            for context in self.contexts:  # (every one cached the step's slots: `can_draft_ahead`)
+                context.drop_last(width - (kept or 0))
+                context.all_valid = all_valid and (kept is None or rows_all_valid)
         self.record_draft_times()
 
-    def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int):
+    def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int,
+                    row_ends: list[int]):
         """`propose`'s device work for chains over `span` slots after anchors `roots` at `positions` (on the device):
-        (the tensors the chains are built from, the reach the cost model sizes them by (rows, span), or None)."""
+        (the tensors the chains are built from, the reach the cost model sizes them by (rows, span), or None). A row
+        drafting fewer slots (`row_ends`) takes the first of them."""
         reach = None
         if self.policy.uses_cost_model and self.length_head is not None:
             reach = self._length_head_reach(draft_hidden[:, :span])
@@ -508,31 +513,44 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
     def propose(self, root_tokens: list[int], root_positions: list[int], remaining: list[int],
                 ahead: DraftPass | None = None) -> list[CandidateTree]:
         limits = self.policy.depth_limits(root_positions, remaining)
+        if ahead is not None:
+            return self._ahead_trees(ahead, root_tokens, limits)
         if max(limits) <= 0:
             return [self._root_only(root) for root in root_tokens]
-        config = self.drafter.config
-        sample = self.sampling is not None
-        rows = len(root_tokens)
         start = self.clock.stamp()
         roots, positions, draft_hidden = self._draft_block(root_tokens, root_positions)
-        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, : max(limits)]))
-        # every row's drafts and branch points on the device (a row with no room left plans none: its root alone)
+        tensors, table = self._planned_pass(roots, positions, draft_hidden, host_to_device(limits, roots.device),
+                                            max(limits))
+        table = table.tolist()  # every row's plan and every branch's alternative, drafts and laws' maxima: one read
+        self._draft_finished(start)  # both passes, every row
+        return self._planned_trees(root_tokens, tensors, table, limits)
+
+    def _planned_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor,
+                      limits: torch.Tensor, depth: int) -> tuple[tuple, torch.Tensor]:
+        """Both passes' device work over `depth` slots, rows within `limits` (on the device): the first drafter's
+        distributions, every row's plan (drafts and branch points: a row with no room left plans none), the branches'
+        distributions, and the table the host reads for them (`plan_table`)."""
+        config, sample = self.drafter.config, self.sampling is not None
+        probs = self._distributions(self.first.drafter.compute_logits(draft_hidden[:, :depth]))
         plan = plan_rows(probs, limits, config.num_branches, sample)
-        length, depth = config.branch_length, probs.shape[1]
+        length = config.branch_length
         if config.branches_from_first_pass:
             slots = branch_slots(plan.picks, length).clamp(max=depth - 1)  # past the last slot: read nowhere
-            branch_probs = probs[index_range(rows, probs.device)[:, None, None], slots]
-            ends = [depth] * rows
+            branch_probs = probs[index_range(probs.shape[0], probs.device)[:, None, None], slots]
         else:  # one batched pass of the branch drafter over every branch of every row
             hidden = self.branch_context.draft_branches(roots, positions, plan.drafts, plan.picks, self.block_size)
             slots = (branch_slots(plan.picks, length) + 1).clamp(max=self.block_size - 1)  # after each prefix
             spans = hidden.gather(2, slots[..., None].expand(-1, -1, -1, hidden.shape[-1]))
             logits = self.branch_context.drafter.compute_logits(spans.flatten(0, 2))
             branch_probs = self._distributions(logits).view(*spans.shape[:3], -1)
-            ends = limits
-        # every row's plan and every branch's alternative, drafts and their laws' maxima in one read
-        plans, branches = read_plans(plan, probs, branch_probs, ends, sample)
-        self._draft_finished(start)  # both passes, every row
+        table, alternative = plan_table(plan, branch_probs, sample)
+        return (probs, branch_probs, alternative, plan.drafts, plan.main_scores, plan.boundary, plan.picks), table
+
+    def _planned_trees(self, root_tokens: list[int], tensors: tuple, table: list, limits: list[int]):
+        """Every row's tree from `_planned_pass`'s tensors and its table, read; a row's nodes within its limit."""
+        config, sample, rows = self.drafter.config, self.sampling is not None, len(root_tokens)
+        probs, branch_probs, alternative, *plan = tensors
+        plans, branches = unpack_plans(table, DevicePlan(*plan), probs, branch_probs, alternative, limits, limits)
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)
@@ -547,7 +565,29 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         return trees
 
     def can_draft_ahead(self, rows: int) -> bool:
-        return False  # its branch pass follows from the first pass on the device (`plan_rows`); not drafted ahead yet
+        # a VP drafter left unused (branches from the first pass) would keep the step's context pending, uncropped
+        return (not self.drafter.config.branches_from_first_pass or self.branch_context is self.first) \
+            and super().can_draft_ahead(rows)
+
+    def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int,
+                    row_ends: list[int]):
+        """Both passes, planned within the next step's limits (`limits_on_device`)."""
+        return self._planned_pass(roots, positions, draft_hidden, self.limits_on_device(positions, row_ends, span),
+                                  span)
+
+    def limits_on_device(self, positions: torch.Tensor, row_ends: list[int], span: int) -> torch.Tensor:
+        """`policy.depth_limits` of roots at `positions`, on the device, where a pass drafted ahead knows them
+        (`row_ends`: each row's root position plus the drafts it may still commit, which every step moves alike;
+        `span`: the policy's most drafts within the block)."""
+        limits = (host_to_device(row_ends, positions.device) - positions).clamp(max=span)
+        if self.policy.max_positions is not None:
+            limits = torch.minimum(limits, self.policy.max_positions - 1 - positions)
+        return limits.clamp(min=0)
+
+    def _ahead_trees(self, ahead: DraftPass, root_tokens: list[int], limits: list[int]) -> list[CandidateTree]:
+        if max(limits) <= 0:
+            return [self._root_only(root) for root in root_tokens]
+        return self._planned_trees(root_tokens, ahead.tensors, ahead.values, limits)
 
     def get_candidates(self, *args, **kwargs):
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
@@ -569,7 +609,8 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
     def _ahead_span(self) -> int:
         return min(super()._ahead_span(), self.first.drafter.config.draft_tree_budget)
 
-    def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int):
+    def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int,
+                    row_ends: list[int]):
         config = self.first.drafter.config
         logits = self.first.drafter.compute_logits(draft_hidden[:, :span])
         if self._uses_selector():  # the tables of every slot a row may draft: a shorter row's tree is the same

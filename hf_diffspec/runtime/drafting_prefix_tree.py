@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import CompactLaw
-from .tree import CandidateTree, host_to_device, index_range
+from .tree import CandidateTree, index_range
 
 
 def draw_rows(probs: torch.Tensor, sample: bool) -> torch.Tensor:
@@ -57,29 +57,29 @@ class DevicePlan:
     """Every row's first-drafter block, on the device, before any read: its drafts (rows, depth) (drawn when
     sampling), each draft's reach score c_1 ... c_k (rows, depth), the rejection-boundary posterior r(i) (rows,
     depth) and the `num_branches` prefix lengths to re-draft (`picks` (rows, K), ascending; a row of limit L < K has
-    real picks in its first L columns only, the rest past its limit). `limits`: each row's slots (host)."""
+    real picks in its first L columns only, the rest past its limit)."""
 
     drafts: torch.Tensor
     main_scores: torch.Tensor
     boundary: torch.Tensor
     picks: torch.Tensor
-    limits: list[int]
 
 
-def plan_rows(first_probs: torch.Tensor, limits: list[int], num_branches: int, sample: bool = False) -> DevicePlan:
+def plan_rows(first_probs: torch.Tensor, limits: torch.Tensor, num_branches: int, sample: bool = False
+              ) -> DevicePlan:
     """Every row's plan from its first-drafter distributions `first_probs` (rows, depth, vocab), the first
-    `limits[r]` slots of row r, on the device: its drafts and the `num_branches` prefix lengths with the largest r(i)
-    among its slots (the earliest first among equal ones)."""
+    `limits[r]` slots of row r (`limits` on the device: a pass drafted ahead knows them there only), on the device:
+    its drafts and the `num_branches` prefix lengths with the largest r(i) among its slots (the earliest first among
+    equal ones)."""
     rows, depth, vocab = first_probs.shape
     confidences = first_probs.max(-1).values
     drafts = draw_rows(first_probs.reshape(-1, vocab), sample).view(rows, depth)
     reach = torch.cat([confidences.new_ones(rows, 1), torch.cumprod(confidences, 1)[:, :-1]], 1)  # P(first i)
     boundary = reach * (1 - confidences)                                                           # r(i)
-    slots = index_range(depth, first_probs.device)
-    within = slots[None] < host_to_device(limits, first_probs.device)[:, None]
+    within = index_range(depth, first_probs.device)[None] < limits[:, None]
     ranked = torch.where(within, boundary, -1.0).sort(dim=-1, descending=True, stable=True).indices
     picks = ranked[:, : min(num_branches, depth)].sort(-1).values  # a row's real picks come before its others
-    return DevicePlan(drafts, reach * confidences, boundary, picks, limits)
+    return DevicePlan(drafts, reach * confidences, boundary, picks)
 
 
 def branch_slots(picks: torch.Tensor, length: int) -> torch.Tensor:
@@ -87,16 +87,16 @@ def branch_slots(picks: torch.Tensor, length: int) -> torch.Tensor:
     return picks[..., None] + index_range(length, picks.device)
 
 
-def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor, ends: list[int],
-               sample: bool = False) -> tuple[list[RowPlan], list[list[Branch]]]:
-    """Every row's plan and branches on the host, in one read of the device. `branch_probs` (rows, K, length,
-    vocab): the second drafter's distributions for slots i+1, i+2, ... after each pick's prefix length i; a branch
-    of row r holds those up to slot `ends[r]`. Its alternative is drawn from the first of them with the main draft
-    there taken out (the main chain holds that one)."""
-    rows, depth = plan.drafts.shape
-    _, count, length, vocab = branch_probs.shape
+def plan_table(plan: DevicePlan, branch_probs: torch.Tensor, sample: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the host reads of every row's plan and branches, on the device: (the (rows, n) float64 table
+    `unpack_plans` reads, each branch's alternative law (rows, K, vocab)). `branch_probs` (rows, K, length, vocab):
+    the second drafter's distributions for slots i+1, i+2, ... after each pick's prefix length i. A branch's
+    alternative is drawn from the first of them with the main draft there taken out (the main chain holds that one)."""
+    rows = plan.drafts.shape[0]
+    count, vocab = branch_probs.shape[1], branch_probs.shape[-1]
     maxima = branch_probs.max(-1).values
-    draws = draw_rows(branch_probs.reshape(-1, vocab), sample).view(rows, count, length)
+    draws = draw_rows(branch_probs.reshape(-1, vocab), sample).view(rows, count, -1)
     alternative = branch_probs[:, :, 0].clone()
     alternative.scatter_(-1, plan.drafts.gather(1, plan.picks)[..., None], 0.0)  # the main draft taken out
     mass = alternative.sum(-1)
@@ -106,10 +106,19 @@ def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.
                                   .reshape(-1, vocab), sample).view(rows, count)
     columns = [plan.drafts, plan.main_scores, plan.boundary, plan.picks, maxima.flatten(1), draws.flatten(1),
                alternative.max(-1).values, alternative_draws, usable]
-    table = torch.cat([c.double() for c in columns], 1).tolist()  # one copy: token ids are exact in float64
+    return torch.cat([c.double() for c in columns], 1), alternative  # token ids are exact in float64
+
+
+def unpack_plans(table: list[list[float]], plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor,
+                 alternative: torch.Tensor, limits: list[int], ends: list[int]
+                 ) -> tuple[list[RowPlan], list[list[Branch]]]:
+    """Every row's plan and branches on the host, from `plan_table`'s table, read. Row r holds its first
+    `limits[r]` slots; a branch of row r holds the second drafter's slots up to slot `ends[r]`."""
+    depth = plan.drafts.shape[1]
+    _, count, length, _ = branch_probs.shape
     slots = count * length
     plans, branches = [], []
-    for r, (values, limit) in enumerate(zip(table, plan.limits)):
+    for r, (values, limit) in enumerate(zip(table, limits)):
         picks = [int(i) for i in values[3 * depth : 3 * depth + count]][: min(count, limit)]
         plans.append(RowPlan(plan.drafts[r, :limit], [int(t) for t in values[:limit]],
                              values[depth : depth + limit], values[2 * depth : 2 * depth + limit], picks,
@@ -127,6 +136,13 @@ def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.
                 slot_max[b * length + 1 : b * length + n], [branch_probs[r, b, j] for j in range(1, n)]))
         branches.append(row_branches)
     return plans, branches
+
+
+def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor, limits: list[int],
+               ends: list[int], sample: bool = False) -> tuple[list[RowPlan], list[list[Branch]]]:
+    """Every row's plan and branches on the host, in one read of the device (`plan_table`, `unpack_plans`)."""
+    table, alternative = plan_table(plan, branch_probs, sample)
+    return unpack_plans(table.tolist(), plan, first_probs, branch_probs, alternative, limits, ends)
 
 
 def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: int, choose_count=None,
