@@ -1,0 +1,122 @@
+"""Where a decoding step still takes shapes from host values: the aten ops each step dispatches outside the target's
+and the drafter's forwards, compared between steps of the same (rows, tree) shape, grouped by the runtime's source
+line that dispatched them. A step a CUDA graph could capture whole would dispatch the same ops on the same shapes and
+scalars at every step of a shape; the lines listed are what differs (a mask built at the cache's used width, a crop
+by the accepted count, ...).
+
+    python examples/benchmarks/step_trace.py [--rows 2] [--tokens 32] [--draft-tokens 4] [--cache static|dynamic]
+
+SmolLM2-135M-Instruct (fp32) with the shipped drafter, greedy, a fixed chain length (every step drafts, every tree
+the same shape), on the CPU. Prints the steps traced, how many dispatched exactly the first step's ops, and per
+source line the ops whose shapes or scalars differed and in how many steps.
+"""
+
+import argparse
+import collections
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hf_diffspec import load_target
+from hf_diffspec.bench import encode_batches
+from hf_diffspec.drafters import load_drafter
+from hf_diffspec.prompts import load_prompts
+from hf_diffspec.runtime import decoding
+
+
+class StepTrace(TorchDispatchMode):
+    """Every aten op dispatched while no model forward runs: (op, argument shapes and scalars, the runtime's source
+    line that dispatched it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.in_forward = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.in_forward:
+            flat, _ = tree_flatten((args, kwargs or {}))
+            signature = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else repr(a) for a in flat)
+            self.ops.append((str(func), signature, _runtime_line()))
+        return out
+
+
+def _runtime_line() -> str:
+    """The innermost frame of the runtime's own code on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "hf_diffspec" in name and "step_trace" not in name:
+            return f"{name.split('hf_diffspec/')[-1]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--cache", choices=["static", "dynamic"], default="static")
+    args = parser.parse_args()
+    target, tok = load_target("smollm2-135m-instruct", dtype=torch.float32)
+    drafter = load_drafter(None, target, "smollm2-135m-instruct", draft_tree_budget=None,
+                           prompt_lookup_num_tokens=None)
+    inputs = encode_batches(tok, load_prompts(n_per_domain=2, tokenizer=tok), args.rows, target.device)[0][1]
+
+    steps, current = [], []
+
+    def pause(*_):
+        if current:
+            current[-1].in_forward += 1
+
+    def resume(*_):
+        if current:
+            current[-1].in_forward -= 1
+
+    for model in (target, drafter):
+        model.register_forward_pre_hook(pause)
+        model.register_forward_hook(resume)
+    step = decoding._step
+
+    def traced_step(call, start):
+        trace = StepTrace()
+        current.append(trace)
+        with trace:
+            end = step(call, start)
+        current.pop()
+        steps.append(trace.ops)
+        return end
+
+    decoding._step = traced_step
+    extra = dict(cache_implementation="static") if args.cache == "static" else {}
+    target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.tokens, do_sample=False,
+                    num_assistant_tokens=args.draft_tokens, eos_token_id=None, **extra)
+    decoding._step = step
+
+    steps = steps[1:-1]  # the first step follows the prefill, the last may verify a shorter tree
+    first = steps[0]
+    same = sum(ops == first for ops in steps)
+    print(f"{len(steps)} steps traced ({args.rows} rows, chains of {args.draft_tokens}, {args.cache} cache): "
+          f"{same} dispatched exactly the first one's ops")
+    differing = collections.defaultdict(set)  # source line -> steps whose ops there differ from the first's
+    counts = collections.Counter()
+    for index, ops in enumerate(steps[1:], 1):
+        by_line = collections.defaultdict(list)
+        for op, signature, line in ops:
+            by_line[line].append((op, signature))
+        reference = collections.defaultdict(list)
+        for op, signature, line in first:
+            reference[line].append((op, signature))
+        for line in set(by_line) | set(reference):
+            if by_line[line] != reference[line]:
+                differing[line].add(index)
+                counts[line] = max(counts[line], len(by_line[line]))
+    for line in sorted(differing, key=lambda line: -len(differing[line])):
+        print(f"  {line}: differs in {len(differing[line])} of {len(steps) - 1} steps ({counts[line]} ops)")
+
+
+if __name__ == "__main__":
+    main()
