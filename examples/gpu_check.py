@@ -14,9 +14,10 @@ with the loop's refusal where this version refuses it. Per target, in sections t
 - gates: the default path (a random drafter, measured verify-cost profile and live gates on): what the gates chose;
 - sampling: the same drafter with do_sample=True;
 - kernels: which kernels one verify step ran (profiler), and which Gated DeltaNet implementation the linear layers use;
-- identity: fp32 with TF32 off, our loop (oracle chains, best-first trees with prompt lookup, and those trees again
-  through the capture-ready step, `cache_implementation="static"`, where the target takes it, also replayed as CUDA
-  graphs, `HF_DIFFSPEC_CUDA_GRAPHS=1`) against plain `generate` at 1 and 4 rows, which sets the exit status;
+- identity: fp32 with TF32 off, our loop (oracle chains, best-first trees with prompt lookup, D²SD with a VP
+  drafter, DFlash 2's selector trees, and the best-first trees again through the capture-ready step,
+  `cache_implementation="static"`, where the target takes it, also replayed as CUDA graphs,
+  `HF_DIFFSPEC_CUDA_GRAPHS=1`) against plain `generate` at 1 and 4 rows, which sets the exit status;
 - bf16: the first position where our loop and plain `generate` differ in bf16 (None: identical).
 
 On the dense target also: z-lab's loop against ours at equal tau 3 and 6.5 (`hf_diffspec.bench.equal_tau`: both run
@@ -421,8 +422,8 @@ def equal_tau(name, target, args) -> list[dict]:
 
 
 def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
-    """Our loop (oracle tau 4, the best-first tree drafter with prompt lookup, and that drafter through the
-    capture-ready step where the target takes it) against plain generate: per rows, True / False in fp32; in bf16 the
+    """Our loop (oracle tau 4, the best-first tree drafter with prompt lookup, D²SD, selector trees, and the
+    best-first drafter through the capture-ready step where the target takes it) against plain generate: per rows, True / False in fp32; in bf16 the
     first position (new tokens) where they differ, None when they do not."""
     with fp32_exact():
         target = build(cls, fewer_layers(config, args.identity_layers), device, dtype)
@@ -444,6 +445,14 @@ def identity(name, cls, config, args, device, dtype=torch.float32) -> dict:
             tree_kwargs = dict(assistant_model=drafter, max_new_tokens=args.identity_tokens, do_sample=False,
                                prompt_lookup_num_tokens=4)
             outputs = [oracle, target.generate(**inputs, **tree_kwargs)]
+            # D²SD (a VP drafter of its own cache) and DFlash 2's selector trees: on a GPU both are drafted ahead
+            chain = hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8).to(device)
+            others = [hf_diffspec.DualDiffusionDrafter.from_drafters(chain, copy.deepcopy(chain), num_branches=2),
+                      hf_diffspec.DiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=8,
+                                                               draft_tree_budget=8, selector_rank=4,
+                                                               selector_top_k=4).to(device)]
+            outputs += [target.generate(**inputs, assistant_model=other, max_new_tokens=args.identity_tokens,
+                                        do_sample=False) for other in others]
             try:
                 outputs.append(target.generate(**inputs, cache_implementation="static", **tree_kwargs))
                 if device.type == "cuda":  # and replayed as CUDA graphs

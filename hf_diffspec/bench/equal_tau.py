@@ -96,9 +96,9 @@ class EqualTauDrafts(DiffusionCandidateGenerator):
         self._root_positions = root_positions
         return super().propose(root_tokens, root_positions, remaining, ahead)
 
-    def _ahead_pass(self, roots, positions, draft_hidden, span):
+    def _ahead_pass(self, roots, positions, draft_hidden, span, row_ends):
         self._root_positions = positions  # (on the device: a pass run ahead reads nothing)
-        return super()._ahead_pass(roots, positions, draft_hidden, span)
+        return super()._ahead_pass(roots, positions, draft_hidden, span, row_ends)
 
     def _pick(self, draft_hidden, logits, roots):
         drafts, confidences, probs = super()._pick(draft_hidden, logits, roots)
