@@ -8,7 +8,7 @@ by the accepted count, ...).
 
 SmolLM2-135M-Instruct (fp32) with the shipped drafter, greedy, a fixed chain length (every step drafts, every tree
 the same shape), on the CPU. Prints the steps traced, how many dispatched exactly the first step's ops, and per
-source line the ops whose shapes or scalars differed and in how many steps.
+source line how many steps dispatched other ops, shapes or scalars there than most steps did.
 """
 
 import argparse
@@ -97,26 +97,23 @@ def main() -> None:
     decoding._step = step
 
     steps = steps[1:-1]  # the first step follows the prefill, the last may verify a shorter tree
-    first = steps[0]
-    same = sum(ops == first for ops in steps)
+    by_line = [collections.defaultdict(list) for _ in steps]  # per step: source line -> its (op, signature)s
+    for ops, lines in zip(steps, by_line):
+        for op, signature, line in ops:
+            lines[line].append((op, signature))
+    same = sum(ops == steps[0] for ops in steps)
     print(f"{len(steps)} steps traced ({args.rows} rows, chains of {args.draft_tokens}, {args.cache} cache): "
           f"{same} dispatched exactly the first one's ops")
-    differing = collections.defaultdict(set)  # source line -> steps whose ops there differ from the first's
-    counts = collections.Counter()
-    for index, ops in enumerate(steps[1:], 1):
-        by_line = collections.defaultdict(list)
-        for op, signature, line in ops:
-            by_line[line].append((op, signature))
-        reference = collections.defaultdict(list)
-        for op, signature, line in first:
-            reference[line].append((op, signature))
-        for line in set(by_line) | set(reference):
-            if by_line[line] != reference[line]:
-                differing[line].add(index)
-                counts[line] = max(counts[line], len(by_line[line]))
-    for line in sorted(differing, key=lambda line: -len(differing[line])):
-        print(f"  {line}: differs in {len(differing[line])} of {len(steps) - 1} steps ({counts[line]} ops)")
-
+    # per source line, the steps whose ops there differ from what most steps dispatch there
+    rows = []
+    for line in set().union(*by_line):
+        variants = collections.Counter(tuple(lines[line]) for lines in by_line)
+        common, count = variants.most_common(1)[0]
+        if count < len(steps):
+            rows.append((len(steps) - count, len(variants), line, len(common)))
+    for differing, variants, line, ops in sorted(rows, reverse=True):
+        print(f"  {line}: {differing} of {len(steps)} steps differ from the most common ({variants} variants, "
+              f"{ops} ops)")
 
 if __name__ == "__main__":
     main()
