@@ -8,6 +8,7 @@ from transformers import AutoModel
 
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
+from hf_diffspec.runtime.control_speculation import SpeculationController
 from hf_diffspec.runtime.drafting_prefix_tree import plan_rows, prefix_tree, read_plans
 from helpers import (
     ProposalRecorder,
@@ -117,11 +118,29 @@ def test_dual_drafter_saves_and_loads_as_one_checkpoint(tmp_path):
                        target.generate(ids, max_new_tokens=12))
 
 
-@pytest.mark.parametrize("variant", ["chain", "vp"])
+def _drafting_ahead(monkeypatch, ahead: bool) -> list:
+    """D²SD's passes drafted ahead (as on a GPU, where reads wait) or at each step; with `ahead`, the controller
+    expects every next step to draft (so each is drafted ahead). Returns the list the passes run ahead are counted in."""
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1" if ahead else "0")
+    if ahead:
+        monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)
+    passes, ahead_pass = [], PrefixTreeCandidateGenerator._ahead_pass
+
+    def counted(self, *args):
+        passes.append(1)
+        return ahead_pass(self, *args)
+
+    monkeypatch.setattr(PrefixTreeCandidateGenerator, "_ahead_pass", counted)
+    return passes
+
+
+@pytest.mark.parametrize("variant", ["chain", "vp", "vp-ahead"])
 @pytest.mark.every_step_speculates("asserts drafts were drawn and accepted at every step")
 def test_rejection_sampling_with_drawn_drafts_is_exactly_the_targets_distribution(monkeypatch, variant):
     """Drafts drawn from the drafters' distributions, verified by recursive rejection sampling: the marginals of
-    the 2nd and last tokens match plain sampling (two-sample chi-square, df <= 15 each)."""
+    the 2nd and last tokens match plain sampling (two-sample chi-square, df <= 15 each). `vp-ahead`: D²SD's passes
+    drafted ahead, as on a GPU (their drafts drawn before the step's own acceptance draws)."""
+    passes_ahead = _drafting_ahead(monkeypatch, variant.endswith("ahead"))
     vocab = 16
     target = tiny_target("llama", seed=5, vocab_size=vocab, sharpen=6)
     if variant == "chain":
@@ -131,13 +150,15 @@ def test_rejection_sampling_with_drawn_drafts_is_exactly_the_targets_distributio
         generator_class = PrefixTreeCandidateGenerator
     proposals = ProposalRecorder(monkeypatch, generator_class)
     ids = torch.randint(2, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(max_new_tokens=5, do_sample=True, temperature=0.8, top_k=0)
+    # drafted ahead: a top-k law (compact), accepted on the device, whose outcome the pass run ahead starts from (a
+    # law over the whole vocabulary is accepted token by token on the host, with no pass ahead)
+    kwargs = dict(max_new_tokens=5, do_sample=True, temperature=0.8, top_k=8 if variant.endswith("ahead") else 0)
     n = 300
     plain = marginal_counts(target, ids, vocab, n, 0, **kwargs)
     spec = marginal_counts(target, ids, vocab, n, 10_000, assistant_model=drafter, **kwargs)
     trees = [t for t in proposals.trees if len(t) > 1]
     assert trees and all(t.draft_laws is not None for t in trees)
-    if variant == "vp":
+    if variant != "chain":
         assert any(not t.is_chain for t in trees)
     accepted = 0  # drafts must really be accepted for the check to mean anything
     for seed in range(20):
@@ -147,6 +168,7 @@ def test_rejection_sampling_with_drawn_drafts_is_exactly_the_targets_distributio
     assert accepted > 5
     for row in range(2):
         assert two_sample_chi2(plain[row], spec[row]) < 40  # the 0.999 quantile of chi2(15) is ~37.7
+    assert (len(passes_ahead) > n) == variant.endswith("ahead")
 
 
 def test_bad_d2sd_configurations_are_refused():
@@ -165,12 +187,15 @@ def test_bad_d2sd_configurations_are_refused():
                                                       max_new_tokens=4)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["at-each-step", "drafted-ahead"])
 @pytest.mark.parametrize("max_new_tokens", [2, 3, 5, 12])
 @pytest.mark.every_step_speculates("asserts the size of every verified tree")
-def test_trees_never_exceed_the_token_budget(monkeypatch, max_new_tokens):
+def test_trees_never_exceed_the_token_budget(monkeypatch, max_new_tokens, ahead):
     """A row's tree is cut at the tokens the row may still commit (and at the node budget). The first drafter is an
     oracle, so every main draft is right and trees are as deep as they may be: without the cut they would verify
-    drafts past max_new_tokens. The last step is the edge: its tree was cut by the budget, and all of it accepted."""
+    drafts past max_new_tokens. The last step is the edge: its tree was cut by the budget, and all of it accepted.
+    Drafted ahead, the plan is made within limits computed on the device: the same cut."""
+    passes_ahead = _drafting_ahead(monkeypatch, ahead)
     target = tiny_target("qwen3", seed=2)
     dual = dual_for(target, num_branches=3, tree_budget=12)  # max_depth 7 (block 8)
     ids = random_ids(2, 7)
@@ -186,6 +211,7 @@ def test_trees_never_exceed_the_token_budget(monkeypatch, max_new_tokens):
     (left,), (last,) = proposals.steps[-1]
     assert left < dual.config.max_depth and last.max_depth == left, "the last tree must be cut by the token budget"
     assert out.speculation_stats.committed_per_step[-1] == left + 1  # its main chain accepted, then the bonus token
+    assert bool(passes_ahead) == (ahead and max_new_tokens > 2)  # (the prefill drafts the first step ahead)
 
 
 @pytest.mark.every_step_speculates("asserts on the drafted trees' laws")
