@@ -52,20 +52,31 @@ LIVE_COSTS = {1: {1: 1.0, 4: 1.1, 8: 1.3, 16: 1.8}, 4: {1: 1.2, 4: 1.4, 8: 1.8, 
               16: {1: 1.6, 4: 2.2, 8: 3.0, 16: 4.6}}
 
 
-def _record_steps(monkeypatch) -> list:
-    """Per step, whether it drafted at its own step (a drafter step whose pass was not run ahead), in order."""
+class _Steps(list):
+    """Per step, whether it drafted at its own step (a drafter step whose pass was not run ahead); `drafted`: per
+    step, whether it was a drafter step."""
+
+    def __init__(self):
+        super().__init__()
+        self.drafted = []
+
+
+def _record_steps(monkeypatch) -> _Steps:
+    """The steps of the calls that follow, in order (`_Steps`)."""
     from hf_diffspec.runtime import drafting
     from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, SpeculationController, StepKind
 
-    own_pass = []
+    own_pass = _Steps()
     for cls in (SpeculationController, AlwaysSpeculate):
         def deciding(self, *args, decide=cls.decide):
             kind, depth = decide(self, *args)
             own_pass.append(kind is StepKind.DRAFT)  # until `propose` says it had a pass run ahead
+            own_pass.drafted.append(kind is StepKind.DRAFT)
             return kind, depth
 
         monkeypatch.setattr(cls, "decide", deciding)
-    for cls in (drafting.DiffusionCandidateGenerator, drafting.BestFirstTreeCandidateGenerator):
+    for cls in (drafting.DiffusionCandidateGenerator, drafting.BestFirstTreeCandidateGenerator,
+                drafting.PrefixTreeCandidateGenerator):
         def proposing(self, *args, propose=cls.propose):
             own_pass[-1] = len(args) < 4 or args[3] is None
             return propose(self, *args)
@@ -82,7 +93,11 @@ def _allowed(own_pass: list) -> list[int]:
 
 
 def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkeypatch,
-           sample: bool = False, length: int | None = 4) -> HostSyncCounter:
+           sample: bool = False, length: int | None = 4, method: str = "diffusion", eos: int | None = 1
+           ) -> HostSyncCounter:
+    """One call's reads per step; `method`: the drafter's ("diffusion": chains or best-first trees by
+    `tree_budget`; "d2sd": a dual drafter with a VP drafter; "selector": DFlash 2's selector trees); `eos`: the
+    end-of-sequence token (None: rows run to the length limit, as an oracle drafter needs at 16 rows)."""
     if length is None:  # the cost model chooses the lengths and tree sizes
         from hf_diffspec.runtime import control_policy
         from hf_diffspec.runtime.control_cost import VerifyCost
@@ -90,15 +105,22 @@ def _count(rows: int, tree_budget: int | None, lookup: int, oracle: bool, monkey
         monkeypatch.setattr(control_policy, "verify_cost_for", lambda target, graphs=False: VerifyCost(LIVE_COSTS))
         monkeypatch.setattr(control_policy, "drafting_price_for", lambda *args: 0.3)  # (its passes are no step's)
     target = tiny_target("llama", seed=3, vocab_size=VOCAB, sharpen=3.0)
-    drafter = tiny_drafter(target, block_size=6, seed=3, draft_tree_budget=tree_budget, draft_tree_width=2)
+    if method == "d2sd":
+        from helpers import tiny_dual_drafter
+
+        drafter = tiny_dual_drafter(target, block_size=6, seed=3, vp_seed=4, num_branches=2, tree_budget=8)
+    else:
+        drafter = tiny_drafter(target, block_size=6, seed=3, draft_tree_budget=tree_budget, draft_tree_width=2,
+                               **(dict(selector_rank=4, selector_top_k=4) if method == "selector" else {}))
     ids = _prompts(rows)
-    kwargs = dict(max_new_tokens=16, eos_token_id=1, pad_token_id=1, suppress_tokens=[5],
+    kwargs = dict(max_new_tokens=16, eos_token_id=eos, pad_token_id=1, suppress_tokens=[5],
                   **(SAMPLING if sample else dict(do_sample=False)))
     if oracle:  # the drafter proposes the target's own continuation: long accepted paths
         reference = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        oracle_drafter_outputs(monkeypatch, drafter, target, list(reference))
+        oracle_drafter_outputs(monkeypatch, drafter.first if method == "d2sd" else drafter, target, list(reference))
     monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")  # drafting ahead, as where a read waits for the device
-    counter = HostSyncCounter(target, [drafter])
+    # a dual drafter's passes call its drafters' own forwards
+    counter = HostSyncCounter(target, [drafter.first, drafter.vp] if method == "d2sd" else [drafter])
     counter.own_pass = _record_steps(monkeypatch)
     with counter:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
@@ -263,6 +285,28 @@ def test_d2sd_steps_read_the_device_once_whatever_the_rows(rows, sample, monkeyp
     assert out.speculation_stats.draft_steps >= 3
     syncs = counter.per_step_syncs
     assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and max(syncs[1:]) == SYNC_BUDGET, syncs
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("method,sample", [("d2sd", False), ("d2sd", True), ("selector", False)],
+                         ids=["live-d2sd+lookup", "live-sampled-d2sd+lookup", "live-selector-trees+lookup"])  # live: the cost model
+def test_d2sd_and_selector_trees_with_the_cost_model_live_stay_within_the_budget(rows, method, sample, monkeypatch):
+    """D²SD and selector trees with the cost model live (every tree pruned by it, not a fixed length) and prompt
+    lookup, the first drafter an oracle: one read a step, as for chains and best-first trees."""
+    # every step drafts, drafted ahead (whether drafting pays would follow the loop's measured host time)
+    import itertools
+
+    from hf_diffspec.runtime.control_speculation import SpeculationController
+    from helpers import steer_steps
+
+    steer_steps(monkeypatch, itertools.repeat(True))
+    monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)
+    counter = _count(rows, 8 if method == "selector" else None, 3, True, monkeypatch, sample, length=None,
+                     method=method, eos=None)
+    syncs, steps = counter.per_step_syncs, counter.own_pass
+    assert syncs[0] <= SYNC_BUDGET + PREFILL_READS and max(syncs[1:]) == SYNC_BUDGET, syncs
+    # every step drafted from a pass run ahead, but the last (no row had room left to draft: nothing was run ahead)
+    assert all(steps.drafted) and not any(steps[:-1]), (steps, steps.drafted)
 
 
 @pytest.mark.parametrize("rows", [1, 16])
