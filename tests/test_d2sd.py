@@ -228,3 +228,17 @@ def test_sampled_prefix_trees_carry_compact_laws_after_top_k(monkeypatch):
     laws = [t.draft_laws for t in proposals.trees if t.draft_laws is not None]
     assert laws and all(law.ids is not None and law.width == 8 + 4 for law in laws)
     assert all(torch.allclose(law.probs[1:].sum(-1), torch.ones(len(law.probs) - 1)) for law in laws)
+
+
+@pytest.mark.every_step_speculates("records the drafting generator's contexts")
+def test_branches_from_the_first_pass_keep_no_context_for_an_unused_vp_drafter(monkeypatch):
+    """With `branches_from_first_pass` a dual drafter's VP drafter drafts nothing: the loop keeps no context for it
+    (it queued every step's target features there and never took them: a call's memory grew with its length)."""
+    target = tiny_target("llama", seed=1)
+    dual = tiny_dual_drafter(target, block_size=8, seed=1, vp_seed=2, branches_from_first_pass=True)
+    proposals = ProposalRecorder(monkeypatch, PrefixTreeCandidateGenerator)
+    ids = random_ids(1, 8)
+    out = target.generate(ids, assistant_model=dual, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
+    generator = proposals.generators[0]
+    assert len(proposals.steps) > 2 and generator.contexts == [generator.first]

@@ -504,8 +504,10 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
     def __init__(self, drafter, target: PreTrainedModel, policy: DraftLengthPolicy | None = None,
                  sampling: SamplingLaws | None = None, max_length: int | None = None):
         super().__init__(drafter, target, policy, sampling, max_length)
-        # the VP drafter has weights of its own, hence its own cache; else branches share the first drafter's
-        self.branch_context = DrafterContext(drafter.vp) if drafter.vp is not None else self.first
+        # the VP drafter has weights of its own, hence its own cache; else branches share the first drafter's (and
+        # branches taken from the first pass run no second drafter: a VP drafter's cache would only pile up context)
+        second = drafter.vp is not None and not drafter.config.branches_from_first_pass
+        self.branch_context = DrafterContext(drafter.vp) if second else self.first
         if self.branch_context is not self.first:
             self.contexts.append(self.branch_context)
 
@@ -563,11 +565,6 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
                 if tree.draft_laws is not None:
                     tree.draft_laws = self.sampling.compacted(tree.draft_laws.probs)
         return trees
-
-    def can_draft_ahead(self, rows: int) -> bool:
-        # a VP drafter left unused (branches from the first pass) would keep the step's context pending, uncropped
-        return (not self.drafter.config.branches_from_first_pass or self.branch_context is self.first) \
-            and super().can_draft_ahead(rows)
 
     def _ahead_pass(self, roots: torch.Tensor, positions: torch.Tensor, draft_hidden: torch.Tensor, span: int,
                     row_ends: list[int]):
