@@ -290,7 +290,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         ahead.values = values
         width, all_valid = ahead.context
         if width:
-            for context in self.contexts:  # (every one cached the step's slots: `can_draft_ahead`)
+            for context in self.contexts:  # (each drafts every pass, so each cached the step's slots)
                 context.drop_last(width - (kept or 0))
                 context.all_valid = all_valid and (kept is None or rows_all_valid)
         self.record_draft_times()
