@@ -95,6 +95,8 @@ def run(case: str) -> dict:
             reset_speculation_state()
             # by the first call, measured on a quiet machine (a disturbed one serves this process alone)
             result["profile_cached"] = path.is_file() and "disturbed" not in json.loads(path.read_text())
+            # and the drafting pass's price, cached only when measured with the cores free of other processes
+            result["drafting_price_cached"] = any(path.parent.glob("drafting-*.json"))
             result["cached_profile_problem"] = cost_model.read_profile(path)[1] if path.is_file() else None
             mtime = path.stat().st_mtime_ns if path.is_file() else None
         measured.clear()

@@ -36,11 +36,14 @@ def test_first_call_speculates_caches_its_profile_and_both_calls_equal_plain_gen
     result = json.loads(run.stdout.strip().splitlines()[-1])
     first, second = result["first"], result["second"]
     assert first["identical"] and second["identical"], result
-    # the controller tries the drafter in the first call: its price, measured against a verify step (a ratio that a
-    # load leaves as it is), fits the call's budget
-    assert first["draft_steps"] >= 1, result
-    # and it verifies drafts (its own or prompt lookup's), unless the measured costs said no draft pays, every time
-    assert first["draft_forwards"] >= 1 or first["node_counts"] and max(first["node_counts"]) == 1, result
+    # the controller tries the drafter in the first call: its price, measured against a verify step, fits the call's
+    # budget. Measured while other processes took the cores, the verify profile (or the price) is not cached, and
+    # its costs can make no first try fit (beside two busy loops: 0 drafter steps, 39 plain ones, in one of four
+    # first calls on Gemma 3, and on the Qwen3.5 hybrid in a fresh clone's run): then the first call need not try
+    if result["profile_cached"] and result["drafting_price_cached"]:
+        assert first["draft_steps"] >= 1, result
+        # and it verifies drafts (its own or prompt lookup's), unless the measured costs said no draft pays
+        assert first["draft_forwards"] >= 1 or first["node_counts"] and max(first["node_counts"]) == 1, result
     assert first["profile_measurements"] >= 1, "the first call measures the verify-cost profile"
     assert Path(result["profile_path"]).parent == tmp_path / "profiles"  # in the user's cache directory
     busy = [w for w in first["warnings"] if "measured on a busy machine" in w and "not cached for others" in w]
