@@ -9,7 +9,7 @@ from transformers import AutoModel
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
 from hf_diffspec.runtime.control_speculation import SpeculationController
-from hf_diffspec.runtime.drafting_prefix_tree import plan_rows, prefix_tree, read_plans
+from hf_diffspec.runtime.drafting_prefix_tree import plan_rows, plan_table, prefix_tree, unpack_plans
 from helpers import (
     ProposalRecorder,
     decoy_oracle_drafter_outputs,
@@ -92,7 +92,8 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
     branch_probs = branch_probs / branch_probs.sum(-1, keepdim=True)
 
     device_plan = plan_rows(first[None], torch.tensor([4]), num_branches=1)
-    plans, branches = read_plans(device_plan, first[None], branch_probs, limits=[4], ends=[4])
+    table, alternative = plan_table(device_plan, branch_probs)
+    plans, branches = unpack_plans(table.tolist(), device_plan, first[None], branch_probs, alternative, limits=[4])
     plan, branches = plans[0], branches[0]
     assert plan.drafts.tolist() == [1, 2, 3, 4] and plan.picks == [1]   # one branch, re-drafted after the prefix [1]
     tree = prefix_tree(0, plan, branches, budget=16)

@@ -287,14 +287,15 @@ def test_accepted_paths_stay_in_place_and_hidden_nodes_are_dropped_in_batches(mo
 def test_a_sampled_prefix_tree_skips_a_branch_whose_law_holds_only_the_main_draft():
     """D²SD, sampling: where the second drafter puts all its mass on the main draft (a low temperature), there is
     no alternative to draw; the branch is left out (it raised `invalid multinomial distribution` before)."""
-    from hf_diffspec.runtime.drafting_prefix_tree import plan_rows, prefix_tree, read_plans
+    from hf_diffspec.runtime.drafting_prefix_tree import plan_rows, plan_table, prefix_tree, unpack_plans
 
     first = torch.zeros(3, 6)
     first[:, 2] = 1.0  # the main chain: 2, 2, 2
     branch = torch.zeros(2, 6)
     branch[:, 2] = 1.0  # the second drafter agrees: nothing else to draft
-    plans, branches = read_plans(plan_rows(first[None], torch.tensor([3]), num_branches=1, sample=True), first[None],
-                                 branch[None, None], limits=[3], ends=[3], sample=True)
+    plan = plan_rows(first[None], torch.tensor([3]), num_branches=1, sample=True)
+    table, alternative = plan_table(plan, branch[None, None], sample=True)
+    plans, branches = unpack_plans(table.tolist(), plan, first[None], branch[None, None], alternative, limits=[3])
     assert plans[0].tokens == [2, 2, 2] and plans[0].picks == [0]
     tree = prefix_tree(5, plans[0], branches[0], budget=8, sample=True)
     assert tree.tokens.tolist() == [5, 2, 2, 2] and tree.is_chain

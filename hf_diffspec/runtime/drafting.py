@@ -552,7 +552,7 @@ class PrefixTreeCandidateGenerator(DiffusionCandidateGenerator):
         """Every row's tree from `_planned_pass`'s tensors and its table, read; a row's nodes within its limit."""
         config, sample, rows = self.drafter.config, self.sampling is not None, len(root_tokens)
         probs, branch_probs, alternative, *plan = tensors
-        plans, branches = unpack_plans(table, DevicePlan(*plan), probs, branch_probs, alternative, limits, limits)
+        plans, branches = unpack_plans(table, DevicePlan(*plan), probs, branch_probs, alternative, limits)
 
         def node_count(reach):
             return self.policy.tree_node_count(reach, rows)

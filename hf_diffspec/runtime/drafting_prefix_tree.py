@@ -110,10 +110,9 @@ def plan_table(plan: DevicePlan, branch_probs: torch.Tensor, sample: bool = Fals
 
 
 def unpack_plans(table: list[list[float]], plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor,
-                 alternative: torch.Tensor, limits: list[int], ends: list[int]
-                 ) -> tuple[list[RowPlan], list[list[Branch]]]:
+                 alternative: torch.Tensor, limits: list[int]) -> tuple[list[RowPlan], list[list[Branch]]]:
     """Every row's plan and branches on the host, from `plan_table`'s table, read. Row r holds its first
-    `limits[r]` slots; a branch of row r holds the second drafter's slots up to slot `ends[r]`."""
+    `limits[r]` slots, its branches the second drafter's slots up to the same slot."""
     depth = plan.drafts.shape[1]
     _, count, length, _ = branch_probs.shape
     slots = count * length
@@ -129,7 +128,7 @@ def unpack_plans(table: list[list[float]], plan: DevicePlan, first_probs: torch.
         alt_max, alt_tokens, ok = values[at : at + count], values[at + count : at + 2 * count], values[at + 2 * count :]
         row_branches = []
         for b, i in enumerate(picks):
-            n = min(length, ends[r] - i)  # the branch's slots up to the row's end
+            n = min(length, limit - i)  # the branch's slots up to the row's limit
             row_branches.append(Branch(
                 i, int(alt_tokens[b]) if ok[b] else None, alt_max[b], alternative[r, b],
                 [int(t) for t in slot_draws[b * length + 1 : b * length + n]],
@@ -138,17 +137,10 @@ def unpack_plans(table: list[list[float]], plan: DevicePlan, first_probs: torch.
     return plans, branches
 
 
-def read_plans(plan: DevicePlan, first_probs: torch.Tensor, branch_probs: torch.Tensor, limits: list[int],
-               ends: list[int], sample: bool = False) -> tuple[list[RowPlan], list[list[Branch]]]:
-    """Every row's plan and branches on the host, in one read of the device (`plan_table`, `unpack_plans`)."""
-    table, alternative = plan_table(plan, branch_probs, sample)
-    return unpack_plans(table.tolist(), plan, first_probs, branch_probs, alternative, limits, ends)
-
-
 def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: int, choose_count=None,
                 sample: bool = False) -> CandidateTree:
     """The deduplicated, pruned tree of a row's main chain and its branches, built on the host from what
-    `read_plans` read. `choose_count(reach_probs) -> n`, optional: how many nodes (root included)
+    `unpack_plans` read. `choose_count(reach_probs) -> n`, optional: how many nodes (root included)
     to verify given the reach probabilities of the candidates in decreasing order (the cost model); `budget` stays
     the upper bound. `sample`: the drafts were drawn, and the tree carries the laws they were drawn from as its
     `draft_laws` (for rejection sampling). Scores use only the laws' maxima, never the drawn tokens, so which nodes
