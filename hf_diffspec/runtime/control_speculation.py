@@ -28,20 +28,20 @@ observations (the pooled one's prior: Beta(1, 1) for acceptance per depth, a mea
 Observations are discounted by `DISCOUNT` a step (acceptance changes with the text); the drafter's acceptance every
 step, observed or not, so a drafter not tried for a while grows uncertain and is tried again.
 
-The bound: a call's decoding time stays within (1 + `EPSILON`) x what plain decoding would have taken for the tokens
-it committed, plus one step, as far as the cost model and the lookup estimates hold. That step is a plain one, or a
-drafter step whose price beyond one token a row is at most 1 + EPSILON x the call's `max_new_tokens` (`horizon`)
-plain steps: the budget starts at that credit, gains (1 + EPSILON) x the plain cost of what each step committed and
-is charged the step's cost at the model's price (its own times included, so one step slowed by the machine does not
-lock speculation out), both in plain steps at the step's prices (a load that slows every forward slows plain decoding
-alike: the bound is against plain decoding at the same load); a drafter step is taken only when the budget stays
-non-negative even if it commits one token a row. Its price is known before the first one: the loop measures a
-drafting pass against a verify step once per machine (`control_profiles.drafting_price_for`). A drafter never seen is
-tried first where the budget covers its step, as UCB plays each arm once, and not where it does not (drafting once
-whatever the price lost 6% of a call at 16 rows, where one step of a slow drafter cost 14 plain steps). Lookup steps
-are never tries (lookup is observed after every step, whatever was verified): they are taken on their estimate alone.
-Where speculation never pays, the drafter's tries spend that budget: decoding settles at 1 / (1 + EPSILON) = 0.99x
-plain decoding, no lower; where it pays the budget grows and never binds.
+The bound: a call's decoding time stays within plain decoding's for the tokens it committed plus the larger of EPSILON
+x that and one advance, as far as the cost model and the lookup estimates hold. The budget is that allowance less
+what the call spent beyond plain decoding, both in plain steps at each step's prices (a load that slows every forward
+slows plain decoding alike: the bound is against plain decoding at the same load). The advance lets a call try its
+drafter before EPSILON of it has accrued: one plain step, or a drafter step's price beyond one token a row if that is
+at most EPSILON of the call's `max_new_tokens` (`horizon`) plain steps. It is not added to what accrues but a floor
+under it, so where speculation never pays the tries settle at 1 / (1 + EPSILON) = 0.99x plain decoding, the first
+one included. A drafter step is taken only when the budget stays non-negative even if it commits one token a row.
+Its price is known before the first one: the loop measures a drafting pass against a verify step once per machine
+(`control_profiles.drafting_price_for`). A drafter never seen is tried first where the budget covers its step, as UCB
+plays each arm once, and not where it does not (drafting once whatever the price lost 6% of a call at 16 rows, where
+one step of a slow drafter cost 14 plain steps). Lookup steps are never tries (lookup is observed after every step,
+whatever was verified): they are taken on their estimate alone; where speculation pays the budget grows and never
+binds.
 
 What a call learned carries to the next call on the same drafter, target and setup (`control_state.py`), its
 observations weighed `CALL_DISCOUNT`. Losslessness never depends on any of it: the target alone picks every token.
@@ -156,15 +156,24 @@ class SpeculationController:
         self.drafting = _Counts()
         self.slots = _Counts()  # per kind: slots verified
         self.flat_verify = _Counts()  # without a cost model: verify seconds of the steps seen
-        self.budget: float | None = None  # in plain steps; None until the call's first decision
+        # the bound's terms, in plain steps at each step's prices: the advance (None until the call's first decision),
+        # the plain steps the committed tokens are worth, and the time spent beyond that
+        self.advance: float | None = None
+        self.committed_steps = 0.0
+        self.spent = 0.0
         self.horizon = horizon  # the call's plain steps if it runs to its length limit (`max_new_tokens`)
+
+    @property
+    def budget(self) -> float | None:
+        """What the call may still spend beyond plain decoding, in plain steps (None before its first decision)."""
+        return None if self.advance is None else max(self.advance, EPSILON * self.committed_steps) - self.spent
 
     def start_call(self) -> "SpeculationController":
         """A copy for a new call: earlier calls' observations weigh `CALL_DISCOUNT`, the budget starts afresh."""
         call = copy.deepcopy(self)
         for counts in (call.lookup, call.drafter, call.loop, call.drafting, call.slots, call.flat_verify):
             counts.discount(CALL_DISCOUNT)
-        call.budget = None
+        call.advance, call.committed_steps, call.spent = None, 0.0, 0.0
         return call
 
     # ----- costs ----------------------------------------------------------------------------------------------------
@@ -232,12 +241,13 @@ class SpeculationController:
                                                                       draft_cost)]
         if lookup_n > 1:
             options.append((lookup_tokens / lookup_cost, StepKind.LOOKUP, lookup_cost))
-        beyond = draft_cost / plain_cost - (1 + EPSILON)  # a drafter step's price beyond one token a row, in plain steps
-        if self.budget is None:  # one step's credit: a plain step's, or a drafter step's up to EPSILON of the call
-            self.budget = beyond if 1.0 < beyond <= 1.0 + EPSILON * self.horizon else 1.0
+        beyond = draft_cost / plain_cost - 1  # a drafter step's price beyond one token a row, in plain steps
+        if self.advance is None:  # one plain step, or a drafter step's price up to EPSILON of the call
+            self.advance = beyond if 1.0 < beyond <= EPSILON * self.horizon else 1.0
         # the bound: even if it commits one token a row, a drafter step must leave the budget non-negative (lookup is
         # observed after every step, so a lookup step is never a try: it is taken on its estimate alone)
-        if self.budget < beyond:
+        allowance = max(self.advance, EPSILON * (self.committed_steps + 1))
+        if allowance - self.spent < beyond:
             options = [option for option in options if option[1] is not StepKind.DRAFT]
         elif not self.drafter.trials:  # never seen, and affordable: tried first, as UCB plays each arm once
             return StepKind.DRAFT, lookup_n - 1
@@ -275,13 +285,12 @@ class SpeculationController:
             self.drafting.add_step([("drafting", 0, step.draft_seconds / unit, 1.0)])
             if accepted is not None:
                 self.drafter.add_step([(m, 0, float(a), 1.0) for m, a in zip(ngrams, accepted)], discount=1.0)
-        if self.budget is not None:  # charged at the cost model's prices for the step, this step's times included, in
-            # plain steps at those prices: a load that slows every forward slows plain decoding alike, so a busier
-            # moment neither spends nor earns budget
+        if self.advance is not None:  # at the cost model's prices for the step, this step's times included, in plain
+            # steps at those prices: a load that slows every forward slows plain decoding alike, so a busier moment
+            # neither spends nor earns budget
             plain = self._step_cost(StepKind.PLAIN, step.rows, 1)
-            self.budget += (1 + EPSILON) * step.committed / step.rows - self._step_cost(step.kind, step.rows,
-                                                                                      step.slots) / plain
-
+            self.committed_steps += step.committed / step.rows
+            self.spent += self._step_cost(step.kind, step.rows, step.slots) / plain - step.committed / step.rows
 
 class AlwaysSpeculate:
     """The control of a fixed draft length (`num_assistant_tokens`): every step drafts, every lookup draft found is
