@@ -3,16 +3,23 @@ tokens as plain generate and as the default path, with every input of the verify
 address and shape from step to step, and no host read inside that forward (a CUDA graph could not be captured over
 one). The statistics asserted need every step to speculate: these tests carry `every_step_speculates`."""
 
+import random
+import sys
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from hf_diffspec.bench.host_syncs import DEVICE_TO_HOST
+from hf_diffspec.runtime import decoding
 from hf_diffspec.runtime import verifier as verifier_module
 from hf_diffspec.runtime import verify_graphs
 from hf_diffspec.runtime.verify_inputs import VERIFY_WIDTHS, verify_width
 from helpers import (DispatchTrace, EmulatedGraphs, FailingGraphs, NoisyOracle, assert_sampling_matches_plain,
-                     install_oracle, random_ids, tiny_drafter, tiny_family_target, tiny_hybrid_target, tiny_target)
+                     install_oracle, oracle_drafter_outputs, random_ids, tiny_drafter, tiny_family_target,
+                     tiny_hybrid_target, tiny_target)
 
 
 class HostReads(TorchFunctionMode):
@@ -434,3 +441,100 @@ def test_the_verify_forward_dispatches_the_same_ops_on_the_same_memory_in_every_
     for shape, steps in traces.items():
         for step in steps[1:]:
             assert step.ops == steps[0].ops, shape
+
+
+class StepOps(TorchDispatchMode):
+    """Every aten op a loop step dispatches outside the target's and the drafter's forwards (paused while `inside`
+    is positive): its name and its arguments' shapes, dtypes and scalars."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.lines, self.inside = [], [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            flat, _ = tree_flatten((args, kwargs or {}))
+            self.ops.append((str(func), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
+                                              for a in flat)))
+            self.lines.append(_runtime_line())
+        return func(*args, **(kwargs or {}))
+
+    def differences(self, other: "StepOps") -> list:
+        """The ops where `other` differs, with the runtime lines that dispatched them (for a failure's message)."""
+        return [(a, b) for a, b in zip(zip(self.lines, self.ops), zip(other.lines, other.ops)) if a[1] != b[1]][:3]
+
+
+def _runtime_line() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and "hf_diffspec" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename.split('hf_diffspec/')[-1]}:{frame.f_lineno}"
+
+
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.every_step_speculates("compares steps of one shape, which needs every step to draft")
+def test_the_whole_step_dispatches_the_same_ops_in_every_step_of_its_shape(monkeypatch, sample):
+    """What a CUDA graph of the whole step would replay: outside the two forwards (which the test above and
+    `test_static_drafting.py` trace), every step that verifies trees of the same sizes with forwards of the same
+    shapes dispatches the same ops on the same shapes and scalars, whatever the rows accepted: the validity masks written in place at the caches' counts
+    on the device, the caches cropped by counts on the device. Two rows that accept different numbers of drafts at
+    different steps (a drafter pointed at a continuation with wrong tokens in it), chains of a fixed length drafted
+    ahead, as on a GPU, greedy and sampling (plain generate's tokens)."""
+    monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    ids = random_ids(4, 8, rows=2)
+    reference = target.generate(ids, max_new_tokens=40, do_sample=False)
+    rng = random.Random(5)
+    noisy = [[t if p < 8 or rng.random() > 0.25 else (t + 1) % 128 for p, t in enumerate(row.tolist())]
+             for row in reference]
+    oracle_drafter_outputs(monkeypatch, drafter, target, noisy)
+    steps, kept, sizes = [], [], []
+    step, keep, forward = decoding._step, verifier_module.TargetVerifier.keep, verifier_module.TargetVerifier.forward
+
+    def traced_step(call, start):
+        steps.append((StepOps(), []))
+        with steps[-1][0]:
+            return step(call, start)
+
+    def recorded_keep(self, paths, *args):
+        kept.append([len(p) for p in paths])
+        return keep(self, paths, *args)
+
+    def recorded_forward(self, trees, *args):
+        sizes.append(tuple(len(t) for t in trees))
+        return forward(self, trees, *args)
+
+    def enter(module, args, kwargs):
+        if steps:
+            steps[-1][0].inside += 1
+            steps[-1][1].append(tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
+                                      if isinstance(t, torch.Tensor)))
+
+    def leave(module, args, kwargs, output):
+        if steps:
+            steps[-1][0].inside -= 1
+
+    monkeypatch.setattr(decoding, "_step", traced_step)
+    monkeypatch.setattr(verifier_module.TargetVerifier, "keep", recorded_keep)
+    monkeypatch.setattr(verifier_module.TargetVerifier, "forward", recorded_forward)
+    handles = [hook for model in (target, drafter) for hook in (
+        model.register_forward_pre_hook(enter, with_kwargs=True), model.register_forward_hook(leave, with_kwargs=True))]
+    try:
+        torch.manual_seed(0)
+        # sampling at top-k 1: the sampled step's ops (laws, draws, rejection), the greedy tokens the drafter points at
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=sample,
+                              **(dict(top_k=1) if sample else {}), num_assistant_tokens=4,
+                              cache_implementation="static", eos_token_id=None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(out, reference)
+    by_shape: dict[tuple, list] = {}
+    for (trace, shapes), trees, counts in zip(steps[1:], sizes[1:], kept[1:]):  # (the first follows the prefill)
+        by_shape.setdefault((trees, *shapes), []).append((trace, counts))
+    common = max(by_shape.values(), key=len)
+    assert len(common) >= 6 and len({tuple(c) for _, c in common}) >= 3, [c for _, c in common]
+    for shape, group in by_shape.items():
+        for trace, counts in group[1:]:
+            assert trace.ops == group[0][0].ops, (shape, counts, group[0][1], group[0][0].differences(trace))

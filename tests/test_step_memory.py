@@ -111,11 +111,11 @@ def test_finished_rows_leave_the_drafters_pending_features_without_a_copy_per_dr
         _, peak = peak_extra_bytes(lambda: context.select_rows(keep))
         assert peak < steps[0][0][:1].nbytes, peak  # less than one row of one step's features
     context.pending.append((*(t[[0, 2, 4, 5]] for t in steps[2]), None))  # a later step has the rows left only
-    features, positions = context._take_pending(4)
+    features, positions, valid = context._take_pending(4)
     left = torch.tensor([0, 2, 4, 5])  # the rows kept by both drops, in order
     assert torch.equal(features, torch.cat([steps[0][0][left], steps[1][0][left], steps[2][0][left]], dim=1))
     assert torch.equal(positions, torch.cat([s[1][left] for s in steps], dim=1))
-    assert torch.equal(context.valid, torch.cat([s[2][left] for s in steps], dim=1))
+    assert torch.equal(valid, torch.cat([s[2][left] for s in steps], dim=1))
 
 
 def test_finished_rows_leave_the_targets_cache_copying_only_the_rows_that_move():

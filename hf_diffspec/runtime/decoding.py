@@ -391,7 +391,7 @@ def _step(call: DecodingCall, step_start):
                                                               for ids, p in zip(batch.histories(), paths)])
     kept = verifier.keep(paths, batch.accepted, batch.next_slots)
     if call.ahead is not None:  # the pass cached every slot of the accepted paths: the longest path's are kept
-        call.drafting.keep_ahead(call.ahead, batch.read_along, kept.offsets.shape[0], kept.rows_all_valid)
+        call.drafting.keep_ahead(call.ahead, batch.read_along, kept.longest, kept.rows_all_valid)
     else:
         call.drafting.add_context(out.hidden_states, kept.index, batch.root_position_tensor[:, None] + kept.offsets,
                                   kept.accepted, all_valid=kept.rows_all_valid)

@@ -30,8 +30,9 @@ from .drafting_prefix_tree import DevicePlan, branch_slots, plan_rows, plan_tabl
 from .drafting_static import StaticDrafterStep, keep_drafter_step, lease_drafter_step
 from .sampling import CompactLaw, SamplingLaws
 from .tree import CandidateTree, host_to_device, index_range
+from .verify_cache import crop_attention
 from .verify_cache import select_rows as select_cache_rows
-from .verify_inputs import additive_mask
+from .verify_inputs import ValidSlots, additive_mask
 
 DRAFTER_MODEL_TYPES = ("diffusion_drafter", "dual_diffusion_drafter")
 # rows x slots up to which a step's drafter logits take one pass of the LM head (beyond: growing chunks, which also
@@ -57,7 +58,7 @@ class DrafterContext:
         self.drafter = drafter
         self.device = drafter.device  # (a property that walks the parameters)
         self.cache = DynamicCache()
-        self.valid: torch.Tensor | None = None  # (rows, ctx) bool over cached slots
+        self.valid_slots: ValidSlots | None = None  # which cached slots each row may see
         self.all_valid = True  # known on the host: every row may see every slot, cached or pending
         # features, positions and valid of each step since the last forward, with the rows of them still in the batch
         # (None: all): finished rows are left out when the features are taken, not copied out at every drop (steps
@@ -70,8 +71,13 @@ class DrafterContext:
         self.static, self.cache = step, step.cache
 
     @property
+    def valid(self) -> torch.Tensor | None:
+        """(rows, cached slots) bool: which cached slots each row may see."""
+        return None if self.valid_slots is None else self.valid_slots.view
+
+    @property
     def length(self) -> int:
-        cached = 0 if self.valid is None else self.valid.shape[1]
+        cached = 0 if self.valid_slots is None else self.valid_slots.used
         return cached + sum(p.shape[1] for _, p, _, _ in self.pending)
 
     def select_rows(self, keep: torch.Tensor, moves=None) -> None:
@@ -82,28 +88,32 @@ class DrafterContext:
         else:
             select_cache_rows(self.cache, keep, moves)
         self.all_valid = False  # the rows left may see every slot, but the host does not know it
-        if self.valid is not None:
-            self.valid = self.valid[keep]
+        if self.valid_slots is not None:
+            self.valid_slots.select_rows(keep)
         self.pending = [(f, p, v, keep if kept is None else kept[keep]) for f, p, v, kept in self.pending]
 
-    def drop_last(self, slots: int) -> None:
-        """Forget the last `slots` cached context slots (nothing may be pending)."""
-        if slots > 0:
+    def drop_last(self, slots: int, on_device: torch.Tensor | None = None) -> None:
+        """Forget the last `slots` cached context slots (nothing may be pending); `on_device`: the same count on the
+        device, which a static cache is cropped by (the same op whatever the count)."""
+        if self.static is not None and on_device is not None:
+            crop_attention(self.cache, on_device)
+        elif slots > 0:
             self.cache.crop(-slots)
-            self.valid = self.valid[:, :-slots]
+        self.valid_slots.used -= slots
 
     def _take_pending(self, rows: int):
+        """The features, positions and validity (rows, n) of the slots committed since the last pass."""
         device = self.device
+        if self.valid_slots is None:
+            self.valid_slots = ValidSlots(torch.zeros(rows, 0, dtype=torch.bool, device=device),
+                                    self.static.capacity if self.static is not None else None)
         if not self.pending:
-            return None, torch.empty(rows, 0, dtype=torch.long, device=device)
+            return None, torch.empty(rows, 0, dtype=torch.long, device=device), None
         steps = [(f, p, v) if kept is None else (f[kept], p[kept], v[kept]) for f, p, v, kept in self.pending]
-        if len(steps) == 1:  # a step's features (the usual case): nothing to join
-            context, positions, new_valid = (t.to(device) for t in steps[0])
-        else:
-            context, positions, new_valid = (torch.cat(parts, dim=1).to(device) for parts in zip(*steps))
         self.pending = []
-        self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], dim=1)
-        return context, positions
+        if len(steps) == 1:  # a step's features (the usual case): nothing to join
+            return tuple(t.to(device) for t in steps[0])
+        return tuple(torch.cat(parts, dim=1).to(device) for parts in zip(*steps))
 
     def _mask(self, block: int):
         if self.all_valid:
@@ -112,11 +122,14 @@ class DrafterContext:
 
     def draft_block(self, root_tokens: torch.Tensor, root_positions: torch.Tensor, block_size: int) -> torch.Tensor:
         """One forward over `[anchor, MASK...]` per row that also caches the pending context; (rows, block, hidden)."""
-        context, context_positions = self._take_pending(root_tokens.shape[0])
+        context, context_positions, new_valid = self._take_pending(root_tokens.shape[0])
         noise = self.drafter.block_embeds(root_tokens, block_size)
         block_positions = root_positions[:, None] + index_range(block_size, root_positions.device)
         if self.static is not None:
-            return self.static.draft(self.drafter, context, context_positions, self.valid, noise, block_positions)
+            return self.static.draft(self.drafter, context, context_positions, self.valid_slots, new_valid, noise,
+                                     block_positions)
+        if new_valid is not None:
+            self.valid_slots.append(new_valid)
         out = self.drafter(
             noise_embeds=noise, context_hidden_states=context,
             position_ids=torch.cat([context_positions, block_positions], dim=1),
@@ -134,8 +147,9 @@ class DrafterContext:
         never copied per branch."""
         device = self.device
         rows, count = picks.shape
-        context, context_positions = self._take_pending(rows)
+        context, context_positions, new_valid = self._take_pending(rows)
         if context is not None:
+            self.valid_slots.append(new_valid)
             self.drafter.prefill_context(context, context_positions, self.cache)
         slot = index_range(block_size, device)
         prefix = torch.cat([root_tokens[:, None], drafts], 1)[:, :block_size]  # slot s holds draft s - 1
@@ -164,7 +178,7 @@ class DraftPass:
 
     tensors: tuple
     read: torch.Tensor | None
-    context: tuple[int, bool]
+    context: tuple[int, bool, torch.Tensor | None]
     span: tuple
     values: list | None = None
 
@@ -270,10 +284,11 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         `step_context`: (hidden states, index, positions, valid) of every slot of the step's accepted paths (those
         past a row's count not valid), queued as context first; `keep_ahead` crops them to what the rows kept once
         the host knows it."""
-        context = (0, self.first.all_valid)
+        context = (0, self.first.all_valid, None)
         if step_context is not None:
             hidden_states, index, positions, valid = step_context
-            context = (positions.shape[1], self.first.all_valid)
+            # (the slots kept, the longest path, counted on the device too: a static cache is cropped by it)
+            context = (positions.shape[1], self.first.all_valid, valid.sum(-1).max())
             self.add_context(hidden_states, index, positions, valid, all_valid=False)
         start = self.clock.stamp()
         draft_hidden = self.first.draft_block(anchors, anchor_positions, self.block_size)
@@ -288,10 +303,10 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         the step's context (the longest accepted path), as `add_context` would have given it; None: none of them
         (the step was accepted another way, which `add_context` gives next)."""
         ahead.values = values
-        width, all_valid = ahead.context
+        width, all_valid, longest = ahead.context
         if width:
             for context in self.contexts:  # (each drafts every pass, so each cached the step's slots)
-                context.drop_last(width - (kept or 0))
+                context.drop_last(width - (kept or 0), None if kept is None else width - longest)
                 context.all_valid = all_valid and (kept is None or rows_all_valid)
         self.record_draft_times()
 

@@ -35,9 +35,10 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from .control_state import memory_of
+from .tree import index_range
 from .verify_cache import kept_rows, static_capacity
 from .verify_graphs import ForwardGraphs, graph_backend
-from .verify_inputs import attended_slots
+from .verify_inputs import ValidSlots, attended_slots
 
 
 class AttendedStaticLayer(StaticLayer):
@@ -117,17 +118,18 @@ class StaticDrafterStep:
             else:
                 layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
 
-    def draft(self, drafter, context, context_positions: torch.Tensor, valid: torch.Tensor, noise: torch.Tensor,
+    def draft(self, drafter, context, context_positions: torch.Tensor, valid: ValidSlots, new_valid, noise: torch.Tensor,
               block_positions: torch.Tensor) -> torch.Tensor:
         """`drafter`'s forward over [cached ; `context` ; block], as `DrafterContext.draft_block` runs it on the
-        default path: `context` (rows, n, features) or None, at `context_positions` (rows, n); `valid` (rows, cached
-        + n): the slots each row sees; `noise` (rows, block, hidden): the block's embeddings at `block_positions`.
-        Only the context's n slots stay cached; returns the block's hidden states."""
+        default path: `context` (rows, n, features) or None, at `context_positions` (rows, n), `new_valid` (rows, n)
+        the slots of it each row sees, written into `valid` (the cached slots each row sees); `noise` (rows, block,
+        hidden): the block's embeddings at `block_positions`. Only the context's n slots stay cached; returns the
+        block's hidden states. Every slot is placed at the cache's count on the device: the ops are the same
+        whatever the cache holds, within one (rows, context width, attended slots)."""
         rows, new = context_positions.shape
         block = noise.shape[1]
         width = context_width(new)
-        cached = valid.shape[1] - new
-        used = cached + width + block
+        used = valid.used + width + block
         if used > self.capacity:
             raise RuntimeError(f"the drafter's static cache holds {self.capacity} slots and this pass needs {used}")
         attended = attended_slots(used, self.capacity)
@@ -136,18 +138,22 @@ class StaticDrafterStep:
             features = None if context is None else context.new_zeros(rows, width, context.shape[-1])
             self.buffers[key] = (features, noise.new_zeros(rows, block, noise.shape[-1]),
                                  block_positions.new_zeros(rows, width + block),
-                                 valid.new_zeros(rows, attended))
+                                 torch.zeros(rows, attended, dtype=torch.bool, device=noise.device))
         features, noise_buffer, positions, sees = self.buffers[key]
+        first = self.cache.layers[0].cumulative_length.clone()  # the cache's count before the pass
+        slots = index_range(attended, noise.device)
         if context is not None:
             features[:, :new].copy_(context)
             features[:, new:].zero_()
             positions[:, :new].copy_(context_positions)
             positions[:, new:width].copy_(block_positions[:, :1].expand(-1, width - new))  # masked: any position
+            valid.write_at(first, new_valid, new)
         noise_buffer.copy_(noise)
         positions[:, width:].copy_(block_positions)
-        sees.zero_()
-        sees[:, : cached + new].copy_(valid)
-        sees[:, cached + width : used] = True
+        # the cached slots each row sees and the context's, not the context's padding, and the block
+        block_start = first + width
+        torch.logical_or(valid.buffer[:, :attended] & (slots < first + new),
+                         (slots >= block_start) & (slots < block_start + block), out=sees)
         self.cache.attend(attended)
         cache = self.cache
 

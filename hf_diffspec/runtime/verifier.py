@@ -29,7 +29,7 @@ Imports: torch, transformers and sibling runtime modules only (this file travels
 """
 
 import contextlib
-from dataclasses import dataclass
+import functools
 
 import torch
 from transformers.cache_utils import StaticLayer
@@ -37,9 +37,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .tree import TreeLayout, call_indices, host_to_device, index_range
 from .verify_attention import VerifyAttention
-from .verify_cache import crop_attention, drop_old_keys, dropped_slots, gather_slots, select_rows, target_cache
+from .verify_cache import (cached_count, crop_attention, drop_old_keys, dropped_slots, gather_slots, select_rows,
+                           target_cache)
 from .verify_graphs import keep_static_step, lease_static_step
-from .verify_inputs import AttentionLayout, tree_forward_inputs, verify_masks, verify_width
+from .verify_inputs import AttentionLayout, ValidSlots, tree_forward_inputs, verify_masks, verify_width
 from .verify_recurrent import RecurrentStates
 
 # hidden slots in the cache's tail (tree nodes off the accepted paths) that trigger a compaction: moving the accepted
@@ -48,19 +49,29 @@ from .verify_recurrent import RecurrentStates
 COMPACT_AFTER_HIDDEN_SLOTS = 64
 
 
-@dataclass
 class KeptSlots:
     """What `TargetVerifier.keep` kept of a step, for the drafter's context: `index` selects each row's accepted
     nodes on the forward's slot dimension (a slice when they are every row's first slots, else (rows, longest)
     slot indices); `offsets` (longest,) their depths; `accepted` (rows, longest) which of them the row accepted;
     `counts` (rows,) how many, on the device; `rows_all_valid`: known on the host, every row sees every slot it
-    committed or was prompted with."""
+    committed or was prompted with; `longest`: the longest path. `offsets`, `index` and `accepted` are made when
+    first read (a step drafted ahead reads
+    neither: its pass took every slot of the paths)."""
 
-    index: slice | torch.Tensor
-    offsets: torch.Tensor
-    accepted: torch.Tensor
-    counts: torch.Tensor
-    rows_all_valid: bool
+    def __init__(self, longest: int, nodes: torch.Tensor | None, counts: torch.Tensor, rows_all_valid: bool):
+        self.longest, self._nodes, self.counts, self.rows_all_valid = longest, nodes, counts, rows_all_valid
+
+    @functools.cached_property
+    def offsets(self) -> torch.Tensor:
+        return index_range(self.longest, self.counts.device)
+
+    @functools.cached_property
+    def index(self) -> slice | torch.Tensor:
+        return slice(0, self.longest) if self._nodes is None else self._nodes[:, : self.longest]
+
+    @functools.cached_property
+    def accepted(self) -> torch.Tensor:
+        return self.offsets[None] < self.counts[:, None]
 
 
 class TargetVerifier:
@@ -91,7 +102,7 @@ class TargetVerifier:
         self.recurrent = RecurrentStates(model, self.cache)
         self.capture = self.static.inputs if self.static else None
         self.graphs = self.static.graphs if self.static else None
-        self.valid: torch.Tensor | None = None  # (rows, cached slots): which slots each row may attend to
+        self.valid_slots: ValidSlots | None = None  # which cached slots each row may attend to
         self.all_valid = False  # known on the host: every row may see every cached slot
         # known on the host: every row sees every slot it committed or was prompted with (no padding, rows in step);
         # unlike `all_valid`, blind to the tail's hidden tree nodes (the drafter's context has none)
@@ -99,6 +110,7 @@ class TargetVerifier:
         self.prompt_length = 0
         self.device: torch.device | None = None  # the inputs' device (the prefill's)
         self.slots = 0  # the last forward's slots per row
+        self._first: torch.Tensor | None = None  # the capture-ready step: the cache's count before its last forward
         # the cache's tail: from `_tail_start` on, slots may be hidden tree nodes; per row, how many of them it sees
         self._tail_start = 0
         self._tail_counts: list[int] = []
@@ -115,6 +127,11 @@ class TargetVerifier:
         if self.static is not None and error_type is None:  # a call that failed midway keeps nothing
             keep_static_step(self.model, self.static)
 
+    @property
+    def valid(self) -> torch.Tensor:
+        """(rows, cached slots) bool: which slots each row may attend to."""
+        return self.valid_slots.view
+
     def prefill(self, input_ids: torch.Tensor, attention_mask, positions: torch.Tensor, valid: torch.Tensor):
         """The prompts' forward, padded rows together (the model's own attention and masks, the last position's
         logits); `valid` (rows, length) marks the real prompt tokens. Not through the verify attention: at 4,096 and
@@ -124,7 +141,8 @@ class TargetVerifier:
         forward's own cost outweighing the padding's tokens."""
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=self.cache,
                          use_cache=True, output_hidden_states=self.feature_layers, logits_to_keep=1)
-        self.valid, self.prompt_length, self.device = valid, input_ids.shape[1], input_ids.device
+        self.valid_slots = ValidSlots(valid, self.capture.capacity if self.capture else None)
+        self.prompt_length, self.device = input_ids.shape[1], input_ids.device
         self.all_valid = self.rows_all_valid = bool(valid.all())
         self._tail_start, self._tail_counts = valid.shape[1], [0] * valid.shape[0]
         self._drop_old_keys(lambda: [self.prompt_length - 1] * valid.shape[0])
@@ -133,14 +151,20 @@ class TargetVerifier:
     def forward(self, trees, root_positions: torch.Tensor):
         """Verify one tree per row (`root_positions` (rows,): each root's position, on the device) in one target
         forward over the cache; returns the model's output and the trees' `TreeLayout`."""
-        layout = TreeLayout.of(trees, self.device, verify_width(max(map(len, trees))) if self.capture else 0)
-        no_mask = self.all_valid and not (self.capture or self.explicit_masks)
-        tokens, mask, positions = tree_forward_inputs(trees, self.valid, root_positions, self.dtype, layout, no_mask)
-        mask = verify_masks(self.attention_layout, mask, layout.depths, self.valid, self.prompt_length,
-                            dropped_slots(self.cache))
-        rows = tokens.shape[0]
-        if self.capture:  # padded to the static cache's rows (`verify_cache.rows_bucket`)
-            tokens, mask, positions = self.capture.fill(tokens, mask, positions, self.cache.layers[0].keys.shape[0])
+        if self.capture:  # into the step's persistent buffers, padded to the static cache's rows (`rows_bucket`)
+            layout = TreeLayout.of(trees, self.device, verify_width(max(map(len, trees))))
+            self._first = cached_count(self.cache).clone()
+            tokens, mask, positions = self.capture.fill(layout, self.valid_slots, self._first, root_positions,
+                                                        self.dtype, self.cache.layers[0].keys.shape[0])
+            rows = layout.tokens.shape[0]
+        else:
+            layout = TreeLayout.of(trees, self.device)
+            no_mask = self.all_valid and not self.explicit_masks
+            tokens, mask, positions = tree_forward_inputs(trees, self.valid, root_positions, self.dtype, layout,
+                                                          no_mask)
+            mask = verify_masks(self.attention_layout, mask, layout.depths, self.valid, self.prompt_length,
+                                dropped_slots(self.cache))
+            rows = tokens.shape[0]
 
         model, cache, layers = self.model, self.cache, self.feature_layers
 
@@ -167,36 +191,56 @@ class TargetVerifier:
         and leave linear-attention states as if each row had seen only those. `accepted`: (nodes, counts) on the
         device when the batch accepted there, else None; `next_slots()`: each row's committed length - 1 (read
         only where a sliding window needs it)."""
-        device = self.valid.device
+        device = self.device
         lengths = [len(p) for p in paths]
         kept = max(lengths)
         span = max(p[-1] for p in paths) + 1  # slots up to the last accepted node (nodes follow their parents)
         prefixes = all(p[-1] == len(p) - 1 for p in paths)  # every path is its tree's first slots
         if accepted is not None:  # accepted on the device: nodes past a row's count are hidden below
             nodes, counts = accepted
-            padded = None if prefixes else nodes[:, :kept]
+            nodes = None if prefixes else nodes
         else:
-            padded = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
+            nodes = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
             counts = host_to_device(lengths, device)
-        if self.slots > span:
-            crop_attention(self.cache, self.slots - span)
-        offsets = index_range(kept, device)
-        accepted_slots = offsets[None] < counts[:, None]
-        if prefixes:  # nothing hidden but a shorter row's tail
-            visible = accepted_slots
-        else:  # a padding entry may point past `span`; it adds nothing
-            visible = torch.zeros(len(paths), span, dtype=torch.long, device=device).scatter_add_(
-                1, padded.clamp(max=span - 1), accepted_slots.long()) > 0
+        kept_slots = KeptSlots(kept, nodes, counts, False)
+        if self.capture:  # counted on the device: the same ops whatever the rows accepted
+            self._keep_in_place(nodes, counts, span)
+        else:
+            if self.slots > span:
+                crop_attention(self.cache, self.slots - span)
+            if prefixes:  # nothing hidden but a shorter row's tail
+                visible = kept_slots.accepted
+            else:  # a padding entry may point past `span`; it adds nothing
+                visible = torch.zeros(len(paths), span, dtype=torch.long, device=device).scatter_add_(
+                    1, kept_slots.index.clamp(max=span - 1), kept_slots.accepted.long()) > 0
+            self.valid_slots.append(visible)
         self.rows_all_valid = self.rows_all_valid and min(lengths) == kept
         self.all_valid = self.all_valid and self.rows_all_valid and prefixes
-        self.valid = torch.cat([self.valid, visible], dim=1)
         self._tail_counts = [c + n for c, n in zip(self._tail_counts, lengths)]
         self.recurrent.keep_accepted(paths, self.slots)
         self._compact_or_drop(next_slots)
-        return KeptSlots(slice(0, kept) if prefixes else padded, offsets, accepted_slots, counts, self.rows_all_valid)
+        kept_slots.rows_all_valid = self.rows_all_valid
+        return kept_slots
+
+    def _keep_in_place(self, nodes: torch.Tensor | None, counts: torch.Tensor, span: int) -> None:
+        """The capture-ready step's `keep`: the last forward's slots written into the rows' validity at the cache's
+        count before it, each row's accepted `nodes` (None: chains, a row's first `counts` slots) visible to it,
+        and the cache cropped past the last accepted node of any row, all counted on the device (`span`: that
+        count as the host read it)."""
+        width, device = self.slots, counts.device
+        if nodes is None:
+            visible = index_range(width, device)[None] < counts[:, None]
+            reach = counts.max()
+        else:
+            on_path = index_range(nodes.shape[1], device)[None] < counts[:, None]
+            visible = torch.zeros(counts.shape[0], width, dtype=torch.long, device=device).scatter_add_(
+                1, nodes, on_path.long()) > 0
+            reach = nodes.gather(1, (counts - 1)[:, None]).max() + 1
+        crop_attention(self.cache, width - reach)
+        self.valid_slots.write_at(self._first, visible, span)
 
     def _compact_or_drop(self, next_slots) -> None:
-        tail = self.valid.shape[1] - self._tail_start
+        tail = self.valid_slots.used - self._tail_start
         # sliding layers drop only slots every row counts: rows' holes in the tail are closed up every so often
         window = self.attention_layout.sliding_window
         if (tail if window else tail - max(self._tail_counts)) >= COMPACT_AFTER_HIDDEN_SLOTS:
@@ -209,7 +253,7 @@ class TargetVerifier:
         Every cached slot counts for every row before the tail, or everywhere when every row sees every slot."""
         if self.attention_layout.sliding_window is not None:
             if self.all_valid:  # the whole tail is every row's: compaction (if rows diverge) starts after it
-                self._tail_start, self._tail_counts = self.valid.shape[1], [0] * len(self._tail_counts)
+                self._tail_start, self._tail_counts = self.valid_slots.used, [0] * len(self._tail_counts)
             drop_old_keys(self.cache, self.attention_layout.sliding_window, next_slots(), self._tail_start)
 
     def compact(self, next_slots) -> None:
@@ -224,7 +268,7 @@ class TargetVerifier:
             # per row, its visible slots first, in order (a stable sort puts hidden after visible)
             order = torch.sort((~tail).to(torch.uint8), dim=1, stable=True).indices[:, : max(counts)]
             gather_slots(self.cache, start, order, self.valid.shape[1])
-            self.valid = torch.cat([self.valid[:, :start], tail.gather(1, order)], dim=1)
+            self.valid_slots.replace_from(start, tail.gather(1, order))
             self._tail_start, self._tail_counts = start + min(counts), [c - min(counts) for c in counts]
             self.all_valid = self.rows_all_valid
         self._drop_old_keys(next_slots)
@@ -233,7 +277,7 @@ class TargetVerifier:
         """Keep only the rows `keep` (`index`: the same on the device; `moves`: how, in place, from
         `BatchState.drop_finished`) in the cache and its bookkeeping."""
         select_rows(self.cache, index, moves)
-        self.valid = self.valid[index]
+        self.valid_slots.select_rows(index)
         self._tail_counts = [self._tail_counts[i] for i in keep]
 
     def finish(self, next_slots):

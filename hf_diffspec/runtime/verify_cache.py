@@ -139,16 +139,23 @@ def attention_layers(cache) -> list:
     return [layer for layer in cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
-def crop_attention(cache, tokens: int) -> None:
-    """Drop the last `tokens` (> 0) entries of every K/V layer (a `StaticLayer` lowers its length on the device and
-    keeps its tensors). Linear-attention layers' states are left to
+def crop_attention(cache, tokens) -> None:
+    """Drop the last `tokens` (> 0; a 0-d tensor on the device for a static cache) entries of every K/V layer (a
+    `StaticLayer` lowers its length on the device and keeps its tensors). Linear-attention layers' states are left to
     `verify_recurrent.py` (`Cache.crop` refuses them); their token count (`get_seq_length`, which `generate` reads
     from the first layer) follows the K/V layers' length."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             count_linear_tokens(layer, -tokens)
+        elif isinstance(layer, StaticLayer):  # (its own `crop` compares the count with 0 on the host)
+            layer.cumulative_length.sub_(tokens)
         else:
             layer.crop(-tokens)
+
+
+def cached_count(cache) -> torch.Tensor:
+    """A static cache's slots in use, on the device (its first K/V layer's count; every one holds as many)."""
+    return next(layer for layer in attention_layers(cache) if isinstance(layer, StaticLayer)).cumulative_length
 
 
 def count_linear_tokens(layer, tokens: int) -> None:

@@ -9,6 +9,7 @@ verifies (one module builds them all).
   `sliding_window_overlay` hides them. Rows of a ragged batch leave holes in our cache (slots of drafts another row
   accepted), so slots are renumbered per row before the window is applied; the columns a windowed layer dropped
   (`verify_cache.WindowedLayer`) are then left out of its mask;
+- `ValidSlots`: which cached slots each row sees, kept in place step after step;
 - `CaptureReadyInputs`: the capture-ready step's persistent buffers (widths bucketed to `VERIFY_WIDTHS`, the cached
   slots attended to `attended_slots`), the mask blocked past the cache's used slots (`verify_graphs.py`);
 - `packed_mask`: the mask the verify attention reads (`verify_attention.py`), for queries packed by key/value head,
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .tree import CandidateTree, TreeLayout
+from .tree import CandidateTree, TreeLayout, index_range
 
 MASK_ALIGNMENT = 16  # elements: the memory-efficient kernel reads a mask in place when its rows are this aligned
 
@@ -136,39 +137,92 @@ def attended_slots(used: int, capacity: int) -> int:
     return min(slots, capacity)
 
 
+class ValidSlots:
+    """(rows, cached slots) bool: which cached slots each row may attend to (False: padding, slots of drafts another
+    row accepted, tree nodes off its accepted path), in a buffer with room past them, so that a step's slots are
+    written in place rather than grown by `torch.cat`. `capacity`: the static cache's slots (the buffer never grows,
+    and a step's slots are written at the device's count of them: `write_at`); None: the room doubles as needed."""
+
+    def __init__(self, valid: torch.Tensor, capacity: int | None = None):
+        rows, self.used = valid.shape
+        self.buffer = valid.new_zeros(rows, capacity or max(2 * self.used, 64))
+        self.buffer[:, : self.used] = valid
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self.buffer[:, : self.used]
+
+    def append(self, visible: torch.Tensor) -> None:
+        """`visible` (rows, n): the next n slots."""
+        end = self.used + visible.shape[1]
+        if end > self.buffer.shape[1]:
+            grown = self.buffer.new_zeros(self.buffer.shape[0], 2 * end)
+            grown[:, : self.used] = self.view
+            self.buffer = grown
+        self.buffer[:, self.used : end] = visible
+        self.used = end
+
+    def write_at(self, first: torch.Tensor, visible: torch.Tensor, kept: int) -> None:
+        """`visible` (rows, width) written at slots `first` (on the device: the cache's count before the step) to
+        `first` + width, of which the first `kept` stay in the cache (the rest are cropped and must be False): no
+        shape or scalar of the step's own in the ops."""
+        self.buffer.index_copy_(1, first + index_range(visible.shape[1], visible.device), visible)
+        self.used += kept
+
+    def replace_from(self, start: int, tail: torch.Tensor) -> None:
+        """The slots from `start` on become `tail` (rows, n) (a compaction moved them)."""
+        end = start + tail.shape[1]
+        self.buffer[:, start:end] = tail
+        self.buffer[:, end : self.used] = False
+        self.used = end
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.buffer = self.buffer[index]
+
+
 class CaptureReadyInputs:
     """Persistent inputs of the verify forward, one set per (rows, width, attended slots): tokens and positions
     (rows, width), the additive mask (rows, 1, width, attended) (`attended_slots`: the verify attention reads the
-    cache's keys that far). `fill` copies a step's inputs into them in place."""
+    cache's keys that far). `fill` writes a step's inputs into them in place, the mask built over the attended slots
+    from the rows' `ValidSlots` with the step's nodes placed at the device's count of cached slots, so that two steps
+    of one shape dispatch the same ops on the same shapes and scalars (what a CUDA graph of the whole step needs)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.buffers: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
-    def fill(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, padded_rows: int | None = None):
-        """`tokens`, `positions` (rows, width) and `mask` (rows, 1, width, used) over the `used` cached slots and the
-        step's nodes, as `tree_forward_inputs` makes them: the same tensors in the step's persistent buffers, the
-        mask blocked past `used` up to the attended slots. `padded_rows`: the rows of the forward (the static cache's
-        `rows_bucket`), the ones past the batch's padding whose queries each see their own slot alone."""
-        rows, width = tokens.shape
-        padded = padded_rows or rows
-        used = mask.shape[-1]
+    def fill(self, layout: TreeLayout, valid: ValidSlots, first: torch.Tensor, roots: torch.Tensor,
+             dtype: torch.dtype, padded_rows: int):
+        """The step's `(tokens, attention_mask, position_ids)` for `layout`'s trees (rows, width) over the cached
+        slots `valid` marks, the nodes at slots `first` (the cache's count, on the device) to `first` + width.
+        `padded_rows`: the rows of the forward (the static cache's `rows_bucket`), the ones past the batch's whose
+        queries each see their own slot alone."""
+        rows, width = layout.tokens.shape
+        used = valid.used + width
         if used > self.capacity:
             raise RuntimeError(f"the static cache holds {self.capacity} slots and this step needs {used}: "
                                "verify_cache.HEADROOM is too small for this call")
         attended = attended_slots(used, self.capacity)
-        key = (padded, width, attended)
+        key = (padded_rows, width, attended)
+        device = layout.tokens.device
         if key not in self.buffers:
-            self.buffers[key] = (tokens.new_zeros(padded, width), positions.new_zeros(padded, width),
-                                 mask.new_full((padded, 1, width, attended), torch.finfo(mask.dtype).min))
-        token_buffer, position_buffer, mask_buffer = self.buffers[key]
-        token_buffer[:rows].copy_(tokens)
-        position_buffer[:rows].copy_(positions)
-        mask_buffer[:rows, ..., :used].copy_(mask)
-        mask_buffer[:rows, ..., used:].fill_(torch.finfo(mask.dtype).min)
-        if padded > rows:  # padding rows: each query sees its own new slot, nothing else
-            mask_buffer[rows:].fill_(torch.finfo(mask.dtype).min)
-            mask_buffer[rows:, 0, :, used - width : used].diagonal(dim1=-2, dim2=-1).zero_()
+            self.buffers[key] = (layout.tokens.new_zeros(padded_rows, width),
+                                 layout.tokens.new_zeros(padded_rows, width),
+                                 torch.empty(padded_rows, 1, width, attended, dtype=dtype, device=device),
+                                 torch.zeros(padded_rows, width, attended, dtype=torch.bool, device=device),
+                                 torch.eye(width, dtype=torch.bool, device=device).expand(padded_rows, width, width))
+        token_buffer, position_buffer, mask_buffer, allowed, alone = self.buffers[key]
+        token_buffer[:rows].copy_(layout.tokens)
+        position_buffer[:rows].copy_(roots[:, None] + layout.depths.clamp(min=0))
+        # cached slots: those the row sees, before the step's own; the step's nodes: each sees its ancestors
+        cached = valid.buffer[:, :attended] & (index_range(attended, device) < first)
+        allowed[:rows] = cached[:, None, :] & layout.real[:, :, None]
+        nodes = (first + index_range(width, device)).expand(padded_rows, width, width)
+        allowed[:rows].scatter_(2, nodes[:rows], layout.ancestors)
+        if padded_rows > rows:  # padding rows: each query sees its own new slot, nothing else
+            allowed[rows:] = False
+            allowed[rows:].scatter_(2, nodes[rows:], alone[rows:])
+        mask_buffer[:, 0].fill_(torch.finfo(dtype).min).masked_fill_(allowed, 0)
         return token_buffer, mask_buffer, position_buffer
 
 
