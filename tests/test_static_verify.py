@@ -476,8 +476,8 @@ def _runtime_line() -> str:
 def test_the_whole_step_dispatches_the_same_ops_in_every_step_of_its_shape(monkeypatch, sample):
     """What a CUDA graph of the whole step would replay: outside the two forwards (which the test above and
     `test_static_drafting.py` trace), every step that verifies trees of the same sizes with forwards of the same
-    shapes dispatches the same ops on the same shapes and scalars, whatever the rows accepted: the validity masks written in place at the caches' counts
-    on the device, the caches cropped by counts on the device. Two rows that accept different numbers of drafts at
+    shapes dispatches the same ops on the same shapes and scalars, whatever the rows accepted: the validity masks
+    written in place at the caches' counts on the device, the caches cropped by counts on the device. Two rows that accept different numbers of drafts at
     different steps (a drafter pointed at a continuation with wrong tokens in it), chains of a fixed length drafted
     ahead, as on a GPU, greedy and sampling (plain generate's tokens)."""
     monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")

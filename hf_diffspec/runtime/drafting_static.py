@@ -118,8 +118,8 @@ class StaticDrafterStep:
             else:
                 layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
 
-    def draft(self, drafter, context, context_positions: torch.Tensor, valid: ValidSlots, new_valid, noise: torch.Tensor,
-              block_positions: torch.Tensor) -> torch.Tensor:
+    def draft(self, drafter, context, context_positions: torch.Tensor, valid: ValidSlots, new_valid,
+              noise: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
         """`drafter`'s forward over [cached ; `context` ; block], as `DrafterContext.draft_block` runs it on the
         default path: `context` (rows, n, features) or None, at `context_positions` (rows, n), `new_valid` (rows, n)
         the slots of it each row sees, written into `valid` (the cached slots each row sees); `noise` (rows, block,
