@@ -128,6 +128,9 @@ EXPECTED_REFUSALS = {
     "streamer": (lambda o: o.get("streamer"), ("stream",)),
     "user logits processor": (lambda o: o.get("logits_processor"), ("logits processor", "logits_processor")),
     "user stopping criteria": (lambda o: o.get("stop_criterion"), ("stopping criteri",)),
+    # a prompt row whose tokens all equal the pad token, passed without a mask: generate masks the whole row (a row
+    # with nothing to attend to, which the loop refuses before the first forward)
+    "empty prompt row": (lambda o: o.get("pad_token_id") is not None, ("are empty",)),
 }
 
 
