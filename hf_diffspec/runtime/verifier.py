@@ -12,8 +12,10 @@ drafts needs and everything that forward leaves behind.
 
 It owns:
 - the target's cache in every form (`verify_cache.py`: generate's own, windowed, static, linear states), and which
-  cached slot each row may see (`valid`: left padding, slots of drafts another row accepted and tree nodes off a row's
-  accepted path are invisible to it);
+  cached slot each row may see (`valid`, kept in place in a `ValidSlots`: left padding, slots of drafts another row
+  accepted and tree nodes off a row's accepted path are invisible to it; on the capture-ready step written at the
+  cache's count on the device, the cache cropped by a count on the device, so no step's op takes a count from the
+  host);
 - the verify inputs and every mask (`verify_inputs.py`), the verify attention (`verify_attention.py`);
 - the recurrent states' recording and rollback (`verify_recurrent.py`);
 - the static buffers and CUDA graphs of the capture-ready step (`verify_graphs.py`).
