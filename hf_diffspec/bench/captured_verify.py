@@ -18,8 +18,8 @@ import torch
 from ..runtime.device_clock import device_time
 from ..runtime.tree import CandidateTree, TreeLayout
 from ..runtime.verify_attention import verify_attention
-from ..runtime.verify_cache import crop_attention, target_cache
-from ..runtime.verify_inputs import CaptureReadyInputs, tree_forward_inputs, verify_width
+from ..runtime.verify_cache import cached_count, crop_attention, target_cache
+from ..runtime.verify_inputs import CaptureReadyInputs, ValidSlots, verify_width
 
 
 def _median_seconds(step, device, repeats: int) -> float:
@@ -44,11 +44,11 @@ def _verify_inputs(target, rows: int, context: int, nodes: int):
     drafts = torch.randint(2, vocab, (rows, nodes), generator=generator).to(device)
     trees = [CandidateTree.chain(row[0], row[1:]) for row in drafts]
     layout = TreeLayout.of(trees, device, width)
-    past_valid = torch.ones(rows, context, dtype=torch.bool, device=device)
-    roots = torch.full((rows,), context, device=device)
-    tokens, mask, positions = tree_forward_inputs(trees, past_valid, roots, dtype, layout, past_all_valid=False)
     capacity = cache.layers[0].max_cache_len
-    return cache, CaptureReadyInputs(capacity).fill(tokens, mask, positions), width
+    valid = ValidSlots(torch.ones(rows, context, dtype=torch.bool, device=device), capacity)
+    roots = torch.full((rows,), context, device=device)
+    inputs = CaptureReadyInputs(capacity).fill(layout, valid, cached_count(cache).clone(), roots, dtype, rows)
+    return cache, inputs, width
 
 
 @torch.no_grad()
