@@ -16,7 +16,7 @@ from hf_diffspec.bench.host_syncs import DEVICE_TO_HOST
 from hf_diffspec.runtime import decoding
 from hf_diffspec.runtime import verifier as verifier_module
 from hf_diffspec.runtime import verify_graphs
-from hf_diffspec.runtime.verify_inputs import VERIFY_WIDTHS, verify_width
+from hf_diffspec.runtime.verify_inputs import VERIFY_WIDTHS, ValidSlots, verify_width
 from helpers import (DispatchTrace, EmulatedGraphs, FailingGraphs, NoisyOracle, assert_sampling_matches_plain,
                      install_oracle, oracle_drafter_outputs, random_ids, tiny_drafter, tiny_family_target,
                      tiny_hybrid_target, tiny_target)
@@ -65,6 +65,32 @@ class VerifyRecorder:
     def remove(self):
         for handle in self.handles:
             handle.remove()
+
+
+def test_valid_slots_keep_each_rows_visible_slots_in_place():
+    """`ValidSlots`, the rows' visible cached slots: appended slots grow the room by doubling (the default path); a
+    step written at a count on the device keeps only the slots it says (the capture-ready path, the rest cropped);
+    a compaction replaces the tail and clears what it left; rows leave by index. Every view equals the tensor the
+    same steps would have joined with `torch.cat`."""
+    rows = 3
+    prompt = torch.tensor([[False, True, True], [True, True, True], [False, False, True]])
+    grown, expected = ValidSlots(prompt), prompt
+    room = grown.buffer.shape[1]
+    for step in range(40):  # past the first room (64): it doubles, the slots kept
+        visible = torch.rand(rows, 2, generator=torch.Generator().manual_seed(step)) > 0.5
+        grown.append(visible)
+        expected = torch.cat([expected, visible], dim=1)
+        assert torch.equal(grown.view, expected)
+    assert grown.buffer.shape[1] > room
+    static = ValidSlots(prompt, capacity=32)
+    written = torch.tensor([[True, True, False, False], [True, False, False, False], [True, True, True, False]])
+    static.write_at(torch.tensor(3), written, 3)  # a 4-wide step at slot 3, its last slot cropped
+    assert static.buffer.shape == (rows, 32) and torch.equal(static.view, torch.cat([prompt, written[:, :3]], 1))
+    static.replace_from(3, torch.tensor([[True], [True], [True]]))  # a compaction kept one slot of the tail
+    assert torch.equal(static.view, torch.cat([prompt, torch.ones(rows, 1, dtype=torch.bool)], 1))
+    assert not static.buffer[:, 4:].any()  # what the tail held past it is cleared
+    static.select_rows(torch.tensor([2, 0]))
+    assert torch.equal(static.view, torch.cat([prompt, torch.ones(rows, 1, dtype=torch.bool)], 1)[[2, 0]])
 
 
 def test_verify_widths_are_bucketed():
