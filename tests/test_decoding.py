@@ -76,6 +76,8 @@ def test_eos_inside_an_accepted_block_stops_exactly(monkeypatch):
 
 
 @pytest.mark.parametrize("return_dict, output_scores", [(True, True), (True, False), (False, False)])
+@pytest.mark.every_step_speculates("asserts that speculative steps ran (the live controller may choose none on a busy "
+                                   "machine: a fresh clone's run beside two busy loops failed so)")
 def test_a_stopping_criterion_gets_the_scores_plain_generate_hands_it(monkeypatch, return_dict, output_scores):
     """A criterion receives what `_sample` passes: the scores collected so far when they are returned, else None,
     at every token, also inside a speculative step (which then commits token by token)."""
