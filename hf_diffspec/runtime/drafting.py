@@ -287,8 +287,9 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         context = (0, self.first.all_valid, None)
         if step_context is not None:
             hidden_states, index, positions, valid = step_context
-            # (the slots kept, the longest path, counted on the device too: a static cache is cropped by it)
-            context = (positions.shape[1], self.first.all_valid, valid.sum(-1).max())
+            # (the longest path counted on the device too, which a static cache is cropped by)
+            longest = valid.sum(-1).max() if self.first.static is not None else None
+            context = (positions.shape[1], self.first.all_valid, longest)
             self.add_context(hidden_states, index, positions, valid, all_valid=False)
         start = self.clock.stamp()
         draft_hidden = self.first.draft_block(anchors, anchor_positions, self.block_size)
@@ -306,7 +307,7 @@ class DiffusionCandidateGenerator(CandidateGenerator):
         width, all_valid, longest = ahead.context
         if width:
             for context in self.contexts:  # (each drafts every pass, so each cached the step's slots)
-                context.drop_last(width - (kept or 0), None if kept is None else width - longest)
+                context.drop_last(width - (kept or 0), None if kept is None or longest is None else width - longest)
                 context.all_valid = all_valid and (kept is None or rows_all_valid)
         self.record_draft_times()
 

@@ -57,8 +57,7 @@ class KeptSlots:
     slot indices); `offsets` (longest,) their depths; `accepted` (rows, longest) which of them the row accepted;
     `counts` (rows,) how many, on the device; `rows_all_valid`: known on the host, every row sees every slot it
     committed or was prompted with; `longest`: the longest path. `offsets`, `index` and `accepted` are made when
-    first read (a step drafted ahead reads
-    neither: its pass took every slot of the paths)."""
+    first read (a step drafted ahead reads none: its pass took every slot of the paths)."""
 
     def __init__(self, longest: int, nodes: torch.Tensor | None, counts: torch.Tensor, rows_all_valid: bool):
         self.longest, self._nodes, self.counts, self.rows_all_valid = longest, nodes, counts, rows_all_valid
@@ -204,42 +203,31 @@ class TargetVerifier:
         else:
             nodes = None if prefixes else host_to_device([p + [p[-1]] * (kept - len(p)) for p in paths], device)
             counts = host_to_device(lengths, device)
-        kept_slots = KeptSlots(kept, nodes, counts, False)
+        visible = self._visible(nodes, counts)
         if self.capture:  # counted on the device: the same ops whatever the rows accepted
-            self._keep_in_place(nodes, counts, span)
+            last = (visible.any(0) * (index_range(self.slots, device) + 1)).max()  # `span`, on the device
+            crop_attention(self.cache, self.slots - last)
+            self.valid_slots.write_at(self._first, visible, span)
         else:
             if self.slots > span:
                 crop_attention(self.cache, self.slots - span)
-            if prefixes:  # nothing hidden but a shorter row's tail
-                visible = kept_slots.accepted
-            else:  # a padding entry may point past `span`; it adds nothing
-                visible = torch.zeros(len(paths), span, dtype=torch.long, device=device).scatter_add_(
-                    1, kept_slots.index.clamp(max=span - 1), kept_slots.accepted.long()) > 0
-            self.valid_slots.append(visible)
+            self.valid_slots.append(visible[:, :span])
         self.rows_all_valid = self.rows_all_valid and min(lengths) == kept
         self.all_valid = self.all_valid and self.rows_all_valid and prefixes
         self._tail_counts = [c + n for c, n in zip(self._tail_counts, lengths)]
         self.recurrent.keep_accepted(paths, self.slots)
         self._compact_or_drop(next_slots)
-        kept_slots.rows_all_valid = self.rows_all_valid
-        return kept_slots
+        return KeptSlots(kept, nodes, counts, self.rows_all_valid)
 
-    def _keep_in_place(self, nodes: torch.Tensor | None, counts: torch.Tensor, span: int) -> None:
-        """The capture-ready step's `keep`: the last forward's slots written into the rows' validity at the cache's
-        count before it, each row's accepted `nodes` (None: chains, a row's first `counts` slots) visible to it,
-        and the cache cropped past the last accepted node of any row, all counted on the device (`span`: that
-        count as the host read it)."""
-        width, device = self.slots, counts.device
-        if nodes is None:
-            visible = index_range(width, device)[None] < counts[:, None]
-            reach = counts.max()
-        else:
-            on_path = index_range(nodes.shape[1], device)[None] < counts[:, None]
-            visible = torch.zeros(counts.shape[0], width, dtype=torch.long, device=device).scatter_add_(
-                1, nodes, on_path.long()) > 0
-            reach = nodes.gather(1, (counts - 1)[:, None]).max() + 1
-        crop_attention(self.cache, width - reach)
-        self.valid_slots.write_at(self._first, visible, span)
+    def _visible(self, nodes: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+        """(rows, the last forward's slots) bool: the slots of each row's accepted path, its `nodes` ((rows, k), the
+        entries past its count padding), or its first `counts` slots (`nodes` None: every path is a prefix)."""
+        slots = index_range(self.slots, counts.device)
+        if nodes is None:  # nothing hidden but a shorter row's tail
+            return slots[None] < counts[:, None]
+        on_path = (index_range(nodes.shape[1], counts.device)[None] < counts[:, None]).long()
+        return torch.zeros(counts.shape[0], self.slots, dtype=torch.long, device=counts.device).scatter_add_(
+            1, nodes, on_path) > 0
 
     def _compact_or_drop(self, next_slots) -> None:
         tail = self.valid_slots.used - self._tail_start
