@@ -9,7 +9,7 @@ from transformers import AutoModel
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
 from hf_diffspec.runtime.control_speculation import SpeculationController
-from hf_diffspec.runtime.drafting_prefix_tree import plan_rows, plan_table, prefix_tree, unpack_plans
+from hf_diffspec.runtime.drafting_prefix_tree import branch_slots, plan_rows, plan_table, prefix_tree, unpack_plans
 from helpers import (
     ProposalRecorder,
     decoy_oracle_drafter_outputs,
@@ -91,8 +91,8 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
     branch_probs[..., 2] = 0.4
     branch_probs = branch_probs / branch_probs.sum(-1, keepdim=True)
 
-    device_plan = plan_rows(first[None], torch.tensor([4]), num_branches=1)
-    table, alternative = plan_table(device_plan, branch_probs)
+    device_plan = plan_rows(first[None], torch.tensor([4]), num_branches=1, sample=False)
+    table, alternative = plan_table(device_plan, branch_probs, sample=False)
     plans, branches = unpack_plans(table.tolist(), device_plan, first[None], branch_probs, alternative, limits=[4])
     plan, branches = plans[0], branches[0]
     assert plan.drafts.tolist() == [1, 2, 3, 4] and plan.picks == [1]   # one branch, re-drafted after the prefix [1]
@@ -104,6 +104,74 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
     assert set(after_prefix) == {2, 7}              # main draft 2 and the VP's alternative (never the same token)
     small = prefix_tree(0, plan, branches, budget=4)
     assert len(small) == 4 and all(p < i for i, p in enumerate(small.parents) if i)
+
+
+def first_drafter_probs(confidences: list[list[float]], vocab: int = 64) -> torch.Tensor:
+    """(rows, depth, vocab) laws whose slot k puts `confidences[r][k]` on token k + 1, the rest spread evenly (so
+    `confidences` are the laws' maxima where they are above 1 / vocab)."""
+    probs = torch.zeros(len(confidences), len(confidences[0]), vocab, dtype=torch.float64)
+    for r, row in enumerate(confidences):
+        for k, c in enumerate(row):
+            probs[r, k] = (1 - c) / (vocab - 1)
+            probs[r, k, k + 1] = c
+    return probs
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_plan_rows_scores_each_slot_and_picks_each_rows_likeliest_rejections_within_its_limit(device):
+    """The reach score c_1 ... c_k of each draft, the rejection-boundary posterior r(i) = c_1 ... c_i (1 - c_{i+1}),
+    and per row the K prefix lengths of largest r(i) among its first `limit` slots, ascending, the earliest first
+    among equal ones. On the meta device the plan is built where its inputs are (a GPU's case: no host tensor
+    enters it)."""
+    confidences = [[0.6, 0.1, 0.5, 0.9],   # r = 0.4, 0.54, 0.03, 0.003: picks 0, 1
+                   [0.9, 0.9, 0.2, 0.5],   # r = 0.1, 0.09, 0.648, 0.081; limit 2: slot 2 is past it, picks 0, 1
+                   [1.0, 1.0, 1.0, 1.0]]   # point masses (top-k 1): r = 0 everywhere, the earliest first
+    probs = first_drafter_probs(confidences).to(device)
+    limits = torch.tensor([4, 2, 4], device=device)
+    plan = plan_rows(probs, limits, num_branches=2, sample=False)
+    assert plan.picks.device.type == plan.boundary.device.type == device
+    assert branch_slots(plan.picks, 3).device.type == device
+    if device == "meta":
+        return
+    c = torch.tensor(confidences, dtype=torch.float64)
+    reach = torch.cat([torch.ones(3, 1, dtype=torch.float64), c.cumprod(1)[:, :-1]], 1)
+    torch.testing.assert_close(plan.main_scores, c.cumprod(1))
+    torch.testing.assert_close(plan.boundary, reach * (1 - c))
+    assert plan.drafts.tolist() == [[1, 2, 3, 4]] * 3
+    assert plan.picks.tolist() == [[0, 1], [0, 1], [0, 1]]
+    # one branch a row: row 0's largest r(i) is at 1, row 1's within its limit at 0, row 2's the first of its ties
+    assert plan_rows(probs, limits, num_branches=1, sample=False).picks.tolist() == [[1], [0], [0]]
+    # with room for it, row 1 picks slot 2 (the limit is what kept it out)
+    wide = plan_rows(probs, torch.tensor([4, 4, 4]), num_branches=1, sample=False)
+    assert wide.picks.tolist() == [[1], [2], [0]]
+    assert branch_slots(wide.picks, 3).tolist() == [[[1, 2, 3]], [[2, 3, 4]], [[0, 1, 2]]]
+
+
+def test_plan_table_draws_every_branch_token_from_its_law_when_sampling():
+    """When sampling, each branch's alternative is drawn from the second drafter's first law with the main draft
+    taken out (renormalised), and its further drafts from their laws: not their argmax, or drafts no longer follow
+    the laws the tree hands rejection sampling. A point-mass law (top-k 1) draws its one token."""
+    rows, vocab = 20_000, 4
+    torch.manual_seed(0)
+    first = first_drafter_probs([[0.7, 0.7, 0.7]] * rows, vocab).float()  # r = 0.3, 0.21, 0.147: branch at 0
+    law = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    branch_probs = law.expand(rows, 1, 3, vocab).clone()
+    branch_probs[0, 0, 2] = torch.tensor([0.0, 0.0, 1.0, 0.0])  # row 0's last slot: a point mass at token 2
+    plan = plan_rows(first, torch.full((rows,), 3), num_branches=1, sample=True)
+    table, alternative = plan_table(plan, branch_probs, sample=True)
+    plans, branches = unpack_plans(table.tolist(), plan, first, branch_probs, alternative, limits=[3] * rows)
+    assert all(len(b) == 1 and b[0].prefix_length == 0 for b in branches)
+    main_drafts = torch.tensor([p.tokens[0] for p in plans])
+    alternatives = torch.tensor([b[0].alternative for b in branches])
+    continuations = torch.tensor([b[0].tokens for b in branches])  # slots 1, 2 of the branch
+    assert branches[0][0].tokens[1] == 2
+    for token in range(vocab):  # the alternative's law: the branch law without the row's main draft
+        excluded = main_drafts == token
+        if excluded.any():
+            assert not (alternatives[excluded] == token).any()
+        expected = (law[token] / (1 - law[main_drafts])).masked_fill(excluded, 0).mean()
+        assert abs((alternatives == token).double().mean() - expected) < 0.015
+        assert abs((continuations[1:] == token).double().mean() - law[token]) < 0.015
 
 
 def test_dual_drafter_saves_and_loads_as_one_checkpoint(tmp_path):

@@ -65,8 +65,7 @@ class DevicePlan:
     picks: torch.Tensor
 
 
-def plan_rows(first_probs: torch.Tensor, limits: torch.Tensor, num_branches: int, sample: bool = False
-              ) -> DevicePlan:
+def plan_rows(first_probs: torch.Tensor, limits: torch.Tensor, num_branches: int, sample: bool) -> DevicePlan:
     """Every row's plan from its first-drafter distributions `first_probs` (rows, depth, vocab), the first
     `limits[r]` slots of row r (`limits` on the device: a pass drafted ahead knows them there only), on the device:
     its drafts and the `num_branches` prefix lengths with the largest r(i) among its slots (the earliest first among
@@ -87,8 +86,7 @@ def branch_slots(picks: torch.Tensor, length: int) -> torch.Tensor:
     return picks[..., None] + index_range(length, picks.device)
 
 
-def plan_table(plan: DevicePlan, branch_probs: torch.Tensor, sample: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_table(plan: DevicePlan, branch_probs: torch.Tensor, sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """What the host reads of every row's plan and branches, on the device: (the (rows, n) float64 table
     `unpack_plans` reads, each branch's alternative law (rows, K, vocab)). `branch_probs` (rows, K, length, vocab):
     the second drafter's distributions for slots i+1, i+2, ... after each pick's prefix length i. A branch's
@@ -96,7 +94,7 @@ def plan_table(plan: DevicePlan, branch_probs: torch.Tensor, sample: bool = Fals
     rows = plan.drafts.shape[0]
     count, vocab = branch_probs.shape[1], branch_probs.shape[-1]
     maxima = branch_probs.max(-1).values
-    draws = draw_rows(branch_probs.reshape(-1, vocab), sample).view(rows, count, -1)
+    draws = draw_rows(branch_probs.reshape(-1, vocab), sample).view(rows, -1)
     alternative = branch_probs[:, :, 0].clone()
     alternative.scatter_(-1, plan.drafts.gather(1, plan.picks)[..., None], 0.0)  # the main draft taken out
     mass = alternative.sum(-1)
@@ -104,7 +102,7 @@ def plan_table(plan: DevicePlan, branch_probs: torch.Tensor, sample: bool = Fals
     alternative = alternative / torch.where(usable, mass, 1.0)[..., None]
     alternative_draws = draw_rows(torch.where(usable[..., None], alternative, branch_probs[:, :, 0])
                                   .reshape(-1, vocab), sample).view(rows, count)
-    columns = [plan.drafts, plan.main_scores, plan.boundary, plan.picks, maxima.flatten(1), draws.flatten(1),
+    columns = [plan.drafts, plan.main_scores, plan.boundary, plan.picks, maxima.flatten(1), draws,
                alternative.max(-1).values, alternative_draws, usable]
     return torch.cat([c.double() for c in columns], 1), alternative  # token ids are exact in float64
 
