@@ -9,7 +9,9 @@ from transformers import AutoModel
 import hf_diffspec
 from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
 from hf_diffspec.runtime.control_speculation import SpeculationController
-from hf_diffspec.runtime.drafting_prefix_tree import branch_slots, plan_rows, plan_table, prefix_tree, unpack_plans
+from hf_diffspec.runtime.drafting_prefix_tree import (
+    Branch, RowPlan, branch_slots, plan_rows, plan_table, prefix_tree, unpack_plans,
+)
 from helpers import (
     ProposalRecorder,
     decoy_oracle_drafter_outputs,
@@ -96,14 +98,39 @@ def test_prefix_tree_branches_where_rejection_is_likeliest():
     plans, branches = unpack_plans(table.tolist(), device_plan, first[None], branch_probs, alternative, limits=[4])
     plan, branches = plans[0], branches[0]
     assert plan.drafts.tolist() == [1, 2, 3, 4] and plan.picks == [1]   # one branch, re-drafted after the prefix [1]
-    tree = prefix_tree(0, plan, branches, budget=16)
+    tree = prefix_tree(0, plan, branches, budget=16, sample=False)
     node = 0
     for token in [1, 2, 3, 4]:                      # the main chain is kept whole
         node = tree.children[node][token]
     after_prefix = tree.children[tree.children[0][1]]
     assert set(after_prefix) == {2, 7}              # main draft 2 and the VP's alternative (never the same token)
-    small = prefix_tree(0, plan, branches, budget=4)
+    # each node's confidence is its reach score: c_1 ... c_k on the main chain; a branch's r(i) times its
+    # alternative's probability, then times its further drafts' maxima
+    branch = branches[0]
+    expected = {(1, 2, 3, 4)[: k + 1]: plan.main_scores[k] for k in range(4)}
+    path, score = (1, branch.alternative), plan.boundary[1] * branch.alternative_score
+    expected[path] = score
+    for token, maximum in zip(branch.tokens, branch.maxima):
+        path, score = path + (token,), score * maximum
+        expected[path] = score
+    paths = [()]
+    for token, parent in zip(tree.token_list[1:], tree.parents[1:]):
+        paths.append(paths[parent] + (token,))
+    assert len(tree) == 8 and tree.confidences == pytest.approx([expected[p] for p in paths[1:]])
+    small = prefix_tree(0, plan, branches, budget=4, sample=False)
     assert len(small) == 4 and all(p < i for i, p in enumerate(small.parents) if i)
+    assert small.confidences == pytest.approx(sorted(expected.values(), reverse=True)[:3])
+
+
+def test_a_prefix_tree_is_made_on_its_laws_device():
+    """The tree's tokens and laws live where the drafter's laws do (a GPU's case, here the meta device): the host
+    holds only the plan's numbers."""
+    laws = torch.full((3, 6), 1 / 6, device="meta")
+    plan = RowPlan(laws.new_zeros(3, dtype=torch.long), [1, 2, 3], [0.5, 0.25, 0.125], [0.5, 0.25, 0.125], [0], laws)
+    branch = Branch(0, 4, 0.5, laws[0], [5], [0.5], [laws[1]])
+    tree = prefix_tree(0, plan, [branch], budget=8, sample=True)
+    assert tree.token_list == [0, 1, 4, 2, 5, 3]
+    assert tree.tokens.device.type == "meta" and tree.draft_laws.probs.device.type == "meta"
 
 
 def first_drafter_probs(confidences: list[list[float]], vocab: int = 64) -> torch.Tensor:

@@ -135,8 +135,8 @@ def unpack_plans(table: list[list[float]], plan: DevicePlan, first_probs: torch.
     return plans, branches
 
 
-def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: int, choose_count=None,
-                sample: bool = False) -> CandidateTree:
+def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: int, choose_count=None, *,
+                sample: bool) -> CandidateTree:
     """The deduplicated, pruned tree of a row's main chain and its branches, built on the host from what
     `unpack_plans` read. `choose_count(reach_probs) -> n`, optional: how many nodes (root included)
     to verify given the reach probabilities of the candidates in decreasing order (the cost model); `budget` stays
@@ -145,7 +145,8 @@ def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: 
     are kept does not depend on their own values (required for losslessness)."""
     main, scores, sources = _candidate_nodes(plan, branches)
     depth = len(plan.tokens)
-    # keep the most probable nodes; a child is never more probable than its parent, so this keeps ancestors
+    # keep the most probable nodes; a node's effective score is at most its parent's and ties go to the shorter
+    # path, so every kept node's ancestors are kept, and come before it
     effective = {p: min(scores[p[:j]] for j in range(1, len(p) + 1)) for p in scores}
     keep = sorted(scores, key=lambda p: (-effective[p], len(p)))[: budget - 1]
     if choose_count is not None:
@@ -154,43 +155,37 @@ def prefix_tree(root_token: int, plan: RowPlan, branches: list[Branch], budget: 
     main_paths = {main[: k + 1] for k in range(depth)}
     keep.sort(key=lambda p: (len(p), p not in main_paths))
     index = {(): 0}
-    tokens, parents, node_conf, node_probs = [root_token], [-1], [1.0], [None]  # the root's law: none
+    tokens, parents = [root_token], [-1]
     for path in keep:
-        if path[:-1] not in index:
-            continue  # its parent was pruned (only possible with equal scores)
         index[path] = len(tokens)
         tokens.append(path[-1])
         parents.append(index[path[:-1]])
-        node_conf.append(scores[path])
-        node_probs.append(sources[path])
     laws = None
     if sample:  # the tree's nodes' laws alone, in one copy (not every slot and branch); the root's row unused
-        laws = CompactLaw(None, torch.stack([torch.zeros_like(plan.laws[0]), *node_probs[1:]]))
-    return CandidateTree(tokens, parents, draft_laws=laws, confidences=node_conf[1:], device=plan.laws.device)
+        laws = CompactLaw(None, torch.stack([torch.zeros_like(plan.laws[0]), *(sources[p] for p in keep)]))
+    return CandidateTree(tokens, parents, draft_laws=laws, confidences=[scores[p] for p in keep],
+                         device=plan.laws.device)
 
 
 def _candidate_nodes(plan: RowPlan, branches: list[Branch]) -> tuple[tuple, dict, dict]:
     """Every candidate node of `prefix_tree`, keyed by its token path from the root: the main chain's token path,
-    each node's reach score and the distribution it was drawn from."""
+    each node's reach score and the distribution it was drawn from. No two candidates share a path: a branch leaves
+    the main chain at its alternative, which is never the main draft there, and branches leave it at different
+    prefix lengths; the branches share the main chain's nodes before that."""
     scores: dict[tuple, float] = {}
     sources: dict[tuple, torch.Tensor] = {}
-
-    def add(path: tuple, score: float, source: torch.Tensor) -> None:
-        if score > scores.get(path, -1.0):
-            scores[path], sources[path] = score, source
-
     main = tuple(plan.tokens)
     for k in range(len(main)):
-        add(main[: k + 1], plan.main_scores[k], plan.laws[k])
+        scores[main[: k + 1]], sources[main[: k + 1]] = plan.main_scores[k], plan.laws[k]
     for branch in branches:
         if branch.alternative is None:
             continue
         i = branch.prefix_length
         score = plan.boundary[i] * branch.alternative_score
         path = main[:i] + (branch.alternative,)
-        add(path, score, branch.alternative_law)
+        scores[path], sources[path] = score, branch.alternative_law
         for token, maximum, law in zip(branch.tokens, branch.maxima, branch.laws):
             score *= maximum
             path = path + (token,)
-            add(path, score, law)
+            scores[path], sources[path] = score, law
     return main, scores, sources
