@@ -133,6 +133,17 @@ def test_a_prefix_tree_is_made_on_its_laws_device():
     assert tree.tokens.device.type == "meta" and tree.draft_laws.probs.device.type == "meta"
 
 
+def test_a_branch_without_an_alternative_leaves_the_other_branches_in_the_tree():
+    """A branch whose second-drafter law held only the main draft has no alternative (None) and is left out; the
+    branches after it are still grafted."""
+    laws = torch.full((3, 6), 1 / 6)
+    plan = RowPlan(laws.new_zeros(3, dtype=torch.long), [1, 2, 3], [0.5, 0.25, 0.125], [0.5, 0.25, 0.125], [0, 1],
+                   laws)
+    branches = [Branch(0, None, 0.0, laws[0], [], [], []), Branch(1, 4, 0.5, laws[1], [5], [0.5], [laws[2]])]
+    tree = prefix_tree(0, plan, branches, budget=8, sample=False)
+    assert sorted(tree.children[tree.children[0][1]]) == [2, 4]  # the second branch's alternative after prefix [1]
+
+
 def first_drafter_probs(confidences: list[list[float]], vocab: int = 64) -> torch.Tensor:
     """(rows, depth, vocab) laws whose slot k puts `confidences[r][k]` on token k + 1, the rest spread evenly (so
     `confidences` are the laws' maxima where they are above 1 / vocab)."""
