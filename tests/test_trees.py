@@ -52,6 +52,30 @@ def test_tree_layout_ancestors_depths_and_padding(sizes, chains):
     assert layout.levels.tolist() == list(range(max(t.max_depth for t in trees) + 1))
 
 
+def test_a_tree_sampled_on_the_host_draws_each_node_by_inverting_its_law_without_earlier_siblings():
+    """Compact laws on the host (`_sampled_tree`): each node's token is where its uniform number falls in its slot's
+    law with the parent's earlier children taken out and the rest renormalised; a node whose law has no token left is
+    skipped, and so are the nodes below it; the cost model's count cuts the shape first. Each node carries the law
+    it was drawn from."""
+    ids = [[10, 11, 12, -1], [20, 21, -1, -1], [30, 31, -1, -1]]
+    laws = [[0.5, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
+    shape = [((0,), 0.5), ((0, 0), 0.5), ((1,), 0.25), ((0, 1), 0.1), ((0, 1, 0), 0.05), ((2,), 0.02)]
+    uniform = [0.5, 0.3, 0.75, 0.2, 0.4, 0.9]
+    tree = build_best_first_tree(5, None, budget=6, sample=True, ranked=(laws, ids), shape=shape, device="cpu",
+                                 uniform=uniform)
+    # (0,): 0.5 is where token 11's interval [0.5, 0.75) starts. (0, 0): token 20. (1,): without 11, [2/3, 0, 1/3]:
+    # 0.75 -> 12. (0, 1): its slot's law holds only 20, drawn already: skipped, and (0, 1, 0) below it. (2,): 10 is
+    # the root's last token left
+    assert tree.token_list == [5, 11, 20, 12, 10] and tree.parents == [-1, 0, 1, 0, 0]
+    assert tree.confidences == [0.5, 0.5, 0.25, 0.02]
+    assert tree.host_laws[1:, :4].tolist() == [ids[0], ids[1], ids[0], ids[0]]
+    assert tree.host_laws[1:, 4:].flatten().tolist() == pytest.approx([0.5, 0.25, 0.25, 0.0, 1.0, 0.0, 0.0, 0.0,
+                                                                       2 / 3, 0.0, 1 / 3, 0.0, 1.0, 0.0, 0.0, 0.0])
+    cut = build_best_first_tree(5, None, budget=6, node_count=lambda reach: 3, sample=True, ranked=(laws, ids),
+                                shape=shape, device="cpu", uniform=uniform)
+    assert cut.token_list == [5, 11, 20]
+
+
 def test_sampled_trees_draw_distinct_siblings_from_known_distributions():
     torch.manual_seed(0)
     probs = torch.softmax(torch.randn(3, 10), -1)
