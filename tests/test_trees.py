@@ -17,11 +17,16 @@ def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
     scores = [s for _, s in shape]
     assert scores == sorted(scores, reverse=True)
     assert all(p[:-1] in paths[:i] or len(p) == 1 for i, p in enumerate(paths))  # ancestors come first
-    assert paths[:5] == [(0,), (0, 0), (0, 0, 0), (0, 1), (0, 1, 0)]  # both readings of slot 2, each continued
+    assert len(shape) == 6 and paths[:5] == [(0,), (0, 0), (0, 0, 0), (0, 1), (0, 1, 0)]  # both readings of slot 2
     assert scores[1] == pytest.approx(0.9 * 0.45)
     chain = best_first_shape(sorted_probs[:, :1], budget=10)  # width 1: a chain
     assert [p for p, _ in chain] == [(0,), (0, 0), (0, 0, 0)]
     assert [s for _, s in chain] == pytest.approx([0.9, 0.405, 0.38475])
+    assert best_first_shape(sorted_probs, budget=10, max_children=1) == chain  # the widest branching, capped
+    # a token its law cannot draw (probability 0) is never a node, whatever the budget
+    assert [p for p, _ in best_first_shape([[0.6, 0.4, 0.0], [1.0, 0.0, 0.0]], budget=10)] == \
+        [(0,), (0, 0), (1,), (1, 0)]
+    assert best_first_shape(sorted_probs, budget=0) == [] and best_first_shape([], budget=4) == []
 
 
 def _random_tree(size: int, gen: torch.Generator) -> CandidateTree:
