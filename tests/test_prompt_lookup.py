@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_diffspec.runtime.control_speculation import AlwaysSpeculate, SpeculationController, StepKind
-from hf_diffspec.runtime.drafting_lookup import PromptLookup, graft
+from hf_diffspec.runtime.drafting_lookup import NO_LOOKUP_DRAFTS, LookupDrafts, PromptLookup, graft
 from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 from helpers import tiny_drafter, tiny_target
 
@@ -37,6 +37,20 @@ def _reference_find(ids: list[int], limit: int, max_ngram: int, num_tokens: int)
         if matched and matched >= best:
             best, best_end = matched, end
     return (ids[best_end + 1 : best_end + 1 + limit], best) if best else ([], 0)
+
+
+def test_a_steps_lookup_drafts_count_and_cut_per_row():
+    """A step's drafts: its match length is the longest among rows that have drafts (a row's match with nothing
+    after it does not count), and cutting them to the depth a step verifies keeps each row's first drafts; a depth
+    of 0, or no row with drafts, leaves none."""
+    drafts = LookupDrafts([[7, 8, 9], [], [4]], [2, 3, 1])
+    assert drafts.ngram == 2 and drafts.num_tokens == 4 and drafts.lengths == [3, 0, 1]
+    cut = drafts.truncated(2)
+    assert cut.drafts == [[7, 8], [], [4]] and cut.ngrams == [2, 3, 1] and cut.ngram == 2
+    assert drafts.truncated(0) is NO_LOOKUP_DRAFTS and LookupDrafts([[], []], [3, 1]).ngram == 0
+    assert LookupDrafts([[], []], [3, 1]).truncated(4) is NO_LOOKUP_DRAFTS
+    with pytest.raises(ValueError, match="max_ngram >= 1"):
+        PromptLookup(num_tokens=3, max_ngram=0)
 
 
 @pytest.mark.parametrize("max_ngram", [1, 3, 5])
