@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_diffspec.runtime.drafting_best_first import best_first_shape, build_best_first_tree
+from hf_diffspec.runtime.drafting_best_first import best_first_shape, build_best_first_tree, laws_to_device
 from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
 from hf_diffspec.runtime.tree import CandidateTree, TreeLayout
 from helpers import NoisyOracle, assert_sampling_matches_plain, install_oracle, random_ids, tiny_drafter, tiny_target
@@ -79,6 +79,25 @@ def test_a_tree_sampled_on_the_host_draws_each_node_by_inverting_its_law_without
     cut = build_best_first_tree(5, None, budget=6, node_count=lambda reach: 3, sample=True, ranked=(laws, ids),
                                 shape=shape, device="cpu", uniform=uniform)
     assert cut.token_list == [5, 11, 20]
+
+
+def test_a_batchs_host_laws_go_to_the_device_in_one_copy_padded_to_the_widest():
+    """Trees sampled on the host carry their nodes' laws there (ids, then probabilities); `laws_to_device` gives
+    each its `draft_laws` from one packed copy, every law padded to the batch's widest with id -1 and probability 0
+    (no mass), and drops the host copy; a tree without host laws is left as it is."""
+    import numpy as np
+
+    narrow = CandidateTree([5, 10], [-1, 0])
+    narrow.host_laws = np.array([[-1, -1, 0.0, 0.0], [10, 11, 0.6, 0.4]])
+    wide = CandidateTree([5, 22, 20], [-1, 0, 0])
+    wide.host_laws = np.array([[-1, -1, -1, 0.0, 0.0, 0.0], [20, 21, 22, 0.5, 0.3, 0.2], [20, 21, 22, 0.0, 0.6, 0.4]])
+    greedy = CandidateTree([5, 1], [-1, 0])
+    laws_to_device([narrow, greedy, wide], "cpu")
+    assert narrow.host_laws is None and wide.host_laws is None and greedy.draft_laws is None
+    assert narrow.draft_laws.ids.tolist() == [[-1, -1, -1], [10, 11, -1]]
+    assert narrow.draft_laws.probs.flatten().tolist() == pytest.approx([0.0, 0.0, 0.0, 0.6, 0.4, 0.0])
+    assert wide.draft_laws.ids.tolist() == [[-1, -1, -1], [20, 21, 22], [20, 21, 22]]
+    assert wide.draft_laws.probs.flatten().tolist() == pytest.approx([0, 0, 0, 0.5, 0.3, 0.2, 0, 0.6, 0.4])
 
 
 def test_sampled_trees_draw_distinct_siblings_from_known_distributions():
