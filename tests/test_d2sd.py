@@ -203,6 +203,9 @@ def test_plan_table_draws_every_branch_token_from_its_law_when_sampling():
     alternatives = torch.tensor([b[0].alternative for b in branches])
     continuations = torch.tensor([b[0].tokens for b in branches])  # slots 1, 2 of the branch
     assert branches[0][0].tokens[1] == 2
+    # each further draft carries the law it was drawn from (slots 1, 2 of the branch), its maximum beside it
+    assert len(branches[0][0].laws) == 2 and torch.equal(branches[0][0].laws[1], branch_probs[0, 0, 2])
+    assert branches[0][0].maxima == pytest.approx([0.4, 1.0])
     for token in range(vocab):  # the alternative's law: the branch law without the row's main draft
         excluded = main_drafts == token
         if excluded.any():

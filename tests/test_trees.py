@@ -345,5 +345,7 @@ def test_a_sampled_prefix_tree_skips_a_branch_whose_law_holds_only_the_main_draf
     table, alternative = plan_table(plan, branch[None, None], sample=True)
     plans, branches = unpack_plans(table.tolist(), plan, first[None], branch[None, None], alternative, limits=[3])
     assert plans[0].tokens == [2, 2, 2] and plans[0].picks == [0]
+    assert branches[0][0].alternative is None
     tree = prefix_tree(5, plans[0], branches[0], budget=8, sample=True)
     assert tree.tokens.tolist() == [5, 2, 2, 2] and tree.is_chain
+    assert torch.equal(tree.draft_laws.probs[1:], first)  # the main chain's nodes keep the first drafter's laws
