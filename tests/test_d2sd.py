@@ -83,11 +83,8 @@ def test_d2sd_greedy_accepts_branches_and_is_identical_to_plain_generate(monkeyp
 
 def test_prefix_tree_branches_where_rejection_is_likeliest():
     vocab = 10
-    first = torch.zeros(4, vocab)
     # drafts 1, 2, 3, 4 with confidences 0.9, 0.3, 0.9, 0.9: rejection is likeliest at slot 2 (i = 1)
-    for slot, (token, conf) in enumerate([(1, 0.9), (2, 0.3), (3, 0.9), (4, 0.9)]):
-        first[slot] = (1 - conf) / (vocab - 1)
-        first[slot, token] = conf
+    first = first_drafter_probs([[0.9, 0.3, 0.9, 0.9]], vocab)[0].float()
     branch_probs = torch.full((1, 1, 3, vocab), 0.01)  # the slots after the one branch's prefix
     branch_probs[..., 7] = 0.5   # VP's favourite everywhere
     branch_probs[..., 2] = 0.4
