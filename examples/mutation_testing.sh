@@ -24,6 +24,8 @@ tests_for() {
         batch) echo "tests/test_sampling_exactness.py tests/test_batch_semantics.py tests/test_decoding.py tests/test_length_gated_processors.py tests/test_batched.py tests/test_target_families.py tests/test_hybrid_targets.py" ;;
         # drafting: also the drafting-ahead tests (ahead is off on a CPU by default) and the read budgets
         drafting|drafting_best_first|drafting_prefix_tree|drafting_lookup|tree) echo "tests/test_trees.py tests/test_d2sd.py tests/test_prompt_lookup.py tests/test_sampling_exactness.py tests/test_decoding.py tests/test_selector.py tests/test_draft_ahead.py tests/test_sync_budget.py" ;;
+        # drafting_static: the static drafting pass runs only with cache_implementation="static"
+        drafting_static) echo "tests/test_static_drafting.py tests/test_static_verify.py tests/test_draft_ahead.py" ;;
         verify_attention|verify_inputs|verify_cache|verify_graphs) echo "tests/test_verify_attention.py tests/test_static_verify.py tests/test_target_families.py tests/test_concurrency.py" ;;
         verify_recurrent) echo "tests/test_hybrid_targets.py" ;;
         control_state) echo "tests/test_speculation_state.py tests/test_cost_model.py tests/test_concurrency.py" ;;
