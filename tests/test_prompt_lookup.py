@@ -1,6 +1,7 @@
 """Prompt-lookup drafts in our loop: finding them, grafting them onto draft trees, measuring their acceptance, and
 losslessness with them (grafted onto drafter trees and chains, and verified alone without a drafter forward)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,17 +13,21 @@ from helpers import tiny_drafter, tiny_target
 
 def test_lookup_copies_what_followed_the_most_recent_earlier_occurrence_of_the_longest_suffix():
     lookup = PromptLookup(num_tokens=3, max_ngram=2)
-    ids = torch.tensor([5, 6, 7, 8, 9, 1, 6, 2, 3, 4, 5, 6])
+    ids = np.array([5, 6, 7, 8, 9, 1, 6, 2, 3, 4, 5, 6])
     # suffix (5, 6) occurred once, at the start: 7 8 9 followed it
     drafts, ngram = lookup.find(ids, limit=10)
     assert drafts.tolist() == [7, 8, 9] and ngram == 2
     assert lookup.find(ids, limit=2)[0].tolist() == [7, 8]
     # suffix (0, 6) never occurred: the 1-gram (6) did, most recently before 2
-    drafts, ngram = lookup.find(torch.tensor([5, 6, 7, 8, 6, 2, 0, 6]), limit=10)
+    drafts, ngram = lookup.find(np.array([5, 6, 7, 8, 6, 2, 0, 6]), limit=10)
     assert drafts.tolist() == [2, 0, 6] and ngram == 1
-    drafts, ngram = lookup.find(torch.tensor([1, 2, 3]), limit=10)  # 3 never occurred before
-    assert drafts.numel() == 0 and ngram == 0
-    assert lookup.find(torch.tensor([4]), limit=10)[0].numel() == 0
+    drafts, ngram = lookup.find(np.array([1, 2, 3]), limit=10)  # 3 never occurred before
+    assert drafts.size == 0 and ngram == 0
+    drafts, ngram = lookup.find(np.array([4]), limit=10)  # one token: nothing before it
+    assert drafts.size == 0 and ngram == 0
+    # the longest match may span all but the last token: (3, 3) ends at the second 3, one token before the suffix
+    drafts, ngram = PromptLookup(num_tokens=3, max_ngram=3).find(np.array([3, 3, 3]), limit=10)
+    assert drafts.tolist() == [3] and ngram == 2
 
 
 def _reference_find(ids: list[int], limit: int, max_ngram: int, num_tokens: int):
@@ -86,8 +91,10 @@ def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_dif
     (on the host for the token-by-token path, on the device for the batch's)."""
     tokens = torch.tensor([0, 1, 2, 3]) if where == "device" else [0, 1, 2, 3]
     tree = CandidateTree(tokens, [-1, 0, 1, 0])  # 0 -> 1 -> 2, 0 -> 3
+    tree.confidences = [0.9, 0.5, 0.2]
     grafted = graft(tree, torch.tensor([1, 4, 5]))
     assert grafted.tokens.tolist() == [0, 1, 2, 3, 1, 4, 5]
+    assert grafted.confidences == [0.9, 0.5, 0.2]  # the drafted nodes' (what the bench's replay records)
     assert grafted.parents == [-1, 0, 1, 0, 0, 4, 5]  # as the target's forward sees it
     assert grafted.children == [{1: 1, 3: 3}, {2: 2, 4: 5}, {}, {}, {}, {5: 6}, {}]  # 4 a second child of node 1
     other = CandidateTree(torch.tensor([0, 3, 7]), [-1, 0, 1])  # a second row: the chain 0 -> 3 -> 7
@@ -102,6 +109,9 @@ def test_graft_follows_the_trees_own_nodes_and_branches_off_where_the_tokens_dif
     assert root_only.parents == [-1, 0, 1]
     # its root on the device, its lookup drafts on the host: both reach the forward's tokens
     assert TreeLayout.of([root_only], torch.device("cpu")).tokens.tolist() == [[7, 8, 9]]
+    # a tree whose tokens the host holds keeps its device: its tokens are made there, lookup drafts included
+    on_meta = graft(CandidateTree([0, 5], [-1, 0], device=torch.device("meta")), np.array([5, 6]))
+    assert on_meta.tokens.device.type == "meta" and on_meta.token_list == [0, 5, 5, 6]
 
 
 def _repetitive_prompts(vocab, rows, seed):

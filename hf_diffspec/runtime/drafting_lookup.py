@@ -20,8 +20,6 @@ nodes, acceptance merges them on the device (`tree.TreeLayout`).
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-
 from .tree import CandidateTree
 
 
@@ -94,10 +92,7 @@ class PromptLookup:
         the row's committed tokens, its anchor last) that occurred earlier, and that suffix's length; (empty, 0) when
         none did. The most recent occurrence: on the built-in prompts its drafts were accepted more often than the
         first occurrence's (transformers' choice), 1.93 against 1.83 tokens per step. `ids`: a numpy array (the
-        loop's host copy of the committed tokens; the drafts come back as one) or a tensor (they come back as one)."""
-        if isinstance(ids, torch.Tensor):
-            drafts, ngram = self.find(ids.cpu().numpy(), limit)
-            return torch.as_tensor(drafts, dtype=ids.dtype, device=ids.device), ngram
+        loop's host copy of the committed tokens); the drafts come back as one."""
         return self.find_rows(ids[None], [ids.shape[0]], [limit])[0]
 
     def find_rows(self, ids: np.ndarray, lengths: list[int], limits: list[int]) -> list[tuple[np.ndarray, int]]:
@@ -106,7 +101,8 @@ class PromptLookup:
         length = np.asarray(lengths)
         rows = np.arange(len(lengths))
         # earlier occurrences of each row's last token (before it, so that a continuation exists): their rows and
-        # ends, then how many of the tokens before each also match the suffix, for all of them at once
+        # ends, then how many of the tokens before each also match the suffix, for all of them at once (an
+        # occurrence ends before the suffix does, so an n-token match never reaches into the suffix itself)
         width = max(lengths)
         if width < 2:
             return [(ids[r, :0], 0) for r in rows]
@@ -118,7 +114,7 @@ class PromptLookup:
         still = np.ones(len(end), dtype=bool)
         suffix_end = length[row] - 1
         for n in range(1, min(self.max_ngram, width - 1)):
-            still &= (end >= n) & (n < suffix_end) & (ids[row, np.maximum(end - n, 0)] == ids[row, suffix_end - n])
+            still &= (end >= n) & (ids[row, np.maximum(end - n, 0)] == ids[row, suffix_end - n])
             matched += still
         # per row, the longest match and, among those, the most recent: the largest (matched, end)
         best = np.full(len(lengths), -1)
@@ -135,13 +131,12 @@ class PromptLookup:
 
 
 def graft(tree: CandidateTree, drafts) -> CandidateTree:
-    """`tree` with the chain root -> drafts[0] -> drafts[1] ... after its nodes (`drafts`: token ids, a list or a
-    tensor). Its first nodes repeat the tree's where the tokens agree; acceptance reads the merged tree
+    """`tree` with the chain root -> drafts[0] -> drafts[1] ... after its nodes (`drafts`: token ids, a list, a
+    tensor or an array). Its first nodes repeat the tree's where the tokens agree; acceptance reads the merged tree
     (`CandidateTree.children`, `TreeLayout.accept_parents`). The added nodes are deterministic drafts, point masses
     when sampling (the tree's laws cover its drawn nodes only)."""
-    drafts = drafts.tolist() if isinstance(drafts, (torch.Tensor, np.ndarray)) else list(drafts)
-    if not drafts:
+    if not len(drafts):
         return tree
     tokens = tree.token_list if tree.knows_tokens() else tree.tokens
     return CandidateTree(tokens, tree.parents, draft_laws=tree.draft_laws, confidences=tree.confidences,
-                         device=tree.device if tree.knows_tokens() else tree.tokens.device, lookup=drafts)
+                         device=tree.device, lookup=drafts)
