@@ -52,6 +52,7 @@ def test_a_steps_lookup_drafts_count_and_cut_per_row():
     assert drafts.ngram == 2 and drafts.num_tokens == 4 and drafts.lengths == [3, 0, 1]
     cut = drafts.truncated(2)
     assert cut.drafts == [[7, 8], [], [4]] and cut.ngrams == [2, 3, 1] and cut.ngram == 2
+    assert drafts.truncated(1).drafts == [[7], [], [4]]  # one draft a row: a step may verify that much
     assert drafts.truncated(0) is NO_LOOKUP_DRAFTS and LookupDrafts([[], []], [3, 1]).ngram == 0
     assert LookupDrafts([[], []], [3, 1]).truncated(4) is NO_LOOKUP_DRAFTS
     with pytest.raises(ValueError, match="max_ngram >= 1"):
