@@ -72,7 +72,7 @@ class PromptLookup:
             the match length tells steps worth a drafter forward from steps that are not.
     """
 
-    def __init__(self, num_tokens: int, max_ngram: int = 3):
+    def __init__(self, num_tokens: int, max_ngram: int):
         if num_tokens < 0 or max_ngram < 1:
             raise ValueError(f"prompt lookup needs num_tokens >= 0 and max_ngram >= 1, got {num_tokens}, {max_ngram}")
         self.num_tokens = num_tokens
@@ -85,7 +85,7 @@ class PromptLookup:
             return NO_LOOKUP_DRAFTS
         limits = policy.depth_limits(root_positions, batch.max_drafts())
         found = self.find_rows(*batch.history_rows(), limits)
-        return LookupDrafts([list(d) for d, _ in found], [n if len(d) else 0 for d, n in found])
+        return LookupDrafts([list(d) for d, _ in found], [n for _, n in found])  # a match always has drafts
 
     def find(self, ids, limit: int):
         """Up to `limit` tokens that followed the most recent earlier occurrence of the longest suffix of `ids` (1-D,
@@ -97,7 +97,9 @@ class PromptLookup:
 
     def find_rows(self, ids: np.ndarray, lengths: list[int], limits: list[int]) -> list[tuple[np.ndarray, int]]:
         """`find` for several rows at once, with the same few array operations whatever their number: row r's
-        committed tokens are `ids[r, : lengths[r]]` (`ids` (rows, at least the longest), on the host)."""
+        committed tokens are `ids[r, : lengths[r]]` (`ids` (rows, at least the longest), on the host). A row's
+        match length is 0 exactly when it has no drafts: a match ends before the row's last token, so at least one
+        token follows it."""
         length = np.asarray(lengths)
         rows = np.arange(len(lengths))
         # earlier occurrences of each row's last token (before it, so that a continuation exists): their rows and
