@@ -9,6 +9,12 @@
 #
 # Each run leaves runs/mutation/MODULE/summary.txt (mutants: killed, survived, timeouts ...) and survivors.txt
 # (each surviving mutant's diff), the input of the triage table in docs/results.md.
+#
+# The verdicts so far are kept in the repository (docs/mutation/MODULE.json: each mutant's exit code, each function's
+# hash), so that a run on another machine goes on where the last one stopped: a new copy starts from them, and mutmut
+# runs again only the mutants of functions whose code changed since. A finished run writes them back;
+#   bash examples/mutation_testing.sh --save MODULE...
+# writes back a run in progress (mutmut records each verdict as it comes).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -32,6 +38,36 @@ tests_for() {
         *) echo "no test selection for module $1: add one to tests_for in $0" >&2; exit 2 ;;
     esac
 }
+
+# the record of a copy's verdicts in the repository: mutmut's meta file without its timings, or back
+record() {  # record save|seed MODULE
+    "$ROOT/.venv/bin/python" - "$1" "$ROOT/runs/mutation/$2/mutants/hf_diffspec/runtime/$2.py.meta" \
+        "$ROOT/docs/mutation/$2.json" <<'PY'
+import json, os, sys
+mode, meta, kept = sys.argv[1:]
+if mode == "save":
+    with open(meta) as f:
+        data = json.load(f)
+    data = {"exit_code_by_key": {k: v for k, v in data["exit_code_by_key"].items() if v is not None},
+            "hash_by_function_name": data["hash_by_function_name"]}
+    os.makedirs(os.path.dirname(kept), exist_ok=True)
+    with open(kept + ".partial", "w") as f:
+        json.dump(data, f, indent=0, sort_keys=True)
+    os.replace(kept + ".partial", kept)
+elif os.path.exists(kept) and not os.path.exists(meta):
+    with open(kept) as f:
+        data = json.load(f)
+    os.makedirs(os.path.dirname(meta), exist_ok=True)
+    with open(meta, "w") as f:
+        json.dump({**data, "durations_by_key": {}, "estimated_durations_by_key": {}}, f)
+PY
+}
+
+if [ "$1" = "--save" ]; then
+    shift
+    for module in "$@"; do record save "$module"; echo "kept $module's verdicts in docs/mutation/$module.json"; done
+    exit 0
+fi
 
 PYVENV="$ROOT/.venv"
 for module in "$@"; do
@@ -62,6 +98,7 @@ pytest_add_cli_args = ["-x", "-q", "-p", "no:cacheprovider"]
 process_isolation = "forkserver"
 EOF
     fi
+    record seed "$module"
     cd "$work"
     echo "mutating $source_file against $(tests_for "$module") in $work"
     # the whole log is kept (a failing clean run names its test there); a failed run still writes the summary
@@ -76,4 +113,5 @@ EOF
     done
     echo "$module: $(tr '\n' ' ' < summary.txt)"
     cd "$ROOT"
+    record save "$module"
 done
