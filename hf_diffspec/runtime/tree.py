@@ -37,7 +37,8 @@ class CandidateTree:
             nodes (the root's row unused); the nodes after them, and every node when `None`, are deterministic
             drafts (argmax, prompt lookup), whose laws are point masses. Used by rejection sampling; siblings are
             ordered as drawn.
-        confidences: optional (n,) drafter confidence of each node's token.
+        confidences: optional, one per drafted node (the root's left out): a chain's drafter confidence in each
+            token, a tree's estimated chance that verification reaches each node (what the bench's replay records).
         lookup: optional, prompt-lookup drafts (host ints) joined as a chain from the root after the nodes of
             `tokens`: the tree's last len(lookup) nodes (see the module docstring).
     """
