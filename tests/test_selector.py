@@ -109,3 +109,59 @@ def test_selector_trees_branch_coherently_and_greedy_stays_identical():
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=16, do_sample=False,
                               return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref) and out.speculation_stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("vocab,top_k", [(4, 5), (50, 1), (50, 3)])
+def test_selector_tables_unpack_to_each_slots_candidates_and_each_parents_ranked_children(vocab, top_k):
+    """One row of `selector_tables`, read back (`unpack_selector_table`): slot d's top-k candidates, and per parent
+    candidate its children's probabilities and candidate indices, best first; a vocabulary smaller than `top_k` (4
+    against 5) has fewer candidates, which the row's length tells."""
+    from hf_diffspec.runtime.drafting_best_first import selector_tables, unpack_selector_table
+
+    _, drafter = _with_selector(tiny_target("llama", seed=0), top_k=top_k, scramble=True)
+    generator = torch.Generator().manual_seed(vocab)
+    depth, max_children = 3, 2
+    logits = torch.randn(2, depth, vocab, generator=generator)
+    hidden = torch.randn(2, depth, drafter.config.hidden_size, generator=generator)
+    roots = torch.tensor([1, 2])
+    with torch.no_grad():
+        table = selector_tables(roots, hidden, logits, drafter.selector, top_k, max_children)
+        k = min(top_k, vocab)
+        top = logits.topk(k, dim=-1)
+        for r in range(2):
+            probs_of, order_of, tokens_of = unpack_selector_table(table[r].tolist(), depth, top_k, max_children)
+            assert tokens_of == top.indices[r].tolist()
+            for d in range(depth):
+                parents = roots[r].expand(k) if d == 0 else top.indices[r, d - 1]
+                scores = drafter.selector(hidden[r, d].expand(k, -1), parents, top.indices[r, d].expand(k, -1),
+                                          top.values[r, d].expand(k, -1))
+                expected, order = scores.softmax(-1).sort(-1, descending=True)
+                m = min(max_children, k)
+                assert torch.tensor(probs_of[d]) == pytest.approx(expected[:, :m], abs=1e-6)
+                assert order_of[d] == order[:, :m].tolist()
+
+
+def test_a_selector_tree_takes_each_nodes_children_from_its_own_tokens_table_best_first():
+    """`build_selector_tree` from hand-made tables: a node's children come from the table of the candidate it holds,
+    a path's score is the product of its conditional probabilities, nodes are taken best first within the budget, the
+    cost model's count (given the reach scores in the order taken) cuts the tree, and the tree is made on the given
+    device."""
+    from hf_diffspec.runtime.drafting_best_first import build_selector_tree
+
+    tokens_of = [[10, 11, 12], [20, 21, 22]]  # slot 0's candidates, slot 1's
+    probs_of = [[[0.5, 0.3, 0.2]] * 3, [[0.9, 0.1, 0.0], [0.5, 0.5, 0.0], [0.6, 0.4, 0.0]]]  # per parent candidate
+    order_of = [[[0, 1, 2]] * 3, [[0, 1, 2], [1, 0, 2], [2, 0, 1]]]  # a node holding 11 ranks 21 first, 12 ranks 22
+    tables = (probs_of, order_of, tokens_of)
+    tree = build_selector_tree(5, tables, depth=2, budget=4, device="cpu")
+    # 10 (0.5), then its child 20 (0.5 * 0.9) before the root's second child 11 (0.3), then its third, 12 (0.2)
+    assert tree.token_list == [5, 10, 20, 11, 12] and tree.parents == [-1, 0, 1, 0, 0]
+    assert tree.confidences == pytest.approx([0.5, 0.45, 0.3, 0.2])
+    wide = build_selector_tree(5, tables, depth=2, budget=7, device="cpu")
+    # then 11's children 21 and 20 (0.3 * 0.5 each), and 12's first child, 22 (0.2 * 0.6)
+    assert wide.token_list == [5, 10, 20, 11, 12, 21, 20, 22] and wide.parents == [-1, 0, 1, 0, 0, 3, 3, 4]
+    seen = []
+    cut = build_selector_tree(5, tables, depth=2, budget=7, device=torch.device("meta"),
+                              node_count=lambda reach: seen.append(reach) or 3)
+    assert seen == [pytest.approx([0.5, 0.45, 0.3, 0.2, 0.15, 0.15, 0.12])]  # every node the budget allows, in order
+    assert cut.parents == [-1, 0, 1] and cut.confidences == pytest.approx([0.5, 0.45])
+    assert cut.tokens.device.type == "meta"

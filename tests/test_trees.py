@@ -79,6 +79,16 @@ def test_a_tree_sampled_on_the_host_draws_each_node_by_inverting_its_law_without
     cut = build_best_first_tree(5, None, budget=6, node_count=lambda reach: 3, sample=True, ranked=(laws, ids),
                                 shape=shape, device="cpu", uniform=uniform)
     assert cut.token_list == [5, 11, 20]
+    # a uniform number at the law's rounded total (its float sum below 1) falls past the last token with mass, onto
+    # the padding: the draw steps back to that last token, never past the law's end
+    padded, padded_ids = [[0.3] * 5 + [0.0]], [[10, 11, 12, 13, 14, -1]]
+    total = 0.0
+    for p in padded[0]:
+        total += p / sum(padded[0])
+    assert total < 1.0
+    edge = build_best_first_tree(5, None, budget=1, sample=True, ranked=(padded, padded_ids), shape=[((0,), 0.3)],
+                                 device="cpu", uniform=[total])
+    assert edge.token_list == [5, 14]
 
 
 def test_a_batchs_host_laws_go_to_the_device_in_one_copy_padded_to_the_widest():

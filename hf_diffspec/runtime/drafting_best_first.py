@@ -114,7 +114,7 @@ def _sampled_tree(root_token: int, laws: list[list[float]], law_ids: list[list[i
     law each was drawn from (on the host: see `laws_to_device`)."""
     if node_count is not None:
         shape = shape[: node_count([score for _, score in shape]) - 1]
-    width = len(laws[0]) if laws else 1
+    width = len(laws[0])  # a row with no slot to draft gets no tree built (`_trees`)
     index = {(): 0}
     tokens, parents, scores = [root_token], [-1], []
     node_ids, node_probs = [[-1] * width], [[0.0] * width]
