@@ -77,8 +77,8 @@ def test_a_tree_sampled_on_the_host_draws_each_node_by_inverting_its_law_without
     assert tree.host_laws[1:, 4:].flatten().tolist() == pytest.approx([0.5, 0.25, 0.25, 0.0, 1.0, 0.0, 0.0, 0.0,
                                                                        2 / 3, 0.0, 1 / 3, 0.0, 1.0, 0.0, 0.0, 0.0])
     cut = build_best_first_tree(5, None, budget=6, node_count=lambda reach: 3, sample=True, ranked=(laws, ids),
-                                shape=shape, device="cpu", uniform=uniform)
-    assert cut.token_list == [5, 11, 20]
+                                shape=shape, device=torch.device("meta"), uniform=uniform)
+    assert cut.token_list == [5, 11, 20] and cut.tokens.device.type == "meta"  # made where the step runs
     # a uniform number at the law's rounded total (its float sum below 1) falls past the last token with mass, onto
     # the padding: the draw steps back to that last token, never past the law's end
     padded, padded_ids = [[0.3] * 5 + [0.0]], [[10, 11, 12, 13, 14, -1]]
