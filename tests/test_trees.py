@@ -66,8 +66,8 @@ def test_a_tree_sampled_on_the_host_draws_each_node_by_inverting_its_law_without
     laws = [[0.5, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
     shape = [((0,), 0.5), ((0, 0), 0.5), ((1,), 0.25), ((0, 1), 0.1), ((0, 1, 0), 0.05), ((2,), 0.02)]
     uniform = [0.5, 0.3, 0.75, 0.2, 0.4, 0.9]
-    tree = build_best_first_tree(5, None, budget=6, sample=True, ranked=(laws, ids), shape=shape, device="cpu",
-                                 uniform=uniform)
+    tree = build_best_first_tree(5, None, budget=6, sample=True, max_children=4, ranked=(laws, ids), shape=shape,
+                                 device="cpu", uniform=uniform)
     # (0,): 0.5 is where token 11's interval [0.5, 0.75) starts. (0, 0): token 20. (1,): without 11, [2/3, 0, 1/3]:
     # 0.75 -> 12. (0, 1): its slot's law holds only 20, drawn already: skipped, and (0, 1, 0) below it. (2,): 10 is
     # the root's last token left
@@ -76,8 +76,8 @@ def test_a_tree_sampled_on_the_host_draws_each_node_by_inverting_its_law_without
     assert tree.host_laws[1:, :4].tolist() == [ids[0], ids[1], ids[0], ids[0]]
     assert tree.host_laws[1:, 4:].flatten().tolist() == pytest.approx([0.5, 0.25, 0.25, 0.0, 1.0, 0.0, 0.0, 0.0,
                                                                        2 / 3, 0.0, 1 / 3, 0.0, 1.0, 0.0, 0.0, 0.0])
-    cut = build_best_first_tree(5, None, budget=6, node_count=lambda reach: 3, sample=True, ranked=(laws, ids),
-                                shape=shape, device=torch.device("meta"), uniform=uniform)
+    cut = build_best_first_tree(5, None, budget=6, node_count=lambda reach: 3, sample=True, max_children=4,
+                                ranked=(laws, ids), shape=shape, device=torch.device("meta"), uniform=uniform)
     assert cut.token_list == [5, 11, 20] and cut.tokens.device.type == "meta"  # made where the step runs
     # a uniform number at the law's rounded total (its float sum below 1) falls past the last token with mass, onto
     # the padding: the draw steps back to that last token, never past the law's end
@@ -86,8 +86,8 @@ def test_a_tree_sampled_on_the_host_draws_each_node_by_inverting_its_law_without
     for p in padded[0]:
         total += p / sum(padded[0])
     assert total < 1.0
-    edge = build_best_first_tree(5, None, budget=1, sample=True, ranked=(padded, padded_ids), shape=[((0,), 0.3)],
-                                 device="cpu", uniform=[total])
+    edge = build_best_first_tree(5, None, budget=1, sample=True, max_children=4, ranked=(padded, padded_ids),
+                                 shape=[((0,), 0.3)], device="cpu", uniform=[total])
     assert edge.token_list == [5, 14]
 
 
@@ -102,12 +102,16 @@ def test_a_batchs_host_laws_go_to_the_device_in_one_copy_padded_to_the_widest():
     wide = CandidateTree([5, 22, 20], [-1, 0, 0])
     wide.host_laws = np.array([[-1, -1, -1, 0.0, 0.0, 0.0], [20, 21, 22, 0.5, 0.3, 0.2], [20, 21, 22, 0.0, 0.6, 0.4]])
     greedy = CandidateTree([5, 1], [-1, 0])
-    laws_to_device([narrow, greedy, wide], "cpu")
+    laws_to_device([wide, greedy, narrow], "cpu")  # the narrow law packed after the wide one
     assert narrow.host_laws is None and wide.host_laws is None and greedy.draft_laws is None
     assert narrow.draft_laws.ids.tolist() == [[-1, -1, -1], [10, 11, -1]]
     assert narrow.draft_laws.probs.flatten().tolist() == pytest.approx([0.0, 0.0, 0.0, 0.6, 0.4, 0.0])
     assert wide.draft_laws.ids.tolist() == [[-1, -1, -1], [20, 21, 22], [20, 21, 22]]
     assert wide.draft_laws.probs.flatten().tolist() == pytest.approx([0, 0, 0, 0.5, 0.3, 0.2, 0, 0.6, 0.4])
+    elsewhere = CandidateTree([5, 10], [-1, 0])
+    elsewhere.host_laws = np.array([[-1, -1, 0.0, 0.0], [10, 11, 0.6, 0.4]])
+    laws_to_device([elsewhere], torch.device("meta"))  # the laws go where the step runs
+    assert elsewhere.draft_laws.ids.device.type == "meta" and elsewhere.draft_laws.probs.shape == (2, 2)
 
 
 def test_sampled_trees_draw_distinct_siblings_from_known_distributions():

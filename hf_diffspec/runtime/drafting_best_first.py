@@ -51,8 +51,8 @@ def best_first_shape(sorted_probs: torch.Tensor, budget: int,
     return taken
 
 
-def build_best_first_tree(root_token: int, probs: torch.Tensor | None, budget: int, node_count=None,
-                          sample: bool = False, max_children: int = 4, ranked=None, shape=None,
+def build_best_first_tree(root_token: int, probs: torch.Tensor | None, budget: int, node_count=None, *,
+                          sample: bool, max_children: int, ranked=None, shape=None,
                           device=None, uniform: list[float] | None = None) -> CandidateTree:
     """The best-first tree after `root_token` from the drafter's marginals `probs` (depth, vocab).
 
