@@ -124,6 +124,10 @@ def test_sampled_trees_draw_distinct_siblings_from_known_distributions():
     assert tree.parents == greedy.parents  # the shape does not depend on what was drawn
     assert not tree.draft_laws.probs[0].any()  # the root was not drawn
     assert torch.allclose(tree.draft_laws.probs[1:].sum(-1), torch.ones(len(tree) - 1))
+    assert greedy.draft_laws is None  # greedy drafts are point masses
+    for sample in (True, False):  # the cost model's count (root included) cuts the best-first order
+        cut = build_best_first_tree(5, probs, budget=9, node_count=lambda reach: 4, sample=sample, max_children=3)
+        assert cut.parents == greedy.parents[:4] and cut.confidences == greedy.confidences[:3]
 
 
 def test_sampled_trees_stop_a_nodes_children_where_its_law_has_no_tokens_left():
