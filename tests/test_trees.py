@@ -11,7 +11,7 @@ from helpers import NoisyOracle, assert_sampling_matches_plain, install_oracle, 
 
 def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
     # slot 1 is sure (0.9), slot 2 hesitates between two tokens (0.45 / 0.4), slot 3 is sure again
-    sorted_probs = torch.tensor([[0.9, 0.05, 0.03], [0.45, 0.4, 0.1], [0.95, 0.03, 0.01]])
+    sorted_probs = [[0.9, 0.05, 0.03], [0.45, 0.4, 0.1], [0.95, 0.03, 0.01]]
     shape = best_first_shape(sorted_probs, budget=6)
     paths = [p for p, _ in shape]
     scores = [s for _, s in shape]
@@ -19,7 +19,7 @@ def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
     assert all(p[:-1] in paths[:i] or len(p) == 1 for i, p in enumerate(paths))  # ancestors come first
     assert len(shape) == 6 and paths[:5] == [(0,), (0, 0), (0, 0, 0), (0, 1), (0, 1, 0)]  # both readings of slot 2
     assert scores[1] == pytest.approx(0.9 * 0.45)
-    chain = best_first_shape(sorted_probs[:, :1], budget=10)  # width 1: a chain
+    chain = best_first_shape([slot[:1] for slot in sorted_probs], budget=10)  # width 1: a chain
     assert [p for p, _ in chain] == [(0,), (0, 0), (0, 0, 0)]
     assert [s for _, s in chain] == pytest.approx([0.9, 0.405, 0.38475])
     assert best_first_shape(sorted_probs, budget=10, max_children=1) == chain  # the widest branching, capped
@@ -125,6 +125,12 @@ def test_sampled_trees_draw_distinct_siblings_from_known_distributions():
     assert not tree.draft_laws.probs[0].any()  # the root was not drawn
     assert torch.allclose(tree.draft_laws.probs[1:].sum(-1), torch.ones(len(tree) - 1))
     assert greedy.draft_laws is None  # greedy drafts are point masses
+    shape = best_first_shape(probs.topk(3, -1).values.tolist(), budget=9)
+    assert greedy.confidences == [score for _, score in shape]  # each node's reach score
+    ranked = (probs.topk(3, -1).values.tolist(), probs.topk(3, -1).indices.tolist())
+    elsewhere = build_best_first_tree(5, torch.empty(3, 10, device="meta"), budget=9, sample=False, max_children=3,
+                                      ranked=ranked)  # the tokens made on the laws' device
+    assert elsewhere.tokens.device.type == "meta" and elsewhere.parents == greedy.parents
     for sample in (True, False):  # the cost model's count (root included) cuts the best-first order
         cut = build_best_first_tree(5, probs, budget=9, node_count=lambda reach: 4, sample=sample, max_children=3)
         assert cut.parents == greedy.parents[:4] and cut.confidences == greedy.confidences[:3]
@@ -137,7 +143,7 @@ def test_sampled_trees_stop_a_nodes_children_where_its_law_has_no_tokens_left():
     probs = torch.zeros(2, 6)
     probs[0, [2, 3]] = torch.tensor([0.9, 0.1])  # two tokens only
     probs[1] = torch.softmax(torch.arange(6.0), -1)
-    shape = best_first_shape(probs.topk(3, -1).values, budget=12)
+    shape = best_first_shape(probs.topk(3, -1).values.tolist(), budget=12)
     assert sum(len(path) == 1 for path, _ in shape) == 2  # two children of the root: the third has no token
     for seed in range(20):
         torch.manual_seed(seed)

@@ -19,18 +19,17 @@ from .sampling import CompactLaw
 from .tree import CandidateTree
 
 
-def best_first_shape(sorted_probs: torch.Tensor, budget: int,
+def best_first_shape(table: list[list[float]], budget: int,
                      max_children: int | None = None) -> list[tuple[tuple[int, ...], float]]:
     """Rank paths (the rank of the token taken at each depth) of the `budget` most probable nodes, in best-first
-    order with their scores. `sorted_probs` (depth, k): each slot's k largest probabilities, descending (a tensor,
-    or nested lists already on the host); at most `max_children` of them per slot are used.
+    order with their scores. `table`: each slot's k largest probabilities, descending, as nested lists on the
+    host (depth, k); at most `max_children` of them per slot are used.
 
     A node is pushed only when its parent (first child) or its previous sibling (next sibling) is taken, so the
     result is closed under ancestors and earlier siblings, and scores come out in decreasing order. A node of score
     0 (a token its law cannot draw) is never taken."""
-    table = sorted_probs.tolist() if isinstance(sorted_probs, torch.Tensor) else sorted_probs
     depth = len(table)
-    if depth == 0 or budget <= 0:
+    if depth == 0:
         return []
     k = len(table[0]) if max_children is None else min(len(table[0]), max_children)
     if k == 0:
