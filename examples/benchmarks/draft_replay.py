@@ -78,7 +78,7 @@ def tau(width: int, budget: int | None, keep: torch.Tensor | None = None) -> flo
             order = torch.argsort((~inside).int(), dim=-1, stable=True)
             probs, ids = torch.where(inside, probs, 0).gather(-1, order), ids.gather(-1, order)
         reached, best = {(): True}, 0
-        for path, _ in best_first_shape(probs[:, :width], budget):
+        for path, _ in best_first_shape(probs[:, :width].tolist(), budget):
             depth = len(path) - 1
             reached[path] = reached[path[:-1]] and int(ids[depth, path[-1]]) == labels[depth]
             best = max(best, len(path)) if reached[path] else best
