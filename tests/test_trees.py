@@ -27,6 +27,7 @@ def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
     assert [p for p, _ in best_first_shape([[0.6, 0.4, 0.0], [1.0, 0.0, 0.0]], budget=10)] == \
         [(0,), (0, 0), (1,), (1, 0)]
     assert best_first_shape(sorted_probs, budget=0) == [] and best_first_shape([], budget=4) == []
+    assert best_first_shape(sorted_probs, budget=1) == [((0,), 0.9)]
 
 
 def _random_tree(size: int, gen: torch.Generator) -> CandidateTree:
