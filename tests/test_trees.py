@@ -28,7 +28,7 @@ def test_best_first_shape_spends_the_budget_where_acceptance_is_likely():
         [(0,), (0, 0), (1,), (1, 0)]
     assert best_first_shape(sorted_probs, budget=0) == [] and best_first_shape([], budget=4) == []
     assert best_first_shape(sorted_probs, budget=1) == [((0,), 0.9)]
-    assert len(best_first_shape(sorted_probs, budget=50)) == 3 + 3 ** 2 + 3 ** 3  # every path, each slot's last rank too
+    assert len(best_first_shape(sorted_probs, budget=50)) == 3 + 3 ** 2 + 3 ** 3  # every path: each last rank too
 
 
 def _random_tree(size: int, gen: torch.Generator) -> CandidateTree:
