@@ -357,6 +357,12 @@ class ProposalRecorder:
         """Every step's trees as (tokens, parents), comparable across calls."""
         return [[(t.tokens.tolist(), list(t.parents)) for t in trees] for _, trees in self.steps]
 
+    def confidences(self) -> list[torch.Tensor]:
+        """Every tree's confidences (float64, in order): what the drafter's forward gave, to compare within a
+        tolerance where the tokens alone would hide a small difference."""
+        return [torch.as_tensor(t.confidences if t.confidences is not None else [], dtype=torch.float64).cpu()
+                for t in self.trees]
+
 
 def two_sample_chi2(a: torch.Tensor, b: torch.Tensor) -> float:
     """Chi-square statistic of two count vectors over the same categories (bins empty in both are dropped)."""

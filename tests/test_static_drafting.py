@@ -14,14 +14,15 @@ VOCAB = 48
 
 
 def _decode(target, drafter, ids, monkeypatch, static_drafting: bool, **kwargs):
-    """One static call; every tree proposed (tokens and parents, per step) and the drafter's context at the end."""
+    """One static call; every tree proposed (tokens and parents, per step), the drafter's context at the end and
+    every tree's confidences."""
     with monkeypatch.context() as patch:
         cls = drafting.generator_class(drafter)
         recorder = ProposalRecorder(patch, cls)
         patch.setattr(cls, "static_drafting", static_drafting)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                               cache_implementation="static", return_dict_in_generate=True, **kwargs)
-    return out, recorder.shapes(), recorder.generators[0].first
+    return out, recorder.shapes(), recorder.generators[0].first, recorder.confidences()
 
 
 @pytest.mark.every_step_speculates("compares the trees of every step")
@@ -38,12 +39,15 @@ def test_a_static_pass_drafts_what_the_default_pass_drafts(tree_budget, ahead, m
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
     reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
                                                                                 if k != "num_assistant_tokens"})
-    static, static_trees, static_context = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
-    default, default_trees, default_context = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    static, static_trees, static_context, static_confidences = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    default, default_trees, default_context, default_confidences = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
     assert isinstance(static_context.static, drafting_static.StaticDrafterStep) and default_context.static is None
     assert torch.equal(static.sequences, reference) and torch.equal(default.sequences, reference)
     assert len(set((reference != 0).sum(-1).tolist())) > 1  # rows finished at different steps
     assert static_trees == default_trees
+    # the drafter's forwards themselves, not only their argmax: a padding slot seen would move these
+    for a, b in zip(static_confidences, default_confidences, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert len(static_trees) > 4 and any(len(t[0]) > 1 for step in static_trees for t in step)
     assert torch.equal(static_context.valid, default_context.valid)
     cached = default_context.valid.shape[1]
@@ -107,13 +111,13 @@ def test_drafter_graphs_replay_to_the_eager_passes_drafts_and_outlive_the_call(m
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
     reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
                                                                                 if k != "num_assistant_tokens"})
-    graphed, graphed_trees, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    graphed, graphed_trees, _, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
     captured = len(emulated.captured)
     assert captured and emulated.replays > captured
-    again, again_trees, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    again, again_trees, _, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
     assert len(emulated.captured) == captured  # the first call's graphs serve the second
     monkeypatch.setattr(drafting_static, "graph_backend", lambda device: None)
-    eager, eager_trees, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    eager, eager_trees, _, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
     for out in (graphed, again, eager):
         assert torch.equal(out.sequences, reference)
     assert graphed_trees == eager_trees and again_trees == eager_trees

@@ -84,7 +84,7 @@ class DrafterContext:
         """Drop finished rows: keep only `keep` (indices into the current rows; `moves`: how the K/V keep them in
         place, from `BatchState.drop_finished`)."""
         if self.static is not None:
-            self.static.select_rows(keep, moves)
+            self.static.select_rows(moves)  # a static step exists only inside `generate`, which passes them
         else:
             select_cache_rows(self.cache, keep, moves)
         self.all_valid = False  # the rows left may see every slot, but the host does not know it

@@ -109,14 +109,11 @@ class StaticDrafterStep:
             layer.keys, layer.values = keys, values
         self.cache.reset()
 
-    def select_rows(self, index: torch.Tensor, moves=None) -> None:
+    def select_rows(self, moves) -> None:
         """Keep the rows still decoding: `moves` (from `BatchState.drop_finished`) as the cache's first rows, in its
-        own memory; without them, `index` into new memory."""
+        own memory."""
         for layer in self.cache.layers:
-            if moves is None:
-                layer.keys, layer.values = layer.keys[index], layer.values[index]
-            else:
-                layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
+            layer.keys, layer.values = kept_rows(layer.keys, moves), kept_rows(layer.values, moves)
 
     def draft(self, drafter, context, context_positions: torch.Tensor, valid: ValidSlots, new_valid,
               noise: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
