@@ -39,8 +39,10 @@ def test_a_static_pass_drafts_what_the_default_pass_drafts(tree_budget, ahead, m
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=[7, 11], pad_token_id=0, num_assistant_tokens=4)
     reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
                                                                                 if k != "num_assistant_tokens"})
-    static, static_trees, static_context, static_confidences = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
-    default, default_trees, default_context, default_confidences = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    static, static_trees, static_context, static_confidences = _decode(target, drafter, ids, monkeypatch, True,
+                                                                       **kwargs)
+    default, default_trees, default_context, default_confidences = _decode(target, drafter, ids, monkeypatch, False,
+                                                                           **kwargs)
     assert isinstance(static_context.static, drafting_static.StaticDrafterStep) and default_context.static is None
     assert torch.equal(static.sequences, reference) and torch.equal(default.sequences, reference)
     assert len(set((reference != 0).sum(-1).tolist())) > 1  # rows finished at different steps
@@ -195,3 +197,29 @@ def test_drafters_whose_keys_positions_come_from_the_cache_draft_on_the_default_
 def test_the_context_a_pass_adds_is_padded_to_a_power_of_two_up_to_64_slots():
     assert [drafting_static.context_width(n) for n in (0, 1, 2, 3, 5, 8, 9, 33, 64, 65, 300)] == \
         [0, 1, 2, 4, 8, 8, 16, 64, 64, 65, 300]
+
+
+@pytest.mark.every_step_speculates("compares the trees of every step")
+def test_a_long_static_call_drafts_over_the_cached_slots_it_uses_not_the_whole_capacity(monkeypatch):
+    """A call whose drafter cache is preallocated for hundreds of tokens: its passes read 256 cached slots, then 512
+    (`attended_slots` of the slots in use, the pass's own included), not the whole capacity, and draft what the
+    default pass drafts, at the boundary too (a pass that read fewer slots than it uses would lose its block's keys)."""
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB)
+    drafter = tiny_drafter(target, block_size=6, seed=3)
+    ids = torch.randint(2, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=400, do_sample=False, eos_token_id=None, pad_token_id=0)
+    read = []
+    update = drafting_static.AttendedStaticLayer.update
+
+    def recording(layer, *args, **kw):
+        keys, values = update(layer, *args, **kw)
+        read.append(keys.shape[2])
+        return keys, values
+
+    monkeypatch.setattr(drafting_static.AttendedStaticLayer, "update", recording)
+    static, static_trees, context, static_confidences = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    default, default_trees, _, default_confidences = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    assert context.static.capacity == 768 and set(read) == {256, 512} and read == sorted(read)
+    assert torch.equal(static.sequences, default.sequences) and static_trees == default_trees
+    for a, b in zip(static_confidences, default_confidences, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
