@@ -59,7 +59,6 @@ class StaticDrafterCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int):
         super().__init__(layers=[AttendedStaticLayer(capacity) for _ in range(num_layers)])
-        self.capacity = capacity
 
     def attend(self, slots: int) -> None:
         for layer in self.layers:
