@@ -223,3 +223,22 @@ def test_a_long_static_call_drafts_over_the_cached_slots_it_uses_not_the_whole_c
     assert torch.equal(static.sequences, default.sequences) and static_trees == default_trees
     for a, b in zip(static_confidences, default_confidences, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_kept_drafter_step_serves_only_a_call_of_its_rows_and_the_step_holds_the_drafters_dtype(monkeypatch):
+    """The step a call keeps on the drafter serves the next call only when it has the same rows (else a new one is
+    made); a bf16 drafter's static cache is bf16 (made in the drafter's dtype, not the default)."""
+    target = tiny_target("llama", seed=6, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=6)
+    leased = []
+    lease = drafting_static.lease_drafter_step
+    monkeypatch.setattr(drafting, "lease_drafter_step", lambda *args: leased.append(lease(*args)) or leased[-1])
+    kwargs = dict(max_new_tokens=12, do_sample=False, cache_implementation="static", num_assistant_tokens=4)
+    for rows in (2, 2, 1):
+        ids = torch.randint(2, VOCAB, (rows, 7), generator=torch.Generator().manual_seed(rows))
+        out = target.generate(ids, assistant_model=drafter, **kwargs)
+        assert torch.equal(out, target.generate(ids, max_new_tokens=12, do_sample=False))
+    assert [step.rows for step in leased] == [2, 2, 1] and leased[1] is leased[0] and leased[2] is not leased[0]
+    target, drafter = target.to(torch.bfloat16), drafter.to(torch.bfloat16)
+    target.generate(ids, assistant_model=drafter, **kwargs)
+    assert leased[-1].cache.layers[0].keys.dtype == torch.bfloat16

@@ -96,6 +96,7 @@ class StaticDrafterStep:
         self.whole = [(layer.keys, layer.values) for layer in self.cache.layers]  # what `select_rows` narrows
         self.buffers: dict[tuple[int, int, int], tuple] = {}
         self.inference = torch.is_inference_mode_enabled()  # its tensors are inference tensors
+        self.made_for = (drafter.dtype, drafter.device)  # a drafter moved or cast since needs a step of its own
 
     @property
     def rows(self) -> int:
@@ -167,8 +168,9 @@ class StaticDrafterStep:
 
 def lease_drafter_step(drafter, rows: int, max_length: int) -> StaticDrafterStep | None:
     """The static drafting step for a call of `rows` rows and `max_length` tokens on `drafter`: the one an earlier
-    call in this inference mode kept, emptied in place, when it has these rows and room enough; else a new one. None
-    where the drafter cannot draft over one (`supports_static_drafting`)."""
+    call in this inference mode kept, emptied in place, when it has these rows and room enough and was made for the
+    drafter's dtype and device; else a new one. None where the drafter cannot draft over one
+    (`supports_static_drafting`)."""
     if not supports_static_drafting(drafter):
         return None
     memory = memory_of(drafter)
@@ -176,7 +178,8 @@ def lease_drafter_step(drafter, rows: int, max_length: int) -> StaticDrafterStep
     mode = ("drafter", backend is not None, torch.is_inference_mode_enabled())
     with memory.lock:
         step = memory.static_steps.pop(mode, None)
-    if step is None or step.rows != rows or step.capacity < static_capacity(max_length + drafter.config.block_size):
+    if (step is None or step.rows != rows or step.capacity < static_capacity(max_length + drafter.config.block_size)
+            or step.made_for != (drafter.dtype, drafter.device)):
         return StaticDrafterStep(drafter, rows, max_length, backend)
     step.reset()
     return step

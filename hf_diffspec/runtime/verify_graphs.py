@@ -132,6 +132,7 @@ class StaticStep:
         self.graphs = ForwardGraphs(backend, memory_of(model)) if backend else None
         self.graph_mode = backend is not None  # made to replay graphs
         self.inference = torch.is_inference_mode_enabled()  # its tensors are inference tensors
+        self.made_for = (model.dtype, model.device)  # a model moved or cast since needs a step of its own
 
     @property
     def rows(self) -> int | None:
@@ -151,14 +152,16 @@ class StaticStep:
 def lease_static_step(model, rows: int, max_length: int) -> StaticStep:
     """The static step for a call of `rows` rows and `max_length` tokens: the one the last call in this graph and
     inference mode kept, when it has these rows and room enough (a larger cache costs nothing more: only the slots in
-    use are attended), its cache emptied in place (its tensors, and so its graphs, stay valid); else a new one."""
+    use are attended) and was made for the model's dtype and device, its cache emptied in place (its tensors, and so
+    its graphs, stay valid); else a new one."""
     memory = memory_of(model)
     backend = None if memory.graph_capture_failed else graph_backend(model.device)
     # tensors made under `torch.inference_mode()` cannot be written outside it: a step per mode
     mode = (backend is not None, torch.is_inference_mode_enabled())
     with memory.lock:
         step = memory.static_steps.pop(mode, None)
-    if step is None or step.rows != rows or step.capacity < static_capacity(max_length):
+    if (step is None or step.rows != rows or step.capacity < static_capacity(max_length)
+            or step.made_for != (model.dtype, model.device)):
         return StaticStep(model, max_length, backend)  # (one that does not fit is freed)
     step.reset()
     return step
