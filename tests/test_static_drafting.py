@@ -242,3 +242,36 @@ def test_a_kept_drafter_step_serves_only_a_call_of_its_rows_and_the_step_holds_t
     target, drafter = target.to(torch.bfloat16), drafter.to(torch.bfloat16)
     target.generate(ids, assistant_model=drafter, **kwargs)
     assert leased[-1].cache.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_a_pass_after_dropped_slots_sees_none_of_its_contexts_padding():
+    """Slots given back (`drop_last`, as a pass drafted ahead for nothing is) leave their visible bits behind the
+    cache's count; a later pass whose context is padded (3 new slots, width 4) lays its padding over them and must
+    not see it: its drafts and confidences are those of a pass that never had the dropped slots."""
+    from hf_diffspec.runtime.drafting import candidate_generator_for
+
+    target = tiny_target("llama", seed=5, vocab_size=VOCAB)
+    drafter = tiny_drafter(target, block_size=6, seed=5)
+    ids = torch.randint(2, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    positions = torch.arange(12)[None]
+
+    def second_pass(dropped: bool):
+        generator = candidate_generator_for(drafter, target, num_draft_tokens=5)
+        generator.draft_statically(1, 64)
+        assert generator.first.static is not None
+        if dropped:  # a first pass over 7 slots, then the last 5 given back
+            generator.add_context(hidden, slice(0, 7), positions[:, :7])
+            generator.propose([int(ids[0, 6])], [6], [5])
+            generator.first.drop_last(5, torch.tensor(5))
+        else:
+            generator.add_context(hidden, slice(0, 2), positions[:, :2])
+            generator.propose([int(ids[0, 1])], [1], [5])
+        generator.add_context(hidden, slice(2, 5), positions[:, 2:5])
+        tree = generator.propose([int(ids[0, 4])], [4], [5])[0]
+        return tree.token_list, torch.as_tensor(tree.confidences, dtype=torch.float64)
+
+    (tokens, confidences), (expected_tokens, expected) = second_pass(True), second_pass(False)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(confidences, expected, rtol=1e-5, atol=1e-6)
