@@ -20,6 +20,7 @@ nodes, acceptance merges them on the device (`tree.TreeLayout`).
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from .tree import CandidateTree
 
 
