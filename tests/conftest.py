@@ -24,8 +24,15 @@ def cache_sharing_downloads() -> Path:
 def pytest_configure(config):
     """Measured verify-cost profiles change how many drafts a step verifies, and a profile is keyed by the target's
     architecture, dtype and threads only: one left in the user's cache by a benchmark would steer the tests' tiny
-    targets. The session gets a cache of its own (`cache_sharing_downloads`); subprocesses inherit it."""
+    targets. The session (each xdist worker) gets a cache of its own (`cache_sharing_downloads`); subprocesses inherit
+    it."""
     os.environ["HF_DIFFSPEC_CACHE"] = str(cache_sharing_downloads())
+    # under pytest-xdist (`-n 2`, the README's command) a worker per core, each on one thread: the tiny models leave a
+    # second thread mostly idle, and two workers of two threads each oversubscribe the cores (the suite took longer
+    # than serially); subprocesses the tests start inherit it
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")
