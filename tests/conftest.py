@@ -27,9 +27,9 @@ def pytest_configure(config):
     targets. The session (each xdist worker) gets a cache of its own (`cache_sharing_downloads`); subprocesses inherit
     it."""
     os.environ["HF_DIFFSPEC_CACHE"] = str(cache_sharing_downloads())
-    # under pytest-xdist (`-n 2`, the README's command) a worker per core, each on one thread: the tiny models leave a
-    # second thread mostly idle, and two workers of two threads each oversubscribe the cores (the suite took longer
-    # than serially); subprocesses the tests start inherit it
+    # under pytest-xdist (`-n 2`, the README's command) each worker takes one torch thread: the tiny models leave a
+    # second thread mostly idle, and two workers of two threads each oversubscribed the 2-core machine (the suite took
+    # longer than in one process); the subprocesses the tests start inherit it through OMP_NUM_THREADS
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
