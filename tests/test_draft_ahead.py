@@ -8,8 +8,10 @@ import itertools
 import pytest
 import torch
 
-from hf_diffspec.runtime import drafting
-from helpers import steer_steps, tiny_drafter, tiny_dual_drafter, tiny_target
+from hf_diffspec.runtime import control_policy, drafting
+from hf_diffspec.runtime.control_cost import VerifyCost
+from hf_diffspec.runtime.control_speculation import SpeculationController
+from helpers import randomize, steer_steps, tiny_drafter, tiny_dual_drafter, tiny_target
 
 VOCAB = 48
 
@@ -93,7 +95,6 @@ def test_a_pass_run_for_a_step_that_does_not_draft_is_counted_and_dropped(monkey
     target = tiny_target("llama", seed=6, vocab_size=VOCAB, sharpen=3.0)
     drafter = tiny_drafter(target, block_size=6, seed=6)
     ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
-    from hf_diffspec.runtime.control_speculation import SpeculationController
 
     monkeypatch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1")
     # the controller expects drafting to pay, and then decodes every third step plainly
@@ -143,3 +144,77 @@ def test_d2sd_plans_ahead_within_the_limits_its_step_will_have():
         positions = torch.full((len(row_ends),), position)
         expected = generator.policy.depth_limits([position] * len(row_ends), [e - position for e in row_ends])
         assert generator.limits_on_device(positions, row_ends, span).tolist() == expected, position
+
+
+@pytest.mark.every_step_speculates("compares the chains of every step")
+# (DFlash 2's selector draws its chains from its own law over its candidates, which top-k 1 does not make a point
+# mass: sampled selector chains run ahead draw other tokens than at their step)
+@pytest.mark.parametrize("method, sample", [("chains", False), ("chains", True), ("length-head", False),
+                                            ("length-head", True), ("selector-chains", False)])
+def test_a_pass_run_ahead_sizes_chains_by_the_reach_a_pass_at_its_own_step_reads(method, sample, monkeypatch):
+    """With the cost model live, a chain's length comes from its slots' reach: the length head's estimates, else the
+    drafter's confidences multiplied (for DFlash 2's selector chains, the drafter's own maxima too). A pass run ahead
+    hands the next step the same reach as a pass at that step, and its chains carry the same laws when sampling. The
+    cost model is pinned to a rule of the reach alone (a slot is verified while it is reached with probability at
+    least the read's median), so that both runs size every chain alike whatever the clock says; every reach read is compared."""
+    target = tiny_target("llama", seed=4, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=4, **(dict(selector_rank=4, selector_top_k=4)
+                                                            if method == "selector-chains" else {}))
+    if method == "length-head":
+        randomize(drafter.add_length_head().length_head, seed=4)
+    monkeypatch.setattr(control_policy, "verify_cost_for", lambda *args, **kwargs: VerifyCost({1: {1: 1.0, 8: 1.0}}))
+    monkeypatch.setattr(control_policy, "drafting_price_for", lambda *args: 0.0)
+    monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)  # (else the clock decides)
+    reads, chosen = [], []
+
+    def pinned(self, reach_rows, limits):
+        reach_rows = [[float(r) for r in row[:k]] for row, k in zip(reach_rows, limits)]
+        reads.append(reach_rows)
+        middle = sorted(r for row in reach_rows for r in row)[sum(map(len, reach_rows)) // 2]
+        chosen.append([sum(r >= middle for r in row) for row in reach_rows])
+        return chosen[-1]
+
+    monkeypatch.setattr(control_policy.DraftLengthPolicy, "chain_lengths", pinned)
+    ids = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
+    # sampling at top-k 1: the laws' path (drawn drafts, laws carried to rejection sampling) with the draws, and so
+    # both runs' tokens, independent of the random stream (a pass run ahead draws its slots at another moment)
+    kwargs = dict(max_new_tokens=24, do_sample=sample, eos_token_id=[7, 11], pad_token_id=0,
+                  **(dict(top_k=1) if sample else {}))
+    runs = {}
+    for ahead in (True, False):
+        reads.clear()
+        chosen.clear()
+        laws = []
+        cls = drafting.generator_class(drafter)
+        chains = cls._chains
+
+        def recording(self, *args, **kw):
+            trees = chains(self, *args, **kw)
+            laws.append([None if t.draft_laws is None else t.draft_laws.probs.clone() for t in trees])
+            return trees
+
+        monkeypatch.setattr(cls, "_chains", recording)
+        torch.manual_seed(7)
+        out, trees, _, drafted_ahead = _decode(target, drafter, ids, monkeypatch, ahead, **kwargs)
+        monkeypatch.setattr(cls, "_chains", chains)
+        runs[ahead] = out.sequences, trees, list(reads), laws, drafted_ahead
+    (ahead_out, ahead_trees, ahead_reads, ahead_laws, drafted_ahead), (out, trees, step_reads, step_laws, _) = (
+        runs[True], runs[False])
+    assert any(drafted_ahead)
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    assert torch.equal(ahead_out, reference) and torch.equal(out, reference)
+    assert ahead_trees == trees
+    # chains of several lengths (greedy: cut by the rule before the rows' limits)
+    lengths = [len(t[0]) - 1 for step in trees for t in step]
+    assert len(set(lengths)) >= 2 and max(lengths) > 0, lengths
+    assert sample or any(n < len(row) for read, counts in zip(step_reads, chosen) for row, n in zip(read, counts))
+    assert len(ahead_reads) == len(step_reads) > 4
+    for a, b in zip(ahead_reads, step_reads):
+        assert len(a) == len(b) and all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+                                        for x, y in zip(a, b)), (a, b)
+    assert len(ahead_laws) == len(step_laws)
+    for a, b in zip(ahead_laws, step_laws):
+        for x, y in zip(a, b):
+            assert (x is None) == (y is None) == (not sample)
+            if sample:
+                torch.testing.assert_close(x, y)
