@@ -48,14 +48,18 @@ def assisted_generate_with_stock_loop(target, drafter, **generate_kwargs):
     """Run transformers' own `_assisted_decoding` with our `DiffusionCandidateGenerator` (chains, batch 1).
 
     Useful to compare against transformers' reference verification; our loop is what `generate` uses by default.
+    As there, `num_assistant_tokens` fixes how many drafts each step verifies; unset, the cost model decides.
     """
     from .runtime.drafting import candidate_generator_for
+    from .runtime.generate import fixed_draft_length
 
     if drafter.config.model_type != "diffusion_drafter":
         raise ValueError("transformers' assisted decoding verifies chains only; use generate() for D²SD trees")
+    # (read before generate fills in its defaults)
+    fixed = fixed_draft_length(generate_kwargs.get("generation_config") or target.generation_config, generate_kwargs)
 
     def candidate_generator(self, generation_config, *args, **kwargs):
-        return candidate_generator_for(drafter, self, max_length=generation_config.max_length)
+        return candidate_generator_for(drafter, self, fixed, max_length=generation_config.max_length)
 
     target._get_candidate_generator = types.MethodType(candidate_generator, target)
     try:

@@ -213,6 +213,56 @@ def test_stock_assisted_decoding_runs_our_candidate_generator(monkeypatch):
     assert "_get_candidate_generator" not in target.__dict__
 
 
+@pytest.mark.every_step_speculates("compares the drafts of every step")
+def test_the_stock_loop_drafts_and_verifies_what_our_loop_does(monkeypatch):
+    """In transformers' `_assisted_decoding` our candidate generator drafts from what our loop drafts from at the
+    same point: the same anchor token at the same position, the same tokens left, the drafter's context holding the
+    target's features at the same positions. At a fixed `num_assistant_tokens` (which the stock loop honours as
+    `generate` does), fp32 greedy, both loops verify the same drafts at every step (the last steps' cut by the tokens
+    left included) and commit plain `generate`'s tokens."""
+    # (a small vocabulary, where this random drafter's drafts are accepted at some steps)
+    target = tiny_target("llama", seed=12, vocab_size=16, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=5, seed=4)
+    ids = prompt(12, vocab=16)
+    kwargs = dict(max_new_tokens=19, do_sample=False, num_assistant_tokens=3)
+    drafted, verified, context = {"stock": [], "ours": []}, [], {}
+    add_context, get_candidates = DiffusionCandidateGenerator.add_context, DiffusionCandidateGenerator.get_candidates
+    propose = DiffusionCandidateGenerator.propose
+
+    def recording_context(self, hidden_states, index, positions, valid=None, all_valid=None):
+        seen = positions[0] if valid is None else positions[0][valid[0].bool()]
+        context.setdefault(id(self), []).extend(seen.tolist())
+        return add_context(self, hidden_states, index, positions, valid, all_valid)
+
+    def stock(self, input_ids, *args, **kw):
+        candidates, logits = get_candidates(self, input_ids, *args, **kw)
+        if candidates.shape[1] > input_ids.shape[1]:
+            verified.append((input_ids.shape[1] - 1, candidates[0, input_ids.shape[1] - 1 :].tolist()))
+        return candidates, logits
+
+    def recording_propose(self, root_tokens, root_positions, remaining, *args, **kw):
+        trees = propose(self, root_tokens, root_positions, remaining, *args, **kw)
+        loop = "stock" if sys._getframe(1).f_code.co_name == "get_candidates" else "ours"
+        drafted[loop].append((root_tokens[0], root_positions[0], remaining[0], sorted(context.get(id(self), [])),
+                              trees[0].tokens.tolist()))
+        return trees
+
+    monkeypatch.setattr(DiffusionCandidateGenerator, "add_context", recording_context)
+    monkeypatch.setattr(DiffusionCandidateGenerator, "get_candidates", stock)
+    monkeypatch.setattr(DiffusionCandidateGenerator, "propose", recording_propose)
+    reference = target.generate(ids, max_new_tokens=19, do_sample=False)
+    assert torch.equal(hf_diffspec.assisted_generate_with_stock_loop(target, drafter, inputs=ids, **kwargs), reference)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, prompt_lookup_num_tokens=0, **kwargs), reference)
+    assert drafted["stock"] == drafted["ours"]
+    # the stock loop verified every tree drafted (a tree of the anchor alone is no candidate)
+    assert verified == [(position, tokens) for _, position, _, _, tokens in drafted["ours"] if len(tokens) > 1]
+    lengths = [len(tokens) - 1 for *_, tokens in drafted["ours"]]
+    assert lengths[0] == 3 and 1 in lengths and len(lengths) > 5, lengths
+    # drafts were accepted at some steps (commits of several tokens)
+    positions = [position for _, position, *_ in drafted["ours"]]
+    assert any(b - a > 1 for a, b in zip(positions, positions[1:])), positions
+
+
 def test_other_assistants_keep_transformers_behaviour(monkeypatch):
     target = tiny_target("llama", seed=10)
     assistant = tiny_target("llama", seed=11, layers=1)

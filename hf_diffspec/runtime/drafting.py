@@ -775,9 +775,10 @@ def generator_class(drafter) -> type:
 
 
 def candidate_generator_for(drafter, target: PreTrainedModel, num_draft_tokens: int | None = None,
-                            sampling: SamplingLaws | None = None,
                             max_length: int | None = None) -> DiffusionCandidateGenerator:
-    """The candidate generator of `drafter`'s method with its policy for one call (`speculation_policy`)."""
+    """The candidate generator of `drafter`'s method with its policy for one call (`speculation_policy`) of
+    transformers' assisted decoding: its drafts are the argmaxes, which that loop verifies by matching its own tokens,
+    sampled or not."""
     cls = generator_class(drafter)
     policy = speculation_policy(drafter, target, num_draft_tokens, method=cls)
-    return cls(drafter, target, policy, sampling, max_length)
+    return cls(drafter, target, policy, None, max_length)

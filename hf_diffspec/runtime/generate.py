@@ -32,7 +32,7 @@ def run_speculative(model, args, kwargs, drafter, streamer, generate_fn):
             raise ValueError(f"speculative decoding with a DiffusionDrafter does not support {what} ({name}={value})")
     refuse_unsupported(model, config, kwargs)
     _move_stop_strings_into_criteria(config, kwargs)
-    num_draft_tokens = _fixed_draft_length(config, kwargs)
+    num_draft_tokens = fixed_draft_length(config, kwargs)
     prompt_lookup_tokens = _prompt_lookup_tokens(config, kwargs, drafter)
 
     # generate already streamed the prompt; the loop streams every committed token
@@ -46,7 +46,7 @@ def run_speculative(model, args, kwargs, drafter, streamer, generate_fn):
     return generate_fn(model, *args, streamer=streamer, custom_generate=loop, **kwargs)
 
 
-def _fixed_draft_length(config, kwargs) -> int | None:
+def fixed_draft_length(config, kwargs) -> int | None:
     """`num_assistant_tokens`, transformers' knob for assisted decoding, fixes how many drafts are verified per step
     when the user sets it; unset, the measured cost model decides. Read here, before generate fills in its defaults
     (20, "constant"), which would be indistinguishable from a user's choice."""
