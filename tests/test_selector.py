@@ -165,3 +165,32 @@ def test_a_selector_tree_takes_each_nodes_children_from_its_own_tokens_table_bes
     assert seen == [pytest.approx([0.5, 0.45, 0.3, 0.2, 0.15, 0.15, 0.12])]  # every node the budget allows, in order
     assert cut.parents == [-1, 0, 1] and cut.confidences == pytest.approx([0.5, 0.45])
     assert cut.tokens.device.type == "meta"
+
+
+def test_selector_trees_keep_within_each_rows_limit_and_hold_the_cost_models_node_count():
+    """`_selector_trees`, every row of a step from its read tables: a row with no room left verifies its anchor alone,
+    a row with room for one draft gets depth-1 candidates only, another the budget's best-first tree; with the cost
+    model's node count (asked per row, given the step's rows) each tree holds that many nodes."""
+    target = tiny_target("llama", seed=3)
+    _, drafter = _with_selector(target, seed=3, scramble=True, block_size=6, draft_tree_budget=8, draft_tree_width=2)
+    generator = candidate_generator_for(drafter, target, num_draft_tokens=5)
+    hidden = torch.randn(3, 5, drafter.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        table = generator._selector_table(torch.tensor([5, 6, 7]), hidden, drafter.compute_logits(hidden)).tolist()
+
+    def depths(tree):
+        depth = [0] * len(tree)
+        for node, parent in enumerate(tree.parents[1:], 1):
+            depth[node] = depth[parent] + 1
+        return depth
+
+    trees = generator._selector_trees([5, 6, 7], table, 5, [1, 0, 5])
+    assert [t.tokens[0].item() for t in trees] == [5, 6, 7]
+    assert len(trees[1]) == 1
+    assert len(trees[0]) > 1 and max(depths(trees[0])) == 1
+    assert len(trees[2]) == 9 and max(depths(trees[2])) > 1  # the budget's 8 drafts past the anchor
+    asked = []
+    generator.policy.tree_node_count = lambda reach, rows: asked.append((len(reach), rows)) or 3
+    cut = generator._selector_trees([5, 6, 7], table, 5, [1, 0, 5])
+    assert [len(t) for t in cut] == [3, 1, 3] and asked == [(len(trees[0]) - 1, 3), (8, 3)]
+    assert cut[2].tokens.tolist() == trees[2].tokens[:3].tolist()

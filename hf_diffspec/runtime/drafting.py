@@ -740,7 +740,7 @@ class BestFirstTreeCandidateGenerator(DiffusionCandidateGenerator):
     def _selector_table(self, roots: torch.Tensor, draft_hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """DFlash 2: every row's selector tables over the slots of `logits`, on the device (`selector_tables`)."""
         drafter = self.first.drafter
-        return selector_tables(roots, draft_hidden[:, : logits.shape[1]], logits, drafter.selector,
+        return selector_tables(roots, draft_hidden, logits, drafter.selector,
                                drafter.config.selector_top_k, drafter.config.draft_tree_width)
 
     def _selector_trees(self, root_tokens: list[int], table: list, slots: int, limits: list[int]):
