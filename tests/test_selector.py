@@ -194,3 +194,43 @@ def test_selector_trees_keep_within_each_rows_limit_and_hold_the_cost_models_nod
     cut = generator._selector_trees([5, 6, 7], table, 5, [1, 0, 5])
     assert [len(t) for t in cut] == [3, 1, 3] and asked == [(len(trees[0]) - 1, 3), (8, 3)]
     assert cut[2].tokens.tolist() == trees[2].tokens[:3].tolist()
+
+
+def test_selector_chains_draw_their_drafts_from_the_law_they_carry():
+    """`SelectorCandidateGenerator._pick`: greedy, the selector's argmax path with each slot's confidence the
+    largest probability of its law (over the candidates, per slot) and no law; sampling, drafts drawn from the
+    selector's law at the call's temperature, which the chain carries for rejection sampling (a draft that is not a
+    draw from the law it carries makes rejection sampling inexact)."""
+    from transformers import TemperatureLogitsWarper
+
+    from hf_diffspec.runtime.drafting import SelectorCandidateGenerator
+    from hf_diffspec.runtime.sampling import SamplingLaws
+
+    target = tiny_target("llama", seed=3, vocab_size=12, sharpen=5)
+    _, drafter = _with_selector(target, top_k=3, seed=3, scramble=True)
+    generator = candidate_generator_for(drafter, target, num_draft_tokens=3)
+    assert type(generator) is SelectorCandidateGenerator
+    hidden = torch.randn(2, 4, drafter.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    roots = torch.tensor([5, 6])
+    with torch.no_grad():
+        logits = drafter.compute_logits(hidden)
+        drafts, confidences, laws = generator._pick(hidden, logits, roots)
+        expected, candidates, chosen = drafter.select_drafts(hidden, logits, roots)
+        assert laws is None and torch.equal(drafts, expected)
+        torch.testing.assert_close(confidences, chosen.max(-1).values)  # (rows, slots)
+        generator.sampling = SamplingLaws([TemperatureLogitsWarper(0.5)])
+        torch.manual_seed(0)
+        picks = [generator._pick(hidden, logits, roots) for _ in range(400)]
+    _, _, first = picks[0]
+    # the law: the selector's at temperature 0.5, over slot 0's candidates given the anchor (later slots' laws
+    # depend on the previous draw)
+    scores = drafter.selector(hidden[:, 0], roots, candidates[:, 0], logits.float().topk(3, dim=-1).values[:, 0])
+    torch.testing.assert_close(first.probs[:, 0], (scores / 0.5).softmax(-1))
+    assert torch.equal(first.ids, candidates)
+    assert not torch.allclose(first.probs[:, 0], scores.softmax(-1), atol=1e-3)  # the temperature is applied
+    counts = torch.zeros(2, 3)
+    for drafts, _, _ in picks:
+        counts[torch.arange(2), (candidates[:, 0] == drafts[:, :1]).float().argmax(-1)] += 1
+    expected_counts = 400 * first.probs[:, 0]
+    chi2 = (((counts - expected_counts) ** 2) / expected_counts.clamp(min=1e-9)).sum(-1)
+    assert (chi2 < 16.3).all(), (counts, expected_counts)  # chi2(2) at 0.9997

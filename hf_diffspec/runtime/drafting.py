@@ -502,8 +502,7 @@ class SelectorCandidateGenerator(DiffusionCandidateGenerator):
 
     def _pick(self, draft_hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor):
         temperature = None if self.sampling is None else self.sampling.temperature
-        drafts, candidates, chosen = self.first.drafter.select_drafts(draft_hidden[:, : logits.shape[1]], logits,
-                                                                      roots, temperature)
+        drafts, candidates, chosen = self.first.drafter.select_drafts(draft_hidden, logits, roots, temperature)
         if self.sampling is None:
             return drafts, chosen.max(-1).values, None
         # confidences stay the drafter's own maxima (independent of draws); the draft law is over the candidates
