@@ -11,7 +11,7 @@ import torch
 from hf_diffspec.runtime import control_policy, drafting
 from hf_diffspec.runtime.control_cost import VerifyCost
 from hf_diffspec.runtime.control_speculation import SpeculationController
-from helpers import randomize, steer_steps, tiny_drafter, tiny_dual_drafter, tiny_target
+from helpers import oracle_drafter_outputs, randomize, steer_steps, tiny_drafter, tiny_dual_drafter, tiny_target
 
 VOCAB = 48
 
@@ -85,6 +85,64 @@ def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(method, monk
             torch.testing.assert_close(a.keys[:, :, :cached] * seen, b.keys[:, :, :cached] * seen)
             torch.testing.assert_close(a.values[:, :, :cached] * seen, b.values[:, :, :cached] * seen)
     assert ahead.speculation_stats.unused_drafting_passes == 0  # every step drafted
+
+
+@pytest.mark.every_step_speculates("compares the trees of every step")
+def test_a_pass_run_ahead_of_a_step_then_accepted_token_by_token_leaves_the_context_as_drafting_at_each_step(
+        monkeypatch):
+    """A step accepted on the device, then token by token after its read (a law not compacted exactly: here top-k 5
+    over three unsuppressed tokens, every -inf tied), leaves no outcome for the pass run ahead of it: the pass gives
+    back every slot of the step's paths it cached, and the step's context is queued as at a step drafted at its own
+    time. The trees of every step and the drafter's context at the end are those of the loop that drafts at each
+    step (sampled at temperature 1e-4: every law a point mass, so both runs draw the same tokens)."""
+    target = tiny_target("llama", seed=5, vocab_size=VOCAB, sharpen=3.0)
+    drafter = tiny_drafter(target, block_size=6, seed=5)
+    ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)  # (else the clock decides)
+    suppress = [t for t in range(VOCAB) if t not in (3, 7, 11)]
+    kwargs = dict(max_new_tokens=20, do_sample=True, temperature=1e-4, top_k=5, suppress_tokens=suppress,
+                  num_assistant_tokens=4)
+    passes, draft_ahead = [], drafting.DiffusionCandidateGenerator.draft_ahead
+    monkeypatch.setattr(drafting.DiffusionCandidateGenerator, "draft_ahead",
+                        lambda self, *args: passes.append(len(args) > 3) or draft_ahead(self, *args))
+    ahead, ahead_trees, ahead_contexts, _ = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    assert sum(passes) > 4  # passes run ahead of steps (with their context), each given back
+    at_step, step_trees, step_contexts, _ = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), **{k: v for k, v in kwargs.items()
+                                                                             if k != "num_assistant_tokens"})
+    assert torch.equal(ahead.sequences, reference) and torch.equal(at_step.sequences, reference)
+    assert ahead_trees == step_trees and len(ahead_trees) > 4
+    assert ahead.speculation_stats.unused_drafting_passes == 0
+    (ahead_context,), (step_context,) = ahead_contexts, step_contexts
+    assert ahead_context.length == step_context.length
+    assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
+
+
+@pytest.mark.every_step_speculates("compares the drafter's context after every step accepted whole")
+def test_a_pass_run_ahead_of_a_step_accepted_whole_keeps_every_slot_it_cached(monkeypatch):
+    """A drafter pointed at plain generate's continuation: every step accepts all its drafts, so the pass run ahead
+    keeps every slot of the step's paths it cached (none to give back). The drafter's cache at the end holds the same
+    slots, with the same keys and values, as the loop that drafts at each step has cached."""
+    target = tiny_target("llama", seed=8, vocab_size=VOCAB)
+    drafter = tiny_drafter(target, block_size=6, seed=8)
+    ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(8))
+    kwargs = dict(max_new_tokens=24, do_sample=False, num_assistant_tokens=4)
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    oracle_drafter_outputs(monkeypatch, drafter, target, list(reference))
+    monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)  # (else the clock decides)
+    ahead, ahead_trees, (ahead_context,), drafted_ahead = _decode(target, drafter, ids, monkeypatch, True, **kwargs)
+    at_step, step_trees, (step_context,), _ = _decode(target, drafter, ids, monkeypatch, False, **kwargs)
+    assert torch.equal(ahead.sequences, reference) and torch.equal(at_step.sequences, reference)
+    assert ahead_trees == step_trees and sum(drafted_ahead) > 3
+    assert max(ahead.speculation_stats.committed_per_step) == 5  # steps that accepted all four drafts
+    assert ahead_context.length == step_context.length
+    assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
+    # (the loop drafting at each step queues the last step's slots, which a pass run ahead has cached)
+    cached = min(ahead_context.valid.shape[1], step_context.valid.shape[1])
+    assert cached > 20
+    for a, b in zip(ahead_context.cache.layers, step_context.cache.layers):
+        torch.testing.assert_close(a.keys[:, :, :cached], b.keys[:, :, :cached])
+        torch.testing.assert_close(a.values[:, :, :cached], b.values[:, :, :cached])
 
 
 @pytest.mark.every_step_speculates("steers each step's kind")
