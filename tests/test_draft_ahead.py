@@ -16,9 +16,10 @@ from helpers import oracle_drafter_outputs, randomize, steer_steps, tiny_drafter
 VOCAB = 48
 
 
-def _decode(target, drafter, ids, monkeypatch, ahead: bool, **kwargs):
+def _decode(target, drafter, ids, monkeypatch, ahead: bool, flags: list | None = None, **kwargs):
     """One call; every tree proposed (tokens and parents, per step, and whether a pass run ahead drafted them) and
-    the drafter's context at the end."""
+    the drafter's context at the end. `flags`: gets, at every step that drafts, whether the drafter's context held
+    every row seeing every slot (passes drafted at their step then use no mask)."""
     generators, trees, drafted_ahead = [], [], []
     with monkeypatch.context() as patch:
         patch.setenv("HF_DIFFSPEC_DRAFT_AHEAD", "1" if ahead else "0")
@@ -27,6 +28,8 @@ def _decode(target, drafter, ids, monkeypatch, ahead: bool, **kwargs):
 
         def recording(self, *args, **kw):
             generators.append(self)
+            if flags is not None:
+                flags.append(self.first.all_valid)
             out = propose(self, *args, **kw)
             trees.append([(t.tokens.tolist(), list(t.parents)) for t in out])
             drafted_ahead.append((args[3:] or [kw.get("ahead")])[0] is not None)
@@ -79,6 +82,7 @@ def test_a_pass_run_ahead_drafts_what_a_pass_at_its_own_step_drafts(method, monk
     assert len(ahead_contexts) == (2 if method == "d2sd-vp" else 1)
     for ahead_context, step_context in zip(ahead_contexts, step_contexts):
         assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
+        assert ahead_context.all_valid == step_context.all_valid  # (whether passes mask the slots at all)
         cached = min(ahead_context.valid.shape[1], step_context.valid.shape[1])
         seen = step_context.valid[:, None, :cached, None]  # (what a row may not see is never read)
         for a, b in zip(ahead_context.cache.layers, step_context.cache.layers):
@@ -118,11 +122,12 @@ def test_a_pass_run_ahead_of_a_step_then_accepted_token_by_token_leaves_the_cont
     assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
 
 
-@pytest.mark.every_step_speculates("compares the drafter's context after every step accepted whole")
+@pytest.mark.every_step_speculates("compares the drafter's context after steps accepted whole")
 def test_a_pass_run_ahead_of_a_step_accepted_whole_keeps_every_slot_it_cached(monkeypatch):
     """A drafter pointed at plain generate's continuation: every step accepts all its drafts, so the pass run ahead
     keeps every slot of the step's paths it cached (none to give back). The drafter's cache at the end holds the same
-    slots, with the same keys and values, as the loop that drafts at each step has cached."""
+    slots, with the same keys and values, as the loop that drafts at each step has cached, every one of them seen by
+    every row (no mask)."""
     target = tiny_target("llama", seed=8, vocab_size=VOCAB)
     drafter = tiny_drafter(target, block_size=6, seed=8)
     ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(8))
@@ -137,6 +142,7 @@ def test_a_pass_run_ahead_of_a_step_accepted_whole_keeps_every_slot_it_cached(mo
     assert max(ahead.speculation_stats.committed_per_step) == 5  # steps that accepted all four drafts
     assert ahead_context.length == step_context.length
     assert torch.equal(_context_valid(ahead_context), _context_valid(step_context))
+    assert ahead_context.all_valid is step_context.all_valid is True
     # (the loop drafting at each step queues the last step's slots, which a pass run ahead has cached)
     cached = min(ahead_context.valid.shape[1], step_context.valid.shape[1])
     assert cached > 20
@@ -158,15 +164,22 @@ def test_a_pass_run_for_a_step_that_does_not_draft_is_counted_and_dropped(monkey
     # the controller expects drafting to pay, and then decodes every third step plainly
     monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: True)
     pattern = [True, True, False]  # draft, draft, plain, ...
-    steer_steps(monkeypatch, itertools.cycle(pattern))
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=30,
-                          do_sample=False, return_dict_in_generate=True)
+    runs = {}
+    for ahead in (True, False):
+        steer_steps(monkeypatch, itertools.cycle(pattern))
+        flags = []
+        runs[ahead] = (*_decode(target, drafter, ids, monkeypatch, ahead, flags, max_new_tokens=30, do_sample=False),
+                       flags)
+    out, trees, _, _, flags = runs[True]
     assert torch.equal(out.sequences, target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
                                                       do_sample=False))
     stats = out.speculation_stats
     assert stats.draft_steps > 2 and stats.plain_steps > 1
     # every plain step follows a drafter step (which drafted it ahead)
     assert stats.unused_drafting_passes == stats.plain_steps
+    # a step drafted after a plain one drafts at its own time, masking what the loop drafting at each step masks
+    at_step, step_trees, _, _, step_flags = runs[False]
+    assert trees == step_trees and flags == step_flags
     monkeypatch.setattr(SpeculationController, "expects_draft", lambda self, rows: False)
     out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=30,
                           do_sample=False, return_dict_in_generate=True)
