@@ -349,3 +349,35 @@ def test_branches_from_the_first_pass_keep_no_context_for_an_unused_vp_drafter(m
     assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
     generator = proposals.generators[0]
     assert len(proposals.steps) > 2 and generator.contexts == [generator.first]
+
+
+def test_branch_blocks_drafted_side_by_side_are_each_prefix_drafted_alone():
+    """`DrafterContext.draft_branches`: the K blocks of a row, drafted side by side in one forward, are each the block
+    [anchor, the row's first i drafts, MASK...] drafted alone over that row's cached context: slot s holds draft s - 1
+    up to the branch's prefix length i, every later slot is a MASK, and a block sees the context and itself only."""
+    from transformers import DynamicCache
+
+    from hf_diffspec.runtime.drafting import DrafterContext
+
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, block_size=5, seed=2)
+    ids = torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    roots, root_positions = torch.tensor([3, 9]), torch.tensor([7, 7])
+    drafts = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24]])
+    picks = torch.tensor([[0, 2, 3], [1, 2, 4]])  # prefix lengths, ascending
+    with torch.no_grad():
+        features = drafter.gather_target_features(target(ids, output_hidden_states=drafter.target_feature_layers)
+                                                  .hidden_states)
+        positions = torch.arange(7)[None].expand(2, -1)
+        context = DrafterContext(drafter)
+        context.pending.append((features, positions, torch.ones(2, 7, dtype=torch.bool), None))
+        hidden = context.draft_branches(roots, root_positions, drafts, picks, 5)
+        assert hidden.shape[:3] == (2, 3, 5)
+        for r in range(2):
+            cache = DynamicCache()
+            drafter.prefill_context(features[r : r + 1], positions[r : r + 1], cache)
+            for b, i in enumerate(picks[r].tolist()):
+                tokens = torch.cat([roots[r : r + 1], drafts[r, :i], roots[r].repeat(4 - i)])[None]
+                alone = drafter(noise_embeds=drafter.target_embed_tokens(tokens), position_ids=7 + torch.arange(5)[None],
+                                cache=cache, mask_positions=torch.arange(5)[None] > i, extend_cache=False)
+                torch.testing.assert_close(hidden[r, b], alone.last_hidden_state[0], atol=1e-5, rtol=1e-5)
