@@ -15,6 +15,7 @@ from helpers import (
     install_oracle,
     random_ids,
     tiny_drafter,
+    tiny_dual_drafter,
     tiny_target,
     two_sample_chi2,
 )
@@ -261,6 +262,24 @@ def test_the_stock_loop_drafts_and_verifies_what_our_loop_does(monkeypatch):
     # drafts were accepted at some steps (commits of several tokens)
     positions = [position for _, position, *_ in drafted["ours"]]
     assert any(b - a > 1 for a, b in zip(positions, positions[1:])), positions
+
+
+def test_the_stock_loop_refuses_trees_naming_the_fix():
+    """transformers' assisted decoding verifies chains only: a best-first tree drafter in it, or a dual drafter's
+    generator asked for candidates, is refused with the way out (our `generate`, or chains)."""
+    from hf_diffspec.runtime.drafting import candidate_generator_for
+
+    target = tiny_target("llama", seed=13)
+    trees = tiny_drafter(target, block_size=4, seed=13, draft_tree_budget=6)
+    ids = prompt(13)
+    with pytest.raises(ValueError, match=r"^transformers' assisted decoding verifies chains only; use generate\(\) for "
+                                         r"draft trees \(or set drafter.config.draft_tree_budget = None\)$"):
+        hf_diffspec.assisted_generate_with_stock_loop(target, trees, inputs=ids, max_new_tokens=4, do_sample=False)
+    dual = tiny_dual_drafter(target, block_size=6, seed=13)
+    with pytest.raises(ValueError, match=r"^transformers' assisted decoding verifies chains only; use generate\(\) for D²SD trees$"):
+        hf_diffspec.assisted_generate_with_stock_loop(target, dual, inputs=ids, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match=r"^transformers' assisted decoding verifies chains only; use generate\(\) for D²SD trees$"):
+        candidate_generator_for(dual, target, num_draft_tokens=3).get_candidates(ids)
 
 
 def test_other_assistants_keep_transformers_behaviour(monkeypatch):

@@ -289,3 +289,17 @@ def test_a_pass_run_ahead_sizes_chains_by_the_reach_a_pass_at_its_own_step_reads
             assert (x is None) == (y is None) == (not sample)
             if sample:
                 torch.testing.assert_close(x, y)
+
+
+def test_a_pass_is_drafted_ahead_only_where_one_pass_of_the_lm_head_covers_its_slots():
+    """`can_draft_ahead`: every slot a row may verify, at most the block's draft slots (`_ahead_span`), through the LM
+    head in one pass of at most `ONE_PASS_SLOTS` rows x slots (past it the slots are computed in chunks sized by
+    reads)."""
+    target = tiny_target("llama", seed=9, vocab_size=VOCAB)
+    drafter = tiny_drafter(target, block_size=6, seed=9)
+    four = drafting.candidate_generator_for(drafter, target, num_draft_tokens=4)
+    assert four._ahead_span() == 4 and drafting.ONE_PASS_SLOTS == 256
+    assert four.can_draft_ahead(64) and not four.can_draft_ahead(65)
+    many = drafting.candidate_generator_for(drafter, target, num_draft_tokens=10)
+    assert many._ahead_span() == 5  # the block's draft slots
+    assert many.can_draft_ahead(51) and not many.can_draft_ahead(52)
