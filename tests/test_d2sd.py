@@ -1,5 +1,6 @@
 """D²SD: dual drafter checkpoints, prefix-tree construction, lossless tree decoding, bad input."""
 
+import itertools
 import random
 
 import pytest
@@ -381,3 +382,35 @@ def test_branch_blocks_drafted_side_by_side_are_each_prefix_drafted_alone():
                 alone = drafter(noise_embeds=drafter.target_embed_tokens(tokens), position_ids=7 + torch.arange(5)[None],
                                 cache=cache, mask_positions=torch.arange(5)[None] > i, extend_cache=False)
                 torch.testing.assert_close(hidden[r, b], alone.last_hidden_state[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("from_first_pass", [False, True])
+def test_each_branch_slot_takes_the_law_drafted_for_it(from_first_pass):
+    """`_planned_pass`: a branch re-drafted after prefix length i takes, at its j-th slot, the law of block slot
+    i + j + 1 of its own block (the branch drafter's pass); taken from the first pass, the first pass's law at slot
+    i + j. Slots past the block are never read. Picks reach the block's last slot here (4 branches of 3 slots over
+    5 drafted slots)."""
+    target = tiny_target("llama", seed=6)
+    dual = tiny_dual_drafter(target, block_size=6, seed=6, vp_seed=None if from_first_pass else 7, num_branches=4,
+                             branch_length=3, branches_from_first_pass=from_first_pass)
+    generator = PrefixTreeCandidateGenerator(dual, target, policy=None)
+    ids = torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(6))
+    blocks = []
+    draft_branches = generator.branch_context.draft_branches
+    generator.branch_context.draft_branches = lambda *args: blocks.append(draft_branches(*args)) or blocks[-1]
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=dual.target_feature_layers)
+        generator.add_context(out.hidden_states, slice(None), torch.arange(7)[None].expand(2, -1))
+        roots, positions, hidden = generator._draft_block([3, 9], [7, 7])
+        (probs, branch_probs, _, _, _, _, picks), _ = generator._planned_pass(roots, positions, hidden,
+                                                                              torch.tensor([5, 5]), 5)
+        depth = probs.shape[1]
+        assert depth == 5 and (picks.max(-1).values + 2 >= depth).all()
+        for r, b, j in itertools.product(range(2), range(4), range(3)):
+            slot = int(picks[r, b]) + j
+            if from_first_pass:
+                if slot < depth:
+                    torch.testing.assert_close(branch_probs[r, b, j], probs[r, slot])
+            elif slot + 1 < 6:
+                law = generator._distributions(dual.vp.compute_logits(blocks[0][r, b, slot + 1][None]))[0]
+                torch.testing.assert_close(branch_probs[r, b, j], law)
