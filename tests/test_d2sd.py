@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModel
 
 import hf_diffspec
-from hf_diffspec.runtime.drafting import DiffusionCandidateGenerator, PrefixTreeCandidateGenerator
+from hf_diffspec.runtime.drafting import (DiffusionCandidateGenerator, PrefixTreeCandidateGenerator,
+                                          candidate_generator_for)
 from hf_diffspec.runtime.control_speculation import SpeculationController
 from hf_diffspec.runtime.drafting_prefix_tree import (
     Branch, RowPlan, branch_slots, plan_rows, plan_table, prefix_tree, unpack_plans,
@@ -393,7 +394,7 @@ def test_each_branch_slot_takes_the_law_drafted_for_it(from_first_pass):
     target = tiny_target("llama", seed=6)
     dual = tiny_dual_drafter(target, block_size=6, seed=6, vp_seed=None if from_first_pass else 7, num_branches=4,
                              branch_length=3, branches_from_first_pass=from_first_pass)
-    generator = PrefixTreeCandidateGenerator(dual, target, policy=None)
+    generator = candidate_generator_for(dual, target, num_draft_tokens=5)
     ids = torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(6))
     blocks = []
     draft_branches = generator.branch_context.draft_branches
@@ -414,3 +415,31 @@ def test_each_branch_slot_takes_the_law_drafted_for_it(from_first_pass):
             elif slot + 1 < 6:
                 law = generator._distributions(dual.vp.compute_logits(blocks[0][r, b, slot + 1][None]))[0]
                 torch.testing.assert_close(branch_probs[r, b, j], law)
+
+
+def test_a_d2sd_row_with_room_for_one_draft_gets_a_tree_one_level_deep():
+    """`_planned_trees`: each row's tree within its limit, from one pass planned for the deepest: a row with room for
+    one draft gets its depth-1 nodes (the main draft, and a branch's alternative where one is planned at 0), a row
+    with none its anchor alone."""
+    target = tiny_target("llama", seed=6)
+    dual = tiny_dual_drafter(target, block_size=6, seed=6, num_branches=3)
+    generator = candidate_generator_for(dual, target, num_draft_tokens=5)  # (every node the budget holds)
+    ids = torch.randint(2, 128, (3, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=dual.target_feature_layers)
+        generator.add_context(out.hidden_states, slice(None), torch.arange(7)[None].expand(3, -1))
+        roots, positions, hidden = generator._draft_block([3, 9, 4], [7, 7, 7])
+        limits = [1, 0, 5]
+        tensors, table = generator._planned_pass(roots, positions, hidden, torch.tensor(limits), 5)
+        trees = generator._planned_trees([3, 9, 4], tensors, table.tolist(), limits)
+
+    def depth(tree):
+        levels = [0] * len(tree)
+        for node, parent in enumerate(tree.parents[1:], 1):
+            levels[node] = levels[parent] + 1
+        return max(levels)
+
+    assert [t.tokens[0].item() for t in trees] == [3, 9, 4]
+    assert len(trees[0]) > 1 and depth(trees[0]) == 1
+    assert len(trees[1]) == 1
+    assert depth(trees[2]) > 1
