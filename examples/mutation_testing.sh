@@ -28,8 +28,10 @@ tests_for() {
         # batch: also the families' tests (sliding-window targets read `next_slots`) and the hybrids' (recurrent
         # states follow the accepted paths)
         batch) echo "tests/test_sampling_exactness.py tests/test_batch_semantics.py tests/test_decoding.py tests/test_length_gated_processors.py tests/test_batched.py tests/test_target_families.py tests/test_hybrid_targets.py" ;;
-        # drafting: also the drafting-ahead tests (ahead is off on a CPU by default) and the read budgets
-        drafting|drafting_best_first|drafting_prefix_tree|drafting_lookup|tree) echo "tests/test_trees.py tests/test_d2sd.py tests/test_prompt_lookup.py tests/test_sampling_exactness.py tests/test_decoding.py tests/test_selector.py tests/test_draft_ahead.py tests/test_sync_budget.py" ;;
+        # drafting: also the drafting-ahead tests (ahead is off on a CPU by default) and the read budgets; drafting.py
+        # also the static drafting pass's (its context is cropped on the device only there)
+        drafting) echo "tests/test_trees.py tests/test_d2sd.py tests/test_prompt_lookup.py tests/test_sampling_exactness.py tests/test_decoding.py tests/test_selector.py tests/test_draft_ahead.py tests/test_sync_budget.py tests/test_static_drafting.py tests/test_static_verify.py" ;;
+        drafting_best_first|drafting_prefix_tree|drafting_lookup|tree) echo "tests/test_trees.py tests/test_d2sd.py tests/test_prompt_lookup.py tests/test_sampling_exactness.py tests/test_decoding.py tests/test_selector.py tests/test_draft_ahead.py tests/test_sync_budget.py" ;;
         # drafting_static: the static drafting pass runs only with cache_implementation="static"
         drafting_static) echo "tests/test_static_drafting.py tests/test_static_verify.py tests/test_draft_ahead.py" ;;
         verify_attention|verify_inputs|verify_cache|verify_graphs) echo "tests/test_verify_attention.py tests/test_static_verify.py tests/test_target_families.py tests/test_concurrency.py" ;;
