@@ -375,3 +375,29 @@ def test_a_sampled_prefix_tree_skips_a_branch_whose_law_holds_only_the_main_draf
     tree = prefix_tree(5, plans[0], branches[0], budget=8, sample=True)
     assert tree.tokens.tolist() == [5, 2, 2, 2] and tree.is_chain
     assert torch.equal(tree.draft_laws.probs[1:], first)  # the main chain's nodes keep the first drafter's laws
+
+
+def test_best_first_trees_keep_within_each_rows_limit():
+    """`BestFirstTreeCandidateGenerator._trees`, every row of a step from its ranked slots: a row with room for one
+    draft gets depth-1 nodes only, a row with none its anchor alone, another the budget's best-first tree."""
+    from hf_diffspec.runtime.drafting import candidate_generator_for
+
+    target = tiny_target("llama", seed=4)
+    drafter = tiny_drafter(target, block_size=6, seed=4, draft_tree_budget=8, draft_tree_width=2)
+    generator = candidate_generator_for(drafter, target, num_draft_tokens=5)
+    assert isinstance(generator, BestFirstTreeCandidateGenerator)
+    hidden = torch.randn(3, 5, drafter.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        probs, table = generator._ranked_table(drafter.compute_logits(hidden), 2, 8)
+    trees = generator._trees([5, 6, 7], probs, [generator._unpack(row, 5) for row in table.tolist()], [1, 0, 5], {})
+
+    def depth(tree):
+        levels = [0] * len(tree)
+        for node, parent in enumerate(tree.parents[1:], 1):
+            levels[node] = levels[parent] + 1
+        return max(levels)
+
+    assert [t.tokens[0].item() for t in trees] == [5, 6, 7]
+    assert len(trees[0]) == 3 and depth(trees[0]) == 1  # slot 1's two ranked tokens
+    assert len(trees[1]) == 1
+    assert len(trees[2]) == 9 and depth(trees[2]) > 1
