@@ -39,7 +39,9 @@ def test_device_slim_keeps_what_travels_under_64_mib_and_restores_the_index(tmp_
 
     # every checkpoint out (the drafter campaign's lease), and `restore` without SLIM_PATHS puts back all of them
     slim("slim", paths="all")
-    assert float(slim("size").stdout) < 8
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=clone, capture_output=True, text=True).stdout.split("\0")
+    outside = sum((clone / f).stat().st_size for f in tracked if f and not f.startswith("checkpoints/")) / 2**20
+    assert abs(float(slim("size").stdout) - outside) <= 0.1  # what travels: every tracked file but the checkpoints
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
     assert "checkpoints/smollm2-135m-instruct-dflash/" in status
     slim("restore")

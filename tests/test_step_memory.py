@@ -163,8 +163,8 @@ def test_sampled_trees_keep_the_laws_of_their_nodes_alone(method):
         drafter = tiny_drafter(target, block_size=SLOTS, seed=5,
                                draft_tree_budget=SLOTS if method == "best-first trees" else None)
     # chains: 5 of the block's 15 slots verified
-    generator = drafting.candidate_generator_for(drafter, target, num_draft_tokens=5 if method == "chains" else None,
-                                                 sampling=SamplingLaws([]))  # temperature 1, dense laws
+    generator = drafting.candidate_generator_for(drafter, target, num_draft_tokens=5 if method == "chains" else None)
+    generator.sampling = SamplingLaws([])  # temperature 1, dense laws
     ids = random_ids(5, 8, vocab=VOCAB, rows=ROWS)
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
