@@ -234,3 +234,18 @@ def test_selector_chains_draw_their_drafts_from_the_law_they_carry():
     expected_counts = 400 * first.probs[:, 0]
     chi2 = (((counts - expected_counts) ** 2) / expected_counts.clamp(min=1e-9)).sum(-1)
     assert (chi2 < 16.3).all(), (counts, expected_counts)  # chi2(2) at 0.9997
+
+
+def test_dflash2_trees_come_from_the_selector_when_greedy_and_from_the_marginals_when_sampling():
+    """A best-first tree drafter with a candidate selector builds its greedy trees from the selector's tables; when
+    sampling, and without a selector, from the drafter's marginals (`_uses_selector`)."""
+    from hf_diffspec.runtime.drafting import BestFirstTreeCandidateGenerator
+    from hf_diffspec.runtime.sampling import SamplingLaws
+
+    target = tiny_target("llama", seed=3)
+    plain, drafter = _with_selector(target, seed=3, block_size=6, draft_tree_budget=8, draft_tree_width=2)
+    with_selector = candidate_generator_for(drafter, target, num_draft_tokens=5)
+    assert type(with_selector) is BestFirstTreeCandidateGenerator and with_selector._uses_selector()
+    with_selector.sampling = SamplingLaws([])
+    assert not with_selector._uses_selector()
+    assert not candidate_generator_for(plain, target, num_draft_tokens=5)._uses_selector()
