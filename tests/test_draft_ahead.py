@@ -303,3 +303,24 @@ def test_a_pass_is_drafted_ahead_only_where_one_pass_of_the_lm_head_covers_its_s
     many = drafting.candidate_generator_for(drafter, target, num_draft_tokens=10)
     assert many._ahead_span() == 5  # the block's draft slots
     assert many.can_draft_ahead(51) and not many.can_draft_ahead(52)
+
+
+def test_a_steps_drafter_logits_take_one_pass_of_the_lm_head_up_to_256_rows_x_slots():
+    """`_slot_logits`: up to `ONE_PASS_SLOTS` rows x slots every slot in one pass of the LM head (its weights read
+    once), past it growing chunks until the slots computed decide what is verified (`needs_more`)."""
+    target = tiny_target("llama", seed=9, vocab_size=VOCAB)
+    drafter = tiny_drafter(target, block_size=16, seed=9)
+    generator = drafting.candidate_generator_for(drafter, target, num_draft_tokens=8)
+    asked = []
+
+    def needs_more(logits):
+        asked.append(logits.shape[1])
+        return True
+
+    for rows, chunks in ((32, []), (33, [4])):
+        asked.clear()
+        hidden = torch.randn(rows, 15, drafter.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            logits = generator._slot_logits(hidden, 8, needs_more)
+            torch.testing.assert_close(logits, drafter.compute_logits(hidden[:, :8]))
+        assert asked == chunks, (rows, asked)
