@@ -433,13 +433,7 @@ def test_a_d2sd_row_with_room_for_one_draft_gets_a_tree_one_level_deep():
         tensors, table = generator._planned_pass(roots, positions, hidden, torch.tensor(limits), 5)
         trees = generator._planned_trees([3, 9, 4], tensors, table.tolist(), limits)
 
-    def depth(tree):
-        levels = [0] * len(tree)
-        for node, parent in enumerate(tree.parents[1:], 1):
-            levels[node] = levels[parent] + 1
-        return max(levels)
-
     assert [t.tokens[0].item() for t in trees] == [3, 9, 4]
-    assert len(trees[0]) > 1 and depth(trees[0]) == 1
+    assert len(trees[0]) > 1 and trees[0].max_depth == 1
     assert len(trees[1]) == 1
-    assert depth(trees[2]) > 1
+    assert trees[2].max_depth > 1

@@ -178,17 +178,11 @@ def test_selector_trees_keep_within_each_rows_limit_and_hold_the_cost_models_nod
     with torch.no_grad():
         table = generator._selector_table(torch.tensor([5, 6, 7]), hidden, drafter.compute_logits(hidden)).tolist()
 
-    def depths(tree):
-        depth = [0] * len(tree)
-        for node, parent in enumerate(tree.parents[1:], 1):
-            depth[node] = depth[parent] + 1
-        return depth
-
     trees = generator._selector_trees([5, 6, 7], table, 5, [1, 0, 5])
     assert [t.tokens[0].item() for t in trees] == [5, 6, 7]
     assert len(trees[1]) == 1
-    assert len(trees[0]) > 1 and max(depths(trees[0])) == 1
-    assert len(trees[2]) == 9 and max(depths(trees[2])) > 1  # the budget's 8 drafts past the anchor
+    assert len(trees[0]) > 1 and trees[0].max_depth == 1
+    assert len(trees[2]) == 9 and trees[2].max_depth > 1  # the budget's 8 drafts past the anchor
     asked = []
     generator.policy.tree_node_count = lambda reach, rows: asked.append((len(reach), rows)) or 3
     cut = generator._selector_trees([5, 6, 7], table, 5, [1, 0, 5])

@@ -391,13 +391,7 @@ def test_best_first_trees_keep_within_each_rows_limit():
         probs, table = generator._ranked_table(drafter.compute_logits(hidden), 2, 8)
     trees = generator._trees([5, 6, 7], probs, [generator._unpack(row, 5) for row in table.tolist()], [1, 0, 5], {})
 
-    def depth(tree):
-        levels = [0] * len(tree)
-        for node, parent in enumerate(tree.parents[1:], 1):
-            levels[node] = levels[parent] + 1
-        return max(levels)
-
     assert [t.tokens[0].item() for t in trees] == [5, 6, 7]
-    assert len(trees[0]) == 3 and depth(trees[0]) == 1  # slot 1's two ranked tokens
+    assert len(trees[0]) == 3 and trees[0].max_depth == 1  # slot 1's two ranked tokens
     assert len(trees[1]) == 1
-    assert len(trees[2]) == 9 and depth(trees[2]) > 1
+    assert len(trees[2]) == 9 and trees[2].max_depth > 1
