@@ -317,10 +317,10 @@ def test_a_steps_drafter_logits_take_one_pass_of_the_lm_head_up_to_256_rows_x_sl
         asked.append(logits.shape[1])
         return True
 
-    for rows, chunks in ((32, []), (33, [4])):
+    for rows, span, chunks in ((32, 8, []), (33, 8, [4]), (33, 12, [4, 8])):  # chunks of 4, 8, 16 ... slots
         asked.clear()
         hidden = torch.randn(rows, 15, drafter.config.hidden_size, generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
-            logits = generator._slot_logits(hidden, 8, needs_more)
-            torch.testing.assert_close(logits, drafter.compute_logits(hidden[:, :8]))
-        assert asked == chunks, (rows, asked)
+            logits = generator._slot_logits(hidden, span, needs_more)
+            torch.testing.assert_close(logits, drafter.compute_logits(hidden[:, :span]))
+        assert asked == chunks, (rows, span, asked)
